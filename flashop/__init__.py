@@ -1,0 +1,12 @@
+"""flashop: FlashAttention-2 in Triton, registered as PyTorch operators.
+
+Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_lse`` and
+``attention_backward``. See README.md and docs/ for the API and its conventions.
+"""
+
+from flashop.api import attention, attention_with_lse
+from flashop.launch import INTERPRETING
+from flashop.reference import attention_reference
+
+__all__ = ["attention", "attention_with_lse", "attention_reference", "INTERPRETING"]
+__version__ = "0.1.0"

@@ -1,0 +1,238 @@
+"""FlashAttention-2 backward: preprocess, dK/dV and dQ, deterministic (no atomics).
+
+Scores are recomputed from q, k and the forward's log-sum-exp; the N x N probabilities are
+never stored. ``lse`` and ``delta`` are contiguous (B, H, S_q) fp32.
+
+- ``attention_bwd_preprocess_kernel``: delta = rowsum(dO * O) - dlse.
+- ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
+  over the G query heads of its group, so dK and dV are summed over the group in registers.
+- ``attention_bwd_dq_kernel``: one program per query tile of one query head.
+"""
+
+import triton
+import triton.language as tl
+
+from flashop.kernels.common import (
+    LOG2E, dot_operand, key_tile_range, load_tile, query_tile_range,
+)
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(
+    o, do, dlse, delta,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dlb, stride_dlh, stride_dls,
+    S_q, H,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i]."""
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_m = o_m < S_q
+    m_dv = o_dv < DV
+    # [BLOCK_M, BLOCK_DV]
+    b_o = tl.load(o + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_os + o_dv[None, :],
+                  mask=m_m[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_do = tl.load(do + i_b * stride_dob + i_h * stride_doh + o_m[:, None] * stride_dos
+                   + o_dv[None, :], mask=m_m[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+    b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + o_m * stride_dls, mask=m_m,
+                     other=0.0)
+    # [BLOCK_M]
+    b_delta = tl.sum(b_o * b_do, 1) - b_dlse
+    tl.store(delta + (i_b * H + i_h) * S_q + o_m, b_delta, mask=m_m)
+
+
+@triton.jit
+def _lse_base2(lse):
+    """Natural-log lse to base-2 units; a row that attended nothing (-inf) becomes +inf, so
+    its recomputed probabilities exp2(s - lse) are exactly 0."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dkdv_query_tiles(
+    b_dk, b_dv, b_k, b_v, q, do, lse, delta, stride_qs, stride_dos, o_n, lo, hi, S_q, S_k, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate into (b_dk, b_dv) the query tiles in [lo, hi) of one query head.
+
+    Rows past S_q load q = dO = 0 and lse = +inf, so they add nothing. Keys past S_k were
+    loaded as 0 and their rows of dk and dv are never stored, so no key mask is needed.
+    """
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        m_m = o_m < S_q
+        # Q^T tile [BLOCK_D, BLOCK_M]
+        b_qt = load_tile(q + o_m[None, :] * stride_qs + o_d[:, None], m_m[None, :],
+                         o_d[:, None] < D, True, BLOCK_D != D)
+        b_lse = _lse_base2(tl.load(lse + o_m, mask=m_m, other=float("inf")))
+        # S^T = K Q^T [BLOCK_N, BLOCK_M]
+        b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
+        b_pt = tl.math.exp2(b_st - b_lse[None, :])
+        if MASK:
+            b_pt = tl.where(o_n[:, None] <= o_m[None, :] + (S_k - S_q), b_pt, 0.0)
+        # dO tile [BLOCK_M, BLOCK_DV]
+        b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
+                         o_dv[None, :] < DV, True, BLOCK_DV != DV)
+        b_do = dot_operand(b_do, UPCAST)
+        # dV += P^T dO [BLOCK_N, BLOCK_DV]
+        b_dv = tl.dot(dot_operand(b_pt.to(do.dtype.element_ty), UPCAST), b_do, b_dv,
+                    input_precision=DOT_PRECISION)
+        b_delta = tl.load(delta + o_m, mask=m_m, other=0.0)
+        # dP^T = V dO^T [BLOCK_N, BLOCK_M]
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        # dK += dS^T Q [BLOCK_N, BLOCK_D]
+        b_dk = tl.dot(dot_operand(b_dst.to(q.dtype.element_ty), UPCAST),
+                      tl.trans(dot_operand(b_qt, UPCAST)), b_dk, input_precision=DOT_PRECISION)
+    return b_dk, b_dv
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    q, k, v, do, lse, delta, dk, dv,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    S_q, S_k, H, G, sm_scale, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of one key tile of key/value head i_hk, summed over its G query heads."""
+    i_n = tl.program_id(0)
+    i_hk = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    k += i_b * stride_kb + i_hk * stride_kh
+    v += i_b * stride_vb + i_hk * stride_vh
+
+    start_n = i_n * BLOCK_N
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_n = o_n < S_k
+    # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
+    b_k = dot_operand(load_tile(k + o_n[:, None] * stride_ks + o_d[None, :], m_n[:, None],
+                                o_d[None, :] < D, True, BLOCK_D != D), UPCAST)
+    b_v = dot_operand(load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
+                                o_dv[None, :] < DV, True, BLOCK_DV != DV), UPCAST)
+    b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo, hi_mask = query_tile_range(start_n, S_q, S_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for i_g in range(0, G):
+        i_h = i_hk * G + i_g
+        p_q = q + i_b * stride_qb + i_h * stride_qh
+        p_do = do + i_b * stride_dob + i_h * stride_doh
+        p_lse = lse + (i_b * H + i_h) * S_q
+        p_delta = delta + (i_b * H + i_h) * S_q
+        b_dk, b_dv = _dkdv_query_tiles(
+            b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_qs, stride_dos, o_n, lo, hi_mask,
+            S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, UPCAST, DOT_PRECISION)
+        b_dk, b_dv = _dkdv_query_tiles(
+            b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_qs, stride_dos, o_n, hi_mask, S_q,
+            S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, UPCAST, DOT_PRECISION)
+
+    b_dk = b_dk * sm_scale
+    tl.store(dk + i_b * stride_dkb + i_hk * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :],
+             b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
+    tl.store(dv + i_b * stride_dvb + i_hk * stride_dvh + o_n[:, None] * stride_dvs + o_dv[None, :],
+             b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_key_tiles(
+    b_dq, b_q, b_do, b_lse, b_delta, k, v, stride_ks, stride_vs, o_m, lo, hi, S_q, S_k, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate into b_dq the key tiles in [lo, hi); ``MASK`` as in the forward."""
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        m_n = o_n < S_k
+        # K^T [BLOCK_D, BLOCK_N], V^T [BLOCK_DV, BLOCK_N]
+        b_kt = dot_operand(load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
+                                     o_d[:, None] < D, MASK, BLOCK_D != D), UPCAST)
+        b_vt = dot_operand(load_tile(v + o_n[None, :] * stride_vs + o_dv[:, None], m_n[None, :],
+                                     o_dv[:, None] < DV, MASK, BLOCK_DV != DV), UPCAST)
+        # [BLOCK_M, BLOCK_N]
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
+        if MASK:
+            m_keep = m_n[None, :]
+            if IS_CAUSAL:
+                m_keep = m_keep & (o_n[None, :] <= o_m[:, None] + (S_k - S_q))
+            b_p = tl.where(m_keep, b_p, 0.0)
+        # dP = dO V^T [BLOCK_M, BLOCK_N]
+        b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        # dQ += dS K [BLOCK_M, BLOCK_D]
+        b_dq = tl.dot(dot_operand(b_ds.to(k.dtype.element_ty), UPCAST), tl.trans(b_kt), b_dq,
+                      input_precision=DOT_PRECISION)
+    return b_dq
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    q, k, v, do, lse, delta, dq,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    S_q, S_k, H, G, sm_scale, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ of one query tile of query head i_h."""
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // G
+    k += i_b * stride_kb + i_hk * stride_kh
+    v += i_b * stride_vb + i_hk * stride_vh
+
+    start_m = i_m * BLOCK_M
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_m = o_m < S_q
+    # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
+    b_q = dot_operand(load_tile(q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qs
+                                + o_d[None, :], m_m[:, None], o_d[None, :] < D, True,
+                                BLOCK_D != D), UPCAST)
+    b_do = dot_operand(load_tile(do + i_b * stride_dob + i_h * stride_doh
+                                 + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
+                                 o_dv[None, :] < DV, True, BLOCK_DV != DV), UPCAST)
+    row = (i_b * H + i_h) * S_q + o_m
+    b_lse = _lse_base2(tl.load(lse + row, mask=m_m, other=float("inf")))
+    b_delta = tl.load(delta + row, mask=m_m, other=0.0)
+
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo_mask, hi = key_tile_range(start_m, S_q, S_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    b_dq = _dq_key_tiles(b_dq, b_q, b_do, b_lse, b_delta, k, v, stride_ks, stride_vs, o_m, 0, lo_mask,
+                       S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, IS_CAUSAL,
+                       UPCAST, DOT_PRECISION)
+    b_dq = _dq_key_tiles(b_dq, b_q, b_do, b_lse, b_delta, k, v, stride_ks, stride_vs, o_m, lo_mask, hi,
+                       S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IS_CAUSAL,
+                       UPCAST, DOT_PRECISION)
+    b_dq = b_dq * sm_scale
+    tl.store(dq + i_b * stride_dqb + i_h * stride_dqh + o_m[:, None] * stride_dqs + o_d[None, :],
+             b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))

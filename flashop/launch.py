@@ -1,0 +1,186 @@
+"""Launchers: choose tiles, allocate outputs, compute grids and launch the attention kernels.
+
+Every kernel is launched through ``torch.library.wrap_triton`` so that, inside a
+``triton_op``, Inductor sees the Triton kernels themselves. Under Triton's CPU interpreter
+``wrap_triton`` hands back the interpreted kernel, which runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+from torch.library import wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from flashop.kernels.backward import (
+    attention_bwd_dkdv_kernel,
+    attention_bwd_dq_kernel,
+    attention_bwd_preprocess_kernel,
+)
+from flashop.kernels.common import LOG2E
+from flashop.kernels.forward import attention_fwd_kernel
+
+# Triton decides when a kernel is decorated whether it is interpreted (TRITON_INTERPRET=1).
+INTERPRETING = isinstance(attention_fwd_kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch options of one kernel."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# Under the interpreter every program runs one after another in numpy: small tiles keep the
+# tests' sequences spanning several tiles, and BLOCK_M != BLOCK_N exercises the causal split.
+_INTERPRETER_TILES = {
+    "fwd": Tiles(32, 16),
+    "dkdv": Tiles(16, 32),
+    "dq": Tiles(32, 16),
+}
+
+
+def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
+    """Tiles per kernel and head dim, measured on Hopper (docs/performance.md)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    big = major >= 9
+    if kind == "fwd":
+        if head_dim <= 64:
+            return Tiles(128, 64, 4, 3)
+        if head_dim <= 128:
+            return Tiles(128, 64, 8, 3) if big else Tiles(128, 32, 4, 3)
+        return Tiles(64, 32, 4, 2)
+    if kind == "dkdv":
+        if head_dim <= 64:
+            return Tiles(32, 128, 4, 3)
+        if head_dim <= 128:
+            return Tiles(32, 128, 8, 2) if big else Tiles(32, 64, 4, 2)
+        return Tiles(16, 64, 4, 1)
+    # dq
+    if head_dim <= 64:
+        return Tiles(128, 32, 4, 3)
+    if head_dim <= 128:
+        return Tiles(128, 32, 8, 2) if big else Tiles(64, 32, 4, 2)
+    return Tiles(64, 16, 4, 1)
+
+
+def tiles_for(kind: str, head_dim: int, device: torch.device) -> Tiles:
+    if INTERPRETING:
+        return _INTERPRETER_TILES[kind]
+    return _gpu_tiles(kind, head_dim, device)
+
+
+def _block_dim(d: int) -> int:
+    # tl.dot needs each operand dimension >= 16
+    return max(16, triton.next_power_of_2(d))
+
+
+def resolve_scale(scale: Optional[float], head_dim: int) -> float:
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
+def _kernel_args(q: torch.Tensor) -> dict:
+    """Compile-time options that follow from the inputs' dtype."""
+    return dict(
+        # bf16 tl.dot is wrong under the interpreter: compute it on exact fp32 copies there
+        UPCAST=INTERPRETING and q.dtype == torch.bfloat16,
+        # fp32 inputs get full fp32 products, as torch.matmul's default (no TF32)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the head dim with unit stride; other strides are passed as they are.
+    A tensor whose last dimension is strided is copied (the only copy the launchers make)."""
+    if x.size(-1) > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def _strides(x: torch.Tensor) -> tuple:
+    """(batch, seq, head) strides of a (B, S, H, D) tensor."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Allocate (out, lse) for the forward: out (B, S_q, H, DV) in q's dtype, lse (B, H, S_q)
+    fp32, both contiguous. The real op and its fake both allocate here."""
+    B, S_q, H, _ = q.shape
+    out = q.new_empty((B, S_q, H, v.shape[-1]))
+    lse = q.new_empty((B, H, S_q), dtype=torch.float32)
+    return out, lse
+
+
+def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Allocate (dq, dk, dv), contiguous, in the inputs' dtype."""
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def attention_forward(q, k, v, causal: bool, scale: Optional[float]):
+    """Launch the forward; returns (out, lse)."""
+    q, k, v = (_unit_stride_last(x) for x in (q, k, v))
+    out, lse = attention_forward_outputs(q, k, v)
+    B, S_q, H, D = q.shape
+    S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
+    if out.numel() == 0:
+        return out, lse
+    sm_scale = resolve_scale(scale, D)
+    t = tiles_for("fwd", D, q.device)
+    grid = (triton.cdiv(S_q, t.BLOCK_M), H, B)
+    wrap_triton(attention_fwd_kernel)[grid](
+        q, k, v, out, lse,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        S_q, S_k, H, H // H_kv, sm_scale * LOG2E,
+        D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, IS_CAUSAL=causal, **_kernel_args(q),
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out, lse
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optional[float]):
+    """Launch the backward; returns (dq, dk, dv)."""
+    q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
+    lse = lse.contiguous()  # (B, H, S_q) fp32: the kernels index it as contiguous
+    dq, dk, dv = attention_backward_outputs(q, k, v)
+    B, S_q, H, D = q.shape
+    S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
+    if B == 0 or H == 0:
+        return dq, dk, dv
+    if S_q == 0 or S_k == 0:
+        # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    sm_scale = resolve_scale(scale, D)
+    delta = torch.empty_like(lse)
+    BLOCK_D, BLOCK_DV = _block_dim(D), _block_dim(DV)
+    common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, IS_CAUSAL=causal,
+                  **_kernel_args(q))
+
+    pre_block = 64 if not INTERPRETING else 32
+    wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(S_q, pre_block), H, B)](
+        out, dout, dlse, delta, *_strides(out), *_strides(dout), *dlse.stride(),
+        S_q, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
+    )
+    t = tiles_for("dkdv", max(D, DV), q.device)
+    wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
+        q, k, v, dout, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    t = tiles_for("dq", max(D, DV), q.device)
+    wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
+        q, k, v, dout, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return dq, dk, dv

@@ -1,0 +1,91 @@
+"""Input checks shared by the ops and their fake (meta) functions.
+
+Each error names the offending shapes, dtypes or devices and says how to fix the call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+_LAYOUT = "(batch, seqlen, heads, head_dim)"
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_attention_inputs(q, k, v, scale: Optional[float], *, interpreting: bool,
+                           op: str = "flashop.attention") -> None:
+    """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV) and scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{op}: {name} must be a 4-D tensor {_LAYOUT}, got shape {_shape(t)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"{op}: q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, "
+            f"v {v.dtype}; cast them to one of float16, bfloat16, float32")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+    if not q.device == k.device == v.device:
+        raise ValueError(
+            f"{op}: q, k and v must be on the same device, got q on {q.device}, "
+            f"k on {k.device}, v on {v.device}")
+    if q.device.type not in ("cuda", "meta") and not interpreting:
+        raise RuntimeError(
+            f"{op}: the inputs are on {q.device}, but flashop's Triton kernels run on CUDA "
+            f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
+            f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
+            f"testing), or call flashop.attention_reference for a plain PyTorch computation")
+    shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+    B, _, H, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{op}: q, k and v must have the same batch size (dim 0), got {shapes}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"{op}: k and v must have the same sequence length (dim 1), got {shapes}")
+    H_kv = k.shape[2]
+    if v.shape[2] != H_kv:
+        raise ValueError(f"{op}: k and v must have the same number of heads (dim 2), got {shapes}")
+    if k.shape[3] != D:
+        raise ValueError(f"{op}: q and k must have the same head dim (dim 3), got {shapes}")
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(
+            f"{op}: the number of query heads ({H}) must be a multiple of the number of "
+            f"key/value heads ({H_kv}) for grouped-query attention, got {shapes}")
+    DV = v.shape[3]
+    if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} for q and k "
+            f"and {DV} for v ({shapes})")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
+                         f"got {scale}")
+
+
+def check_backward_inputs(dout, dlse, q, k, v, out, lse, scale: Optional[float], *,
+                          interpreting: bool) -> None:
+    """Validate the backward's inputs against the forward's shapes."""
+    op = "flashop.attention_backward"
+    check_attention_inputs(q, k, v, scale, interpreting=interpreting, op=op)
+    B, S_q, H, _ = q.shape
+    out_shape = (B, S_q, H, v.shape[3])
+    for name, t in (("out", out), ("dout", dout)):
+        if _shape(t) != out_shape:
+            raise ValueError(f"{op}: {name} must have shape {out_shape}, got {_shape(t)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{op}: {name} must be {q.dtype} on {q.device} like q, "
+                             f"got {t.dtype} on {t.device}")
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if _shape(t) != (B, H, S_q):
+            raise ValueError(f"{op}: {name} must have shape {(B, H, S_q)}, got {_shape(t)}")
+        if t.dtype != torch.float32 or t.device != q.device:
+            raise ValueError(f"{op}: {name} must be float32 on {q.device}, "
+                             f"got {t.dtype} on {t.device}")
