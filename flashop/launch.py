@@ -136,7 +136,7 @@ def attention_forward(q, k, v, causal: bool, scale: Optional[float]):
     wrap_triton(attention_fwd_kernel)[grid](
         q, k, v, out, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        S_q, S_k, H, H // H_kv, sm_scale * LOG2E,
+        S_q, S_k, H, H // H_kv, sm_scale * LOG2E.value,
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, IS_CAUSAL=causal, **_kernel_args(q),
         num_warps=t.num_warps, num_stages=t.num_stages,
@@ -171,7 +171,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
         q, k, v, dout, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E,
+        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E.value,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -179,7 +179,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
         q, k, v, dout, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E,
+        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E.value,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )

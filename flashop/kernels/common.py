@@ -8,8 +8,9 @@ prefixes ``i_`` program ids, ``o_`` offsets, ``m_`` masks, ``p_`` pointers, ``b_
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # 1 / ln(2): natural-log units -> base-2 units
-LN2 = 0.6931471805599453  # ln(2): base-2 units -> natural-log units
+# Triton reads module-level globals in kernels only when they are tl.constexpr
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log units -> base-2 units
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 units -> natural-log units
 
 
 @triton.jit

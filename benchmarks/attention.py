@@ -1,0 +1,289 @@
+"""Attention benchmark: flashop against SDPA (flash, cuDNN, memory-efficient) and FlexAttention.
+
+Grid: bf16, 16384 tokens per batch (B = 16384 // N), hidden size 2048 (H = 2048 // D),
+head dims D, sequence lengths N, causal and not. Forward and backward are timed separately
+with triton.testing.do_bench (median); the backward is ``o.backward(do, retain_graph=True)``
+alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
+
+Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256] [--plot out.png]
+"""
+
+import argparse
+import csv
+import datetime
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+TOKENS = 16384
+HIDDEN = 2048
+PROVIDERS = ["flashop", "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
+SDPA_BACKENDS = {
+    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa-mem": SDPBackend.EFFICIENT_ATTENTION,
+}
+CSV_HEADER = ["gpu", "torch", "triton", "provider", "dtype", "D", "N", "B", "H", "causal",
+              "pass", "ms", "tflops"]
+RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex")]
+
+
+def import_flashop():
+    """Import flashop, falling back to the checkout this script lives in."""
+    try:
+        import flashop
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        import flashop
+    return flashop
+
+
+def make_inputs(B, N, H, D, layout):
+    """Random normal bf16 q, k, v leaves requiring grad; layout 'bnhd' or 'bhnd' (contiguous)."""
+    shape = (B, N, H, D) if layout == "bnhd" else (B, H, N, D)
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)]
+
+
+def provider_flashop(N, causal):
+    flashop = import_flashop()
+    return (lambda q, k, v: flashop.attention(q, k, v, causal=causal)), "bnhd"
+
+
+def provider_sdpa(backend, causal):
+    def fn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn, "bhnd"
+
+
+_flex_compiled = None
+
+
+def provider_flex(N, causal):
+    global _flex_compiled
+    import torch._dynamo
+    import torch._functorch.config
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # Fresh dynamo state per shape: otherwise the recompile limit is hit and flex falls back.
+    torch._dynamo.reset()
+    # The compiled backward is run repeatedly with retain_graph=True: no donated buffers.
+    if hasattr(torch._functorch.config, "donated_buffer"):
+        torch._functorch.config.donated_buffer = False
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention)
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+                                       B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
+    return (lambda q, k, v: _flex_compiled(q, k, v, block_mask=block_mask)), "bhnd"
+
+
+def make_provider(name, N, causal):
+    """Return (forward callable taking q, k, v, input layout) for a provider."""
+    if name == "flashop":
+        return provider_flashop(N, causal)
+    if name in SDPA_BACKENDS:
+        return provider_sdpa(SDPA_BACKENDS[name], causal)
+    if name == "flex":
+        return provider_flex(N, causal)
+    raise ValueError(f"unknown provider {name}")
+
+
+def flops(B, H, N, D, causal, pass_):
+    f = 4 * B * H * N * N * D
+    if causal:
+        f /= 2
+    return f * 2.5 if pass_ == "bwd" else f
+
+
+def bench_one(fn, inputs, passes, warmup, rep):
+    """Time fn(*inputs) forward and/or backward; returns {pass: median ms}."""
+    q, k, v = inputs
+    out = {}
+    if "fwd" in passes:
+        fn(q, k, v)  # warm-up (compiles / autotunes)
+        torch.cuda.synchronize()
+        out["fwd"] = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep,
+                                             return_mode="median")
+    if "bwd" in passes:
+        o = fn(q, k, v)
+        do = torch.randn_like(o)
+        o.backward(do, retain_graph=True)  # warm-up
+        torch.cuda.synchronize()
+        out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
+                                             warmup=warmup, rep=rep, grad_to_none=[q, k, v],
+                                             return_mode="median")
+        del o, do
+    return out
+
+
+def gpu_slug(name):
+    return re.sub(r"[^a-z0-9-]", "", name.lower().replace(" ", "-"))
+
+
+def write_csv(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_HEADER, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_table(rows, providers):
+    """One row per (D, N, causal, pass); TFLOP/s per provider, then flashop ratios."""
+    table = {}
+    for r in rows:
+        key = (r["D"], r["N"], r["causal"], r["pass"])
+        table.setdefault(key, {})[r["provider"]] = r["tflops"]
+    ratios = [(a, b) for a, b in RATIOS if a in providers and b in providers]
+    head = ["D", "N", "causal", "pass"] + providers + [f"{a}/{b}" for a, b in ratios]
+    widths = [4, 6, 6, 4] + [max(len(h), 8) for h in head[4:]]
+    print("\nTFLOP/s (median)", flush=True)
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths)), flush=True)
+    for key in sorted(table, key=lambda k: (k[0], k[2], k[3] == "bwd", k[1])):
+        vals = table[key]
+        cells = [str(x) for x in key]
+        cells += [f"{vals[p]:.1f}" if p in vals else "-" for p in providers]
+        cells += [f"{vals[a] / vals[b]:.2f}" if a in vals and b in vals and vals[b] else "-"
+                  for a, b in ratios]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+
+
+def plot(rows, providers, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot", flush=True)
+        return
+    passes = sorted({r["pass"] for r in rows}, key=lambda p: p == "bwd")
+    cols = sorted({(r["D"], r["causal"]) for r in rows})
+    if not passes or not cols:
+        print("no results: skipping the plot", flush=True)
+        return
+    fig, axes = plt.subplots(len(passes), len(cols), squeeze=False,
+                             figsize=(4 * len(cols), 3.5 * len(passes)))
+    for i, pass_ in enumerate(passes):
+        for j, (D, causal) in enumerate(cols):
+            ax = axes[i][j]
+            for p in providers:
+                pts = sorted((r["N"], r["tflops"]) for r in rows if r["provider"] == p and
+                             r["pass"] == pass_ and r["D"] == D and r["causal"] == causal)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=p)
+            ax.set_xscale("log", base=2)
+            ns = sorted({r["N"] for r in rows})
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.minorticks_off()
+            ax.set_title(f"{pass_} D={D} causal={causal}")
+            ax.set_xlabel("N")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", flush=True)
+
+
+def int_list(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads-dims", type=int_list, default=None,
+                   help="head dims D, comma-separated (default 64,128; add 256 if wanted)")
+    p.add_argument("--seqlens", type=int_list, default=None,
+                   help="sequence lengths N, comma-separated (default 1024,4096,16384)")
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    p.add_argument("--providers", default=",".join(PROVIDERS),
+                   help=f"comma-separated subset of {','.join(PROVIDERS)}")
+    p.add_argument("--passes", default="fwd,bwd", help="comma-separated subset of fwd,bwd")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time (ms)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--out", default=None,
+                   help="CSV path (default benchmarks/results/<date>-<gpu>.csv)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="also plot TFLOP/s against N (needs matplotlib)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: D=64,128 and N=1024,4096 unless given explicitly")
+    args = p.parse_args(argv)
+    if args.heads_dims is None:
+        args.heads_dims = [64, 128]
+    if args.seqlens is None:
+        args.seqlens = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    args.providers = [x for x in args.providers.split(",") if x]
+    args.passes = [x for x in args.passes.split(",") if x]
+    for name in args.providers:
+        if name not in PROVIDERS:
+            p.error(f"unknown provider {name!r}; choose from {','.join(PROVIDERS)}")
+    for name in args.passes:
+        if name not in ("fwd", "bwd"):
+            p.error(f"unknown pass {name!r}; choose from fwd,bwd")
+    for D in args.heads_dims:
+        if D <= 0 or HIDDEN % D:
+            p.error(f"head dim {D} does not divide the hidden size {HIDDEN}")
+    for N in args.seqlens:
+        if N <= 0 or TOKENS % N:
+            p.error(f"sequence length {N} does not divide {TOKENS} tokens per batch")
+    args.causal = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    gpu = torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else (
+        Path(__file__).resolve().parent / "results"
+        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}.csv")
+    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
+
+    shapes = [(D, N, c) for D in args.heads_dims for N in args.seqlens for c in args.causal]
+    rows = []
+    for i, (D, N, causal) in enumerate(shapes, 1):
+        B, H = TOKENS // N, HIDDEN // D
+        print(f"[{i}/{len(shapes)}] D={D} N={N} causal={causal} (B={B}, H={H})", flush=True)
+        torch.manual_seed(0)
+        for name in args.providers:
+            inputs = None
+            try:
+                fn, layout = make_provider(name, N, causal)
+                inputs = make_inputs(B, N, H, D, layout)
+                times = bench_one(fn, inputs, args.passes, args.warmup, args.rep)
+            except Exception as e:  # unsupported shape, OOM, compile failure...
+                lines = [x for x in str(e).splitlines() if x.strip()] or [""]
+                # Triton compile errors start with "at L:C:" and end with the cause.
+                msg = (lines[-1] if lines[0].rstrip().endswith(":") else lines[0]).strip()[:200]
+                print(f"  {name:<10} skipped: {type(e).__name__}: {msg}", flush=True)
+                times = {}
+            for pass_, ms in times.items():
+                tflops = flops(B, H, N, D, causal, pass_) / (ms * 1e-3) / 1e12
+                rows.append({"gpu": gpu, "torch": torch.__version__,
+                             "triton": triton.__version__, "provider": name, "dtype": "bf16",
+                             "D": D, "N": N, "B": B, "H": H, "causal": causal, "pass": pass_,
+                             "ms": round(ms, 4), "tflops": round(tflops, 1)})
+                print(f"  {name:<10} {pass_}  {ms:8.3f} ms  {tflops:7.1f} TFLOP/s", flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+        write_csv(out, rows)  # rewritten after every shape so a partial run keeps its results
+
+    print(f"\nresults written to {out}", flush=True)
+    print_table(rows, args.providers)
+    if args.plot:
+        plot(rows, args.providers, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Sweep the tile sizes of each attention kernel on this GPU and print the fastest.
+
+Times bf16 B=4, N=4096, H=2048/D (non-causal): the forward alone for forward tiles; the
+whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a time. The chosen
+tiles go into flashop/launch.py by hand; the full sweep is written to --out as CSV.
+
+    python benchmarks/tune.py --heads-dims 64,128,256 --out tune.csv
+"""
+
+import argparse
+import csv
+import itertools
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+try:
+    import flashop
+except ImportError:
+    sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+    import flashop
+from flashop import launch
+from flashop.launch import Tiles
+
+
+def candidates(kind, D):
+    if kind == "fwd":
+        bm, bn = ([64, 128], [32, 64]) if D > 128 else ([128], [64, 128])
+        stages = [1, 2] if D > 128 else [2, 3]
+    elif kind == "dkdv":
+        bm, bn = ([16, 32, 64], [32, 64]) if D > 128 else ([32, 64], [64, 128])
+        stages = [1, 2] if D > 128 else [2, 3]
+    else:
+        bm, bn = ([32, 64], [16, 32]) if D > 128 else ([64, 128], [32, 64])
+        stages = [1, 2] if D > 128 else [2, 3]
+    return [Tiles(m, n, w, s) for m, n, w, s in itertools.product(bm, bn, [4, 8], stages)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads-dims", default="64,128,256")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("tune.py needs a CUDA GPU")
+        return 2
+    default_tiles = launch.tiles_for
+    rows, best = [], {}
+    for D in (int(d) for d in args.heads_dims.split(",")):
+        N = args.seqlen
+        B, H = 16384 // N, 2048 // D
+        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        out, lse = flashop.attention_with_lse(q, k, v)
+        dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+        fwd = lambda: torch.ops.flashop.attention_with_lse(q, k, v)  # noqa: E731
+        bwd = lambda: torch.ops.flashop.attention_backward(dout, dlse, q, k, v, out, lse)  # noqa: E731,E501
+        flops = 4 * B * H * N * N * D
+        for kind, fn, mult in (("fwd", fwd, 1.0), ("dkdv", bwd, 2.5), ("dq", bwd, 2.5)):
+            results = []
+            for t in candidates(kind, D):
+                launch.tiles_for = (lambda kd, hd, dev, t=t, kind=kind:
+                                    t if kd == kind else default_tiles(kd, hd, dev))
+                try:
+                    fn()
+                    ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
+                except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
+                    print(f"  D={D} {kind} {t}: {type(e).__name__}", flush=True)
+                    continue
+                finally:
+                    launch.tiles_for = default_tiles
+                tflops = mult * flops / ms * 1e-9
+                results.append((ms, t))
+                rows.append(dict(D=D, kind=kind, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
+                                 num_warps=t.num_warps, num_stages=t.num_stages,
+                                 ms=round(ms, 4), tflops=round(tflops, 1)))
+                print(f"  D={D} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s", flush=True)
+            if results:
+                best[(D, kind)] = min(results, key=lambda r: r[0])
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{triton.__version__}; best tiles (B=4, N={args.seqlen}, bf16, non-causal):")
+    for (D, kind), (ms, t) in sorted(best.items()):
+        cur = default_tiles(kind, D, torch.device("cuda"))
+        print(f"  D={D:>3} {kind:>4}: {t}  {ms:.3f} ms   (current {cur})")
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The accuracy rule flashop is held to, shared by the tests and ``python -m flashop``.
+
+flashop's largest error to a float64 reference must be at most ``factor`` (2 for outputs,
+3 for gradients) times the largest error of plain PyTorch computing in the inputs' dtype,
+plus ``rounding_noise``: FlashAttention's test rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """The rule's tiny absolute term: two units of rounding of ``dtype`` at the reference's
+    magnitude (+0.3, as FlashAttention-3's tests). For fp32 inputs the unit is 16 fp32 ulps:
+    the kernels reduce over the head dim and the keys in another order than PyTorch
+    (delta = rowsum(dO * O) and dP = dO V^T cancel in a different order)."""
+    unit = max(torch.finfo(dtype).eps, 16 * torch.finfo(torch.float32).eps)
+    return 2 * unit * (ref.abs().max().item() + 0.3)
+
+
+@dataclass
+class Accuracy:
+    name: str
+    error: float  # flashop's max |error| to the reference
+    plain_error: float  # plain PyTorch's max |error| in the same dtype
+    bound: float  # factor * plain_error + rounding noise
+    infinities_match: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.infinities_match and self.error <= self.bound  # False for NaN errors
+
+    def __str__(self) -> str:
+        if not self.infinities_match:
+            return f"{self.name}: infinities (or NaNs) differ from the reference"
+        return (f"{self.name}: max error {self.error:.3e}, bound {self.bound:.3e} "
+                f"(plain PyTorch {self.plain_error:.3e})")
+
+
+def accuracy(name: str, actual: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor,
+             factor: float, dtype: torch.dtype) -> Accuracy:
+    """Apply the rule; infinite reference entries (lse -inf) must be matched exactly."""
+    if actual.shape != ref.shape:
+        raise ValueError(f"{name}: shape {tuple(actual.shape)} != {tuple(ref.shape)}")
+    actual, ref, plain = actual.double(), ref.double(), plain.double()
+    inf = torch.isinf(ref)
+    match = torch.equal(torch.isinf(actual), inf) and torch.equal(actual[inf], ref[inf])
+    actual, ref, plain = actual[~inf], ref[~inf], plain[~inf]
+    if ref.numel() == 0:
+        return Accuracy(name, 0.0, 0.0, 0.0, match)
+    error = (actual - ref).abs().max().item()
+    plain_error = (plain - ref).abs().max().item()
+    bound = factor * plain_error + rounding_noise(ref, dtype)
+    return Accuracy(name, error, plain_error, bound, match)

@@ -1,0 +1,113 @@
+"""Shared test helpers: inputs, the accuracy rule, and output poisoning."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import flashop
+from flashop.testing import accuracy
+
+DEVICE = "cpu" if flashop.INTERPRETING else "cuda"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: q (B, S_q, H_kv * G, D), k (B, S_k, H_kv, D), v (.., DV)."""
+
+    B: int
+    S_q: int
+    S_k: int
+    H_kv: int
+    G: int
+    D: int
+    DV: int
+    dtype: torch.dtype
+    causal: bool = False
+    scale: Optional[float] = None
+    layout: str = "contiguous"  # "contiguous" | "bhsd" (heads-major storage) | "padded"
+
+    @property
+    def H(self) -> int:
+        return self.H_kv * self.G
+
+
+def _strided_randn(shape, dtype, layout, generator):
+    """A (B, S, H, D) tensor of random normals stored in the given layout."""
+    B, S, H, D = shape
+    if layout == "bhsd":
+        return torch.randn(B, H, S, D, dtype=dtype, device=DEVICE, generator=generator
+                           ).transpose(1, 2)
+    if layout == "padded":
+        return torch.randn(B, S, H + 1, D + 3, dtype=dtype, device=DEVICE, generator=generator
+                           )[:, :, 1:, :D]
+    return torch.randn(shape, dtype=dtype, device=DEVICE, generator=generator)
+
+
+def make_inputs(case: Case, seed: int = 0):
+    """q, k, v (requiring grad) and the output cotangents dout, dlse."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = _strided_randn((case.B, case.S_q, case.H, case.D), case.dtype, case.layout, g)
+    k = _strided_randn((case.B, case.S_k, case.H_kv, case.D), case.dtype, case.layout, g)
+    v = _strided_randn((case.B, case.S_k, case.H_kv, case.DV), case.dtype, case.layout, g)
+    dout = torch.randn(case.B, case.S_q, case.H, case.DV, dtype=case.dtype, device=DEVICE,
+                       generator=g)
+    dlse = torch.randn(case.B, case.H, case.S_q, dtype=torch.float32, device=DEVICE,
+                       generator=g)
+    return [t.requires_grad_() for t in (q, k, v)], dout, dlse
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Within this block torch.empty fills floating-point memory with NaN, so an element a
+    kernel fails to write shows up as NaN (torch.utils.deterministic.fill_uninitialized_memory)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def run_flashop(case: Case, inputs, dout, dlse):
+    """out, lse and (dq, dk, dv) from flashop, with poisoned output memory."""
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_lse(*inputs, causal=case.causal, scale=case.scale)
+        grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    return out, lse, grads
+
+
+def run_reference(case: Case, inputs, dout, dlse, compute_dtype):
+    """out, lse and (dq, dk, dv) from the plain PyTorch reference in ``compute_dtype``."""
+    out, lse = flashop.attention_reference(*inputs, causal=case.causal, scale=case.scale,
+                                           compute_dtype=compute_dtype)
+    grads = torch.autograd.grad((out, lse), inputs, (dout.to(out.dtype), dlse.to(lse.dtype)))
+    return out, lse, grads
+
+
+def assert_close_to_reference(name, actual, ref, plain, factor, dtype):
+    """The accuracy rule (flashop.testing, docs/testing.md)."""
+    result = accuracy(name, actual, ref, plain, factor, dtype)
+    assert result.ok, str(result)
+
+
+def check_case(case: Case, seed: int = 0):
+    """Run flashop, the fp64 reference and plain PyTorch in case.dtype; apply the rule to out,
+    lse (2x) and dq, dk, dv (3x)."""
+    inputs, dout, dlse = make_inputs(case, seed)
+    out, lse, grads = run_flashop(case, inputs, dout, dlse)
+    assert out.dtype == case.dtype and lse.dtype == torch.float32
+    ref = run_reference(case, inputs, dout, dlse, torch.float64)
+    plain = run_reference(case, inputs, dout, dlse, None)
+    assert_close_to_reference("out", out, ref[0], plain[0], 2, case.dtype)
+    assert_close_to_reference("lse", lse, ref[1], plain[1], 2, case.dtype)
+    for name, g, g_ref, g_plain in zip(("dq", "dk", "dv"), grads, ref[2], plain[2]):
+        assert g.dtype == case.dtype
+        assert_close_to_reference(name, g, g_ref, g_plain, 3, case.dtype)

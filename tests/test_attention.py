@@ -1,0 +1,121 @@
+"""flashop.attention against the fp64 reference: Hypothesis-drawn cases and edge cases."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import flashop
+from helpers import DEVICE, Case, check_case, make_inputs, poisoned_outputs, run_flashop
+
+ON_GPU = DEVICE == "cuda"
+# The interpreter runs every program in numpy, one after another: small shapes there.
+MAX_SEQ = 600 if ON_GPU else 80
+HEAD_DIMS = [1, 8, 16, 24, 40, 59, 64, 80, 96, 111, 128]
+if ON_GPU:
+    HEAD_DIMS += [160, 192, 224, 256]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@st.composite
+def cases(draw):
+    D = draw(st.sampled_from(HEAD_DIMS))
+    return Case(
+        B=draw(st.integers(1, 2)),
+        S_q=draw(st.integers(1, MAX_SEQ)),
+        S_k=draw(st.integers(1, MAX_SEQ)),
+        H_kv=draw(st.integers(1, 2)),
+        G=draw(st.sampled_from([1, 2, 3])),
+        D=D,
+        DV=draw(st.one_of(st.just(D), st.sampled_from(HEAD_DIMS))),
+        dtype=draw(st.sampled_from(DTYPES)),
+        causal=draw(st.booleans()),
+        # logits of unit-normal inputs have standard deviation scale * sqrt(D)
+        scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D ** 0.5))),
+        layout=draw(st.sampled_from(["contiguous", "bhsd", "padded"])),
+    )
+
+
+@given(case=cases(), seed=st.integers(0, 2**16))
+def test_matches_reference(case, seed):
+    check_case(case, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_boundaries(dtype, causal):
+    """Lengths one off the interpreter's and the GPU's tiles, S_q != S_k, grouped heads."""
+    check_case(Case(B=1, S_q=33, S_k=129, H_kv=2, G=2, D=64, DV=64, dtype=dtype, causal=causal))
+    check_case(Case(B=1, S_q=129, S_k=31, H_kv=1, G=3, D=40, DV=24, dtype=dtype, causal=causal))
+
+
+@pytest.mark.parametrize("D", [192, 256])
+def test_large_head_dims(D):
+    check_case(Case(B=1, S_q=20, S_k=37, H_kv=1, G=2, D=D, DV=D, dtype=torch.float16,
+                    causal=True))
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    """Causal with S_q > S_k: the first S_q - S_k queries attend nothing."""
+    case = Case(B=2, S_q=50, S_k=20, H_kv=1, G=2, D=32, DV=32, dtype=torch.float16, causal=True)
+    inputs, dout, dlse = make_inputs(case)
+    out, lse, (dq, dk, dv) = run_flashop(case, inputs, dout, dlse)
+    empty = case.S_q - case.S_k
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isneginf(lse[:, :, :empty]).all()
+    assert torch.isfinite(lse[:, :, empty:]).all()
+    assert torch.equal(dq[:, :empty], torch.zeros_like(dq[:, :empty]))
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+    check_case(case)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2, 16), (2, 0, 2, 16)])
+def test_empty_batch_or_queries(shape):
+    q = torch.randn(shape, device=DEVICE, requires_grad=True)
+    k = torch.randn(shape[0], 7, 2, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(shape[0], 7, 2, 16, device=DEVICE, requires_grad=True)
+    out, lse = flashop.attention_with_lse(q, k, v)
+    assert out.shape == shape and lse.shape == (shape[0], 2, shape[1])
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k))
+
+
+def test_no_keys_gives_zero_output_and_gradients():
+    """S_k == 0: every query attends nothing, as SDPA's math backend (output 0)."""
+    q = torch.randn(1, 5, 2, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 0, 2, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(1, 0, 2, 16, device=DEVICE, requires_grad=True)
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_lse(q, k, v)
+        out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_strided_last_dimension_is_accepted():
+    """A non-unit stride in the head dim is copied once; the result equals the dense one."""
+    base = torch.randn(1, 40, 2, 64, device=DEVICE)
+    q, k, v = base[..., ::2], base[..., 1::2], base[..., ::2].flip(1)
+    out = flashop.attention(q, k, v, causal=True)
+    dense = flashop.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(out, dense)
+
+
+def test_backward_is_deterministic():
+    case = Case(B=1, S_q=70, S_k=90, H_kv=1, G=3, D=32, DV=32, dtype=torch.float32,
+                causal=True)
+    inputs, dout, dlse = make_inputs(case)
+    first = run_flashop(case, inputs, dout, dlse)
+    second = run_flashop(case, inputs, dout, dlse)
+    for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2])):
+        assert torch.equal(a, b)
+
+
+def test_attention_equals_first_output_of_attention_with_lse():
+    case = Case(B=1, S_q=17, S_k=23, H_kv=2, G=1, D=16, DV=16, dtype=torch.float32,
+                causal=True, scale=0.3)
+    (q, k, v), _, _ = make_inputs(case)
+    out = flashop.attention(q, k, v, causal=True, scale=0.3)
+    assert torch.equal(out, flashop.attention_with_lse(q, k, v, causal=True, scale=0.3)[0])
+    assert torch.equal(out, torch.ops.flashop.attention(q, k, v, causal=True, scale=0.3))

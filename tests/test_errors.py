@@ -1,0 +1,109 @@
+"""Bad input gets a clear error naming the shapes, dtypes or devices and the fix."""
+
+import torch
+from expecttest import TestCase
+
+import flashop
+from helpers import DEVICE
+
+
+def _t(*shape, dtype=torch.float16, device=DEVICE):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+class TestErrors(TestCase):
+    def message(self, q, k, v, **kwargs):
+        with self.assertRaises((ValueError, RuntimeError)) as ctx:
+            flashop.attention(q, k, v, **kwargs)
+        return str(ctx.exception)
+
+    def test_rank(self):
+        self.assertExpectedInline(
+            self.message(_t(2, 8, 16), _t(2, 8, 2, 16), _t(2, 8, 2, 16)),
+            """flashop.attention: q must be a 4-D tensor (batch, seqlen, heads, head_dim), got shape (2, 8, 16)""")  # noqa: B950
+
+    def test_batch(self):
+        self.assertExpectedInline(
+            self.message(_t(2, 8, 2, 16), _t(3, 8, 2, 16), _t(3, 8, 2, 16)),
+            """flashop.attention: q, k and v must have the same batch size (dim 0), got q (2, 8, 2, 16), k (3, 8, 2, 16), v (3, 8, 2, 16)""")  # noqa: B950
+
+    def test_key_value_lengths(self):
+        self.assertExpectedInline(
+            self.message(_t(1, 8, 2, 16), _t(1, 9, 2, 16), _t(1, 8, 2, 16)),
+            """flashop.attention: k and v must have the same sequence length (dim 1), got q (1, 8, 2, 16), k (1, 9, 2, 16), v (1, 8, 2, 16)""")  # noqa: B950
+
+    def test_key_value_heads(self):
+        self.assertExpectedInline(
+            self.message(_t(1, 8, 4, 16), _t(1, 8, 2, 16), _t(1, 8, 1, 16)),
+            """flashop.attention: k and v must have the same number of heads (dim 2), got q (1, 8, 4, 16), k (1, 8, 2, 16), v (1, 8, 1, 16)""")  # noqa: B950
+
+    def test_head_dims(self):
+        self.assertExpectedInline(
+            self.message(_t(1, 8, 2, 16), _t(1, 8, 2, 32), _t(1, 8, 2, 16)),
+            """flashop.attention: q and k must have the same head dim (dim 3), got q (1, 8, 2, 16), k (1, 8, 2, 32), v (1, 8, 2, 16)""")  # noqa: B950
+
+    def test_head_groups(self):
+        self.assertExpectedInline(
+            self.message(_t(1, 8, 5, 16), _t(1, 8, 2, 16), _t(1, 8, 2, 16)),
+            """flashop.attention: the number of query heads (5) must be a multiple of the number of key/value heads (2) for grouped-query attention, got q (1, 8, 5, 16), k (1, 8, 2, 16), v (1, 8, 2, 16)""")  # noqa: B950
+
+    def test_head_dim_too_large(self):
+        self.assertExpectedInline(
+            self.message(_t(1, 4, 1, 320), _t(1, 4, 1, 320), _t(1, 4, 1, 64)),
+            """flashop.attention: head dims from 1 to 256 are supported, got 320 for q and k and 64 for v (q (1, 4, 1, 320), k (1, 4, 1, 320), v (1, 4, 1, 64))""")  # noqa: B950
+
+    def test_mixed_dtypes(self):
+        self.assertExpectedInline(
+            self.message(_t(1, 8, 2, 16), _t(1, 8, 2, 16, dtype=torch.bfloat16),
+                         _t(1, 8, 2, 16)),
+            """flashop.attention: q, k and v must have the same dtype, got q torch.float16, k torch.bfloat16, v torch.float16; cast them to one of float16, bfloat16, float32""")  # noqa: B950
+
+    def test_integer_dtype(self):
+        q = torch.ones(1, 8, 2, 16, dtype=torch.int32, device=DEVICE)
+        self.assertExpectedInline(
+            self.message(q, q, q),
+            """flashop.attention: dtype torch.int32 is not supported; use float16, bfloat16 or float32""")  # noqa: B950
+
+    def test_devices(self):
+        k = torch.empty(1, 8, 2, 16, dtype=torch.float16, device="meta")
+        self.assertExpectedInline(
+            self.message(_t(1, 8, 2, 16), k, _t(1, 8, 2, 16)).replace(DEVICE, "DEVICE"),
+            """flashop.attention: q, k and v must be on the same device, got q on DEVICE, k on meta, v on DEVICE""")  # noqa: B950
+
+    def test_scale(self):
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(
+            self.message(q, q, q, scale=float("nan")),
+            """flashop.attention: scale must be a finite float or None (1/sqrt(head_dim)), got nan""")  # noqa: B950
+
+    def test_backward_shapes(self):
+        q = _t(1, 8, 2, 16)
+        lse = torch.zeros(1, 2, 8, device=DEVICE)
+        with self.assertRaises(ValueError) as ctx:
+            torch.ops.flashop.attention_backward(q[:, :4], lse, q, q, q, q, lse)
+        self.assertExpectedInline(str(ctx.exception), """flashop.attention_backward: dout must have shape (1, 8, 2, 16), got (1, 4, 2, 16)""")  # noqa: B950
+
+    def test_errors_surface_under_torch_compile(self):
+        fn = torch.compile(flashop.attention, fullgraph=True, backend="eager")
+        with self.assertRaisesRegex(Exception, "must be a multiple of the number of key/value"):
+            fn(_t(1, 8, 3, 16), _t(1, 8, 2, 16), _t(1, 8, 2, 16))
+
+
+def test_cpu_tensors_without_interpreter_say_how_to_proceed():
+    """Without TRITON_INTERPRET, CPU tensors get an error that names the ways forward."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import torch, flashop\n"
+            "q = torch.randn(1, 4, 1, 16)\n"
+            "try:\n    flashop.attention(q, q, q)\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.stdout.strip() == (
+        "flashop.attention: the inputs are on cpu, but flashop's Triton kernels run on CUDA "
+        "GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing flashop "
+        "to run the kernels on the CPU in Triton's interpreter (slow; for testing), or call "
+        "flashop.attention_reference for a plain PyTorch computation"), done.stderr
