@@ -62,8 +62,8 @@ def main():
         for kind, fn, mult in (("fwd", fwd, 1.0), ("dkdv", bwd, 2.5), ("dq", bwd, 2.5)):
             results = []
             for t in candidates(kind, D):
-                launch.tiles_for = (lambda kd, hd, dev, t=t, kind=kind:
-                                    t if kd == kind else default_tiles(kd, hd, dev))
+                launch.tiles_for = (lambda kd, hd, dt, dev, t=t, kind=kind:
+                                    t if kd == kind else default_tiles(kd, hd, dt, dev))
                 try:
                     fn()
                     ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -83,7 +83,7 @@ def main():
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; best tiles (B=4, N={args.seqlen}, bf16, non-causal):")
     for (D, kind), (ms, t) in sorted(best.items()):
-        cur = default_tiles(kind, D, torch.device("cuda"))
+        cur = default_tiles(kind, D, torch.bfloat16, torch.device("cuda"))
         print(f"  D={D:>3} {kind:>4}: {t}  {ms:.3f} ms   (current {cur})")
     if args.out:
         with open(args.out, "w", newline="") as f:

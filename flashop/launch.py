@@ -46,33 +46,37 @@ _INTERPRETER_TILES = {
 }
 
 
+# fp32 inputs take twice the shared memory of 16-bit ones: small tiles, one stage (the fp32
+# path is for accuracy, not speed)
+_FP32_TILES = {"fwd": Tiles(64, 32, 4, 1), "dkdv": Tiles(32, 32, 4, 1), "dq": Tiles(32, 32, 4, 1)}
+
+
 def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
-    """Tiles per kernel and head dim, measured on Hopper (docs/performance.md)."""
-    major, _ = torch.cuda.get_device_capability(device)
-    big = major >= 9
+    """Tiles of 16-bit inputs per kernel and head dim, the fastest of benchmarks/tune.py's
+    sweep on an H200 (docs/performance.md). GPUs before Hopper have less shared memory:
+    smaller tiles at head dims above 128 there."""
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
     if kind == "fwd":
-        if head_dim <= 64:
-            return Tiles(128, 64, 4, 3)
         if head_dim <= 128:
-            return Tiles(128, 64, 8, 3) if big else Tiles(128, 32, 4, 3)
-        return Tiles(64, 32, 4, 2)
+            return Tiles(128, 64, 8, 3)
+        return Tiles(128, 64, 8, 2) if hopper else Tiles(64, 32, 4, 2)
     if kind == "dkdv":
         if head_dim <= 64:
             return Tiles(32, 128, 4, 3)
         if head_dim <= 128:
-            return Tiles(32, 128, 8, 2) if big else Tiles(32, 64, 4, 2)
-        return Tiles(16, 64, 4, 1)
+            return Tiles(64, 64, 4, 2)
+        return Tiles(64, 64, 8, 2) if hopper else Tiles(32, 64, 8, 1)
     # dq
-    if head_dim <= 64:
-        return Tiles(128, 32, 4, 3)
     if head_dim <= 128:
-        return Tiles(128, 32, 8, 2) if big else Tiles(64, 32, 4, 2)
-    return Tiles(64, 16, 4, 1)
+        return Tiles(128, 64, 8, 3)
+    return Tiles(64, 32, 4, 1)
 
 
-def tiles_for(kind: str, head_dim: int, device: torch.device) -> Tiles:
+def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     if INTERPRETING:
         return _INTERPRETER_TILES[kind]
+    if dtype == torch.float32:
+        return _FP32_TILES[kind]
     return _gpu_tiles(kind, head_dim, device)
 
 
@@ -131,7 +135,7 @@ def attention_forward(q, k, v, causal: bool, scale: Optional[float]):
     if out.numel() == 0:
         return out, lse
     sm_scale = resolve_scale(scale, D)
-    t = tiles_for("fwd", D, q.device)
+    t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
     grid = (triton.cdiv(S_q, t.BLOCK_M), H, B)
     wrap_triton(attention_fwd_kernel)[grid](
         q, k, v, out, lse,
@@ -167,7 +171,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
         out, dout, dlse, delta, *_strides(out), *_strides(dout), *dlse.stride(),
         S_q, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
-    t = tiles_for("dkdv", max(D, DV), q.device)
+    t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
         q, k, v, dout, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
@@ -175,7 +179,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    t = tiles_for("dq", max(D, DV), q.device)
+    t = tiles_for("dq", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
         q, k, v, dout, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
