@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, settings
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
 settings.register_profile(
-    "ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
+    "ci", max_examples=12, derandomize=True, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "dev", max_examples=100, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
-    "gpu", max_examples=200, deadline=None, print_blob=True,
+    "gpu", max_examples=100, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))

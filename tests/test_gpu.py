@@ -19,43 +19,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_inductor_sees_the_triton_kernels():
-    """The post-grad graph holds the Triton kernels (triton_kernel_wrapper_functional), not
+    """The post-grad graphs hold the Triton kernels (triton_kernel_wrapper_functional), not
     an opaque call, and Inductor's generated code launches them, forward and backward."""
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
 
     graphs = []
-
-    def record(graph):
-        graphs.append(str(graph))
-
     q = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-    def step(q, k):
-        out = flashop.attention(q, k, k.sin(), causal=True)
-        out.float().square().sum().backward()
-        return out
+    @torch.compile(fullgraph=True)
+    def loss(q, k):
+        return flashop.attention(q, k, k.sin(), causal=True).float().square().sum()
 
     torch._dynamo.reset()
-    with config.patch(post_grad_custom_post_pass=record):
-        _, code = run_and_get_code(torch.compile(step, fullgraph=True), q, k)
+    with config.patch(post_grad_custom_post_pass=lambda graph: graphs.append(str(graph))):
+        _, code = run_and_get_code(lambda: loss(q, k).backward())
     code = "\n".join(code)
-    assert any("triton_kernel_wrapper_functional" in g for g in graphs), graphs
+    assert len(graphs) == 2, graphs  # forward and backward
+    assert all("triton_kernel_wrapper_functional" in g for g in graphs), graphs
     assert "flashop.attention" not in code and "flashop::" not in code
     for kernel in ("attention_fwd_kernel", "attention_bwd_preprocess_kernel",
                    "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
         assert kernel in code, f"{kernel} not in Inductor's code"
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def test_cuda_graph_capture_and_replay():
+    """The forward and backward ops are capturable: no host synchronisation, no allocation
+    outside PyTorch's allocator."""
     case = Case(B=2, S_q=200, S_k=333, H_kv=2, G=2, D=64, DV=64, dtype=torch.float16,
                 causal=True)
     (q, k, v), dout, dlse = make_inputs(case)
+    q, k, v = q.detach(), k.detach(), v.detach()
 
     def step():
-        out, lse = flashop.attention_with_lse(q, k, v, causal=True)
-        return (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
+        out, lse = torch.ops.flashop.attention_with_lse(q, k, v, causal=True)
+        grads = torch.ops.flashop.attention_backward(dout, dlse, q, k, v, out, lse, causal=True)
+        return (out, lse, *grads)
 
     expected = step()
     stream = torch.cuda.Stream()

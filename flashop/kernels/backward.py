@@ -112,6 +112,8 @@ def attention_bwd_dkdv_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads."""
+    sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
+    qk_scale = tl.cast(qk_scale, tl.float32)
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -202,6 +204,8 @@ def attention_bwd_dq_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one query tile of query head i_h."""
+    sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
+    qk_scale = tl.cast(qk_scale, tl.float32)
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)

@@ -75,6 +75,7 @@ def attention_fwd_kernel(
 
     Also writes lse[b, h, i] (natural log) into the contiguous (B, H, S_q) fp32 ``lse``.
     """
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
