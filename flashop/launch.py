@@ -81,8 +81,10 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 def _block_dim(d: int) -> int:
-    # tl.dot needs each operand dimension >= 16
-    return max(16, triton.next_power_of_2(d))
+    """Head-dim block: the next power of two. tl.dot needs >= 16. On GPUs at least 64: with
+    triton 3.6 on an H200 a 32-wide block holding DV=24 gave wrong outputs and illegal
+    accesses in the forward (docs/performance.md), while masked 64-wide blocks are sound."""
+    return max(16 if INTERPRETING else 64, triton.next_power_of_2(d))
 
 
 def resolve_scale(scale: Optional[float], head_dim: int) -> float:
