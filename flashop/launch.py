@@ -109,6 +109,16 @@ def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _check_offsets(*tensors: torch.Tensor) -> None:
+    """The kernels offset rows within one (batch, head) slice in 32-bit integers."""
+    for x in tensors:
+        if x.shape[1] * x.stride(1) >= 2**31:
+            raise ValueError(
+                f"flashop.attention: a tensor of shape {tuple(x.shape)} and strides "
+                f"{x.stride()} spans 2**31 elements or more along its sequence dimension, past "
+                f"the kernels' 32-bit row offsets; split the sequence or the heads")
+
+
 def _strides(x: torch.Tensor) -> tuple:
     """(batch, seq, head) strides of a (B, S, H, D) tensor."""
     return x.stride(0), x.stride(1), x.stride(2)
@@ -132,6 +142,7 @@ def attention_forward(q, k, v, causal: bool, scale: Optional[float]):
     """Launch the forward; returns (out, lse)."""
     q, k, v = (_unit_stride_last(x) for x in (q, k, v))
     out, lse = attention_forward_outputs(q, k, v)
+    _check_offsets(q, k, v, out)
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
     if out.numel() == 0:
@@ -155,6 +166,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
     q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()  # (B, H, S_q) fp32: the kernels index it as contiguous
     dq, dk, dv = attention_backward_outputs(q, k, v)
+    _check_offsets(q, k, v, out, dout)
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
     if B == 0 or H == 0:

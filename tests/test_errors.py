@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the shapes, dtypes or devices and the fix."""
 
+import pytest
 import torch
 from expecttest import TestCase
 
@@ -108,3 +109,14 @@ def test_cpu_tensors_without_interpreter_say_how_to_proceed():
         "GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing flashop "
         "to run the kernels on the CPU in Triton's interpreter (slow; for testing), or call "
         "flashop.attention_reference for a plain PyTorch computation"), done.stderr
+
+
+def test_sequences_past_32_bit_offsets_are_refused():
+    """A (batch, head) slice spanning 2**31 elements would overflow the kernels' row offsets
+    (checked on meta tensors, so nothing large is allocated)."""
+    from flashop import launch
+
+    big = torch.empty(1, 2**27, 1, 16, device="meta")
+    with pytest.raises(ValueError, match="32-bit row offsets"):
+        launch._check_offsets(big)
+    launch._check_offsets(big[:, : 2**27 - 1])
