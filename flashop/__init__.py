@@ -6,7 +6,9 @@ Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_ls
 
 from flashop.api import attention, attention_with_lse
 from flashop.launch import INTERPRETING
+from flashop.padding import pad_input, unpad_input
 from flashop.reference import attention_reference
 
-__all__ = ["attention", "attention_with_lse", "attention_reference", "INTERPRETING"]
+__all__ = ["attention", "attention_with_lse", "attention_reference", "pad_input", "unpad_input",
+           "INTERPRETING"]
 __version__ = "0.1.0"
