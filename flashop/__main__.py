@@ -29,7 +29,7 @@ CHECKS_GPU = CHECKS_CPU + [(2, 1000, 777, 8, 2, 128, 128, True),
 
 def self_check(device: str) -> bool:
     import flashop
-    from flashop.testing import accuracy
+    from flashop.testing import check_attention
 
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     checks = CHECKS_GPU if device == "cuda" else CHECKS_CPU
@@ -43,25 +43,18 @@ def self_check(device: str) -> bool:
                                    ).requires_grad_()
                        for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
             dout = torch.randn(B, S_q, H, DV, device=device, dtype=dtype, generator=gen)
-            out = flashop.attention(q, k, v, causal=causal)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            results = []
-            for compute_dtype in (torch.float64, None):
-                o_ref, _ = flashop.attention_reference(q, k, v, causal=causal,
-                                                       compute_dtype=compute_dtype)
-                g_ref = torch.autograd.grad(o_ref, (q, k, v), dout.to(o_ref.dtype))
-                results.append((o_ref, *g_ref))
-            checks_ = [accuracy(name, a, r, p, 2 if name == "out" else 3, dtype)
-                       for name, a, r, p in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                                results[0], results[1])]
-            ok = all(c.ok for c in checks_)
+            dlse = torch.randn(B, H, S_q, device=device, generator=gen)
+            out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
+            grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+            results = check_attention(q, k, v, dout, dlse, out, lse, grads, causal=causal)
+            ok = all(r.ok for r in results)
             all_ok &= ok
-            worst = max(c.error / c.bound if c.bound else 0.0 for c in checks_)
+            worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
             print(f"{str(dtype)[6:]:>9} {B:>2} {S_q:>5} {S_k:>5} {H:>3} {H_kv:>4} {D:>4} "
                   f"{DV:>4} {str(causal):>6}  {worst:17.2f}  {'ok' if ok else 'FAIL'}")
-            for c in checks_:
-                if not c.ok:
-                    print("    " + str(c))
+            for r in results:
+                if not r.ok:
+                    print("    " + str(r))
     return all_ok
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashop.reference import attention_reference
+
 
 def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
     """The rule's tiny absolute term: two units of rounding of ``dtype`` at the reference's
@@ -55,3 +57,20 @@ def accuracy(name: str, actual: torch.Tensor, ref: torch.Tensor, plain: torch.Te
     plain_error = (plain - ref).abs().max().item()
     bound = factor * plain_error + rounding_noise(ref, dtype)
     return Accuracy(name, error, plain_error, bound, match)
+
+
+def check_attention(q, k, v, dout, dlse, out, lse, grads, *, causal: bool = False,
+                    scale=None) -> list[Accuracy]:
+    """The rule applied to flashop's ``out``, ``lse`` (2x) and ``grads`` = (dq, dk, dv) (3x),
+    given the cotangents ``dout`` and ``dlse`` they were computed with, against the float64
+    reference and plain PyTorch in the inputs' dtype."""
+    refs = []
+    for compute_dtype in (torch.float64, None):
+        o, l = attention_reference(q, k, v, causal=causal, scale=scale,
+                                   compute_dtype=compute_dtype)
+        g = torch.autograd.grad((o, l), (q, k, v), (dout.to(o.dtype), dlse.to(l.dtype)))
+        refs.append((o, l, *g))
+    return [accuracy(name, actual, ref, plain, factor, q.dtype)
+            for name, factor, actual, ref, plain in zip(
+                ("out", "lse", "dq", "dk", "dv"), (2, 2, 3, 3, 3), (out, lse, *grads),
+                refs[0], refs[1])]
