@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session's checks in one go: the test suite on the real kernels (Hypothesis `gpu`
+# The GPU checks in one go: the test suite on the real kernels (Hypothesis `gpu`
 # profile unless HYPOTHESIS_PROFILE says otherwise), the self-check, and the benchmark grid.
 # Logs and the CSV go to $OUT (or ./gpu-check); a short summary is printed last.
 #   bash benchmarks/gpu_check.sh [--quick]     (--quick: ci profile, N = 1k and 4k)

@@ -1,8 +1,8 @@
-"""Test session set-up: the device the kernels run on, and the Hypothesis profiles.
+"""Test-run set-up: the device the kernels run on, and the Hypothesis profiles.
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter, which Triton reads from
 TRITON_INTERPRET when flashop's kernels are decorated (at import): it is set here, before
-any test module imports flashop, and restored when the session ends.
+any test module imports flashop, and restored when the run ends.
 """
 
 import os
