@@ -185,19 +185,18 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
         out, dout, dlse, delta, *_strides(out), *_strides(dout), *dlse.stride(),
         S_q, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
+    # arguments the dK/dV and dQ kernels share: input strides, then lengths, heads and scales
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    scalars = (S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E.value)
     t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E.value,
+        q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), *_strides(dv), *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = tiles_for("dq", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
-        q, k, v, dout, lse, delta, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E.value,
+        q, k, v, dout, lse, delta, dq, *strides, *_strides(dq), *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
