@@ -124,6 +124,57 @@ def _strides(x: torch.Tensor) -> tuple:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+@dataclass(frozen=True)
+class Modifiers:
+    """Score modifiers of one call, as the ops receive them (docs/modifiers.md)."""
+
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) fp32
+    g: Optional[torch.Tensor] = None  # (B, S_k, H) log-decay gate
+    attn_mask: Optional[torch.Tensor] = None  # bool keep-mask or additive float bias
+
+
+def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float):
+    """Kernel arguments of the modifiers: (tensors, strides, scalars, flags).
+
+    Tensors a flag leaves unread are replaced by ``q`` (never read) with zero strides.
+    """
+    B, S_q, H, _ = q.shape
+    S_k = k.shape[1]
+    left, right = mods.window_size
+    if mods.causal:
+        right = 0
+    alibi, alibi_strides = q, (0, 0)
+    if mods.alibi_slopes is not None:
+        alibi = mods.alibi_slopes
+        alibi_strides = alibi.stride() if alibi.dim() == 2 else (0, alibi.stride(0))
+    g, g_strides = q, (0, 0, 0)
+    if mods.g is not None:
+        # the cumulative gate, fp32 (B, S_k, H): score(i, j) += G[i + S_k - S_q] - G[j]
+        g = torch.cumsum(mods.g, dim=1, dtype=torch.float32)
+        g_strides = _strides(g)
+    mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
+    if mods.attn_mask is not None:
+        mask = mods.attn_mask.expand(B, H, S_q, S_k)
+        if mask.dtype == torch.bool:
+            mask, mask_kind = mask.view(torch.uint8), 2
+        else:
+            mask_kind = 1
+        mask_strides = mask.stride()
+    if mods.softcap > 0:
+        # tanh(scale * q.k / softcap) * softcap, in base-2 units
+        scalars = (sm_scale / mods.softcap, mods.softcap * LOG2E.value)
+    else:
+        scalars = (sm_scale * LOG2E.value, 0.0)
+    scalars += (max(left, 0), max(right, 0))
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
+                 HAS_ALIBI=mods.alibi_slopes is not None, HAS_GATE=mods.g is not None,
+                 MASK_KIND=mask_kind)
+    return (alibi, g, mask), (*alibi_strides, *g_strides, *mask_strides), scalars, flags
+
+
 def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Allocate (out, lse) for the forward: out (B, S_q, H, DV) in q's dtype, lse (B, H, S_q)
     fp32, both contiguous. The real op and its fake both allocate here."""
@@ -133,12 +184,18 @@ def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return out, lse
 
 
-def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Allocate (dq, dk, dv), contiguous, in the inputs' dtype."""
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               g: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                               attn_mask_grad: bool):
+    """Allocate (dq, dk, dv, dg, dattn_mask), contiguous, in the inputs' dtypes; dg and
+    dattn_mask are empty (0 elements) where there is no gate / no mask gradient."""
+    dg = q.new_empty(0) if g is None else g.new_empty(g.shape)
+    dmask = (attn_mask.new_empty(attn_mask.shape) if attn_mask_grad and attn_mask is not None
+             else q.new_empty(0))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg, dmask
 
 
-def attention_forward(q, k, v, causal: bool, scale: Optional[float]):
+def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers):
     """Launch the forward; returns (out, lse)."""
     q, k, v = (_unit_stride_last(x) for x in (q, k, v))
     out, lse = attention_forward_outputs(q, k, v)
@@ -148,37 +205,57 @@ def attention_forward(q, k, v, causal: bool, scale: Optional[float]):
     if out.numel() == 0:
         return out, lse
     sm_scale = resolve_scale(scale, D)
+    tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale)
     t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
     grid = (triton.cdiv(S_q, t.BLOCK_M), H, B)
     wrap_triton(attention_fwd_kernel)[grid](
-        q, k, v, out, lse,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        S_q, S_k, H, H // H_kv, sm_scale * LOG2E.value,
+        q, k, v, out, lse, *tensors,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *mod_strides,
+        S_q, S_k, H, H // H_kv, *mod_scalars,
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, IS_CAUSAL=causal, **_kernel_args(q),
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **flags, **_kernel_args(q),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out, lse
 
 
-def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optional[float]):
-    """Launch the backward; returns (dq, dk, dv)."""
+def _gate_grad(dgq: torch.Tensor, dgk: torch.Tensor) -> torch.Tensor:
+    """dg from the kernels' halves: dG[p] = dgk[p] + dgq[p - (S_k - S_q)] (query i sits at
+    key position i + S_k - S_q), then dg = reverse cumulative sum of dG (G = cumsum(g))."""
+    S_q, S_k = dgq.shape[-1], dgk.shape[-1]
+    off = S_k - S_q
+    if off >= 0:
+        dG = torch.cat([dgk[..., :off], dgk[..., off:] + dgq], dim=-1)
+    else:
+        dG = dgk + dgq[..., -off:]
+    dg = torch.flip(torch.cumsum(torch.flip(dG, [-1]), dim=-1), [-1])
+    return dg.transpose(1, 2)  # (B, S_k, H)
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mods: Modifiers,
+                       attn_mask_grad: bool):
+    """Launch the backward; returns (dq, dk, dv, dg, dattn_mask) (the last two as in
+    attention_backward_outputs)."""
     q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()  # (B, H, S_q) fp32: the kernels index it as contiguous
-    dq, dk, dv = attention_backward_outputs(q, k, v)
+    dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
+                                                       attn_mask_grad)
     _check_offsets(q, k, v, out, dout)
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
-    if B == 0 or H == 0:
-        return dq, dk, dv
-    if S_q == 0 or S_k == 0:
+    if B == 0 or H == 0 or S_q == 0 or S_k == 0:
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
     sm_scale = resolve_scale(scale, D)
+    tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale)
     delta = torch.empty_like(lse)
+    has_gate = mods.g is not None
+    dgq = torch.empty_like(lse) if has_gate else delta  # (B, H, S_q)
+    dgk = lse.new_empty((B, H, S_k)) if has_gate else delta
+    # dS of every (query, key) pair; pairs outside the window are never visited: zeros
+    dS = lse.new_zeros((B, H, S_q, S_k)) if attn_mask_grad else delta
     BLOCK_D, BLOCK_DV = _block_dim(D), _block_dim(DV)
-    common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, IS_CAUSAL=causal,
-                  **_kernel_args(q))
+    common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags, **_kernel_args(q))
 
     pre_block = 64 if not INTERPRETING else 32
     wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(S_q, pre_block), H, B)](
@@ -186,18 +263,25 @@ def attention_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: Optio
         S_q, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, heads and scales
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-    scalars = (S_q, S_k, H, H // H_kv, sm_scale, sm_scale * LOG2E.value)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *mod_strides)
+    scalars = (S_q, S_k, H, H // H_kv, sm_scale, *mod_scalars)
     t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
-        q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), *_strides(dv), *scalars,
+        q, k, v, dout, lse, delta, *tensors, dk, dv, dgk,
+        *strides, *_strides(dk), *_strides(dv), *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = tiles_for("dq", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
-        q, k, v, dout, lse, delta, dq, *strides, *_strides(dq), *scalars,
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
+        q, k, v, dout, lse, delta, *tensors, dq, dgq, dS,
+        *strides, *_strides(dq), *scalars,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_GRAD=attn_mask_grad, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    return dq, dk, dv
+    # into the tensors attention_backward_outputs allocated (the fake's strides)
+    if has_gate:
+        dg.copy_(_gate_grad(dgq, dgk))
+    if attn_mask_grad:
+        dmask.copy_(dS.sum_to_size(mods.attn_mask.shape))
+    return dq, dk, dv, dg, dmask

@@ -1,11 +1,16 @@
 """Registration of the ``torch.ops.flashop`` operators.
 
-- ``flashop::attention_with_lse(q, k, v, *, causal, scale) -> (out, lse)``: the forward, with
-  autograd through ``flashop::attention_backward``.
-- ``flashop::attention_backward(dout, dlse, q, k, v, out, lse, *, causal, scale)
-  -> (dq, dk, dv)``: the backward, reusing the forward's lse.
-- ``flashop::attention(q, k, v, *, causal, scale) -> out``: CompositeImplicitAutograd over
-  ``attention_with_lse``, so it traces into the same forward and backward.
+- ``flashop::attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, *, causal, scale,
+  window_size, softcap) -> (out, lse)``: the forward, with autograd through
+  ``flashop::attention_backward``.
+- ``flashop::attention_backward(dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, g,
+  *, ..., attn_mask_grad) -> (dq, dk, dv, dg, dattn_mask)``: the backward, reusing the
+  forward's lse; ``dg`` / ``dattn_mask`` are empty where there is no gate / no mask gradient.
+- ``flashop::attention(...) -> out``: CompositeImplicitAutograd over ``attention_with_lse``,
+  so it traces into the same forward and backward.
+
+The optional tensors are positional-or-keyword: custom ops take no keyword-only tensors.
+``window_size=None`` means ``(-1, -1)`` (no window).
 
 On a GPU the two kernel ops are ``torch.library.triton_op``s, so Inductor sees into their
 Triton kernels. Under Triton's CPU interpreter (TRITON_INTERPRET=1) a ``triton_op`` cannot
@@ -15,7 +20,7 @@ be traced (its kernels would run on fake tensors), so they are registered as opa
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -25,61 +30,94 @@ from flashop.validation import check_attention_inputs, check_backward_inputs
 
 _register = torch.library.custom_op if launch.INTERPRETING else torch.library.triton_op
 
+def _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap) -> launch.Modifiers:
+    window_size = (-1, -1) if window_size is None else tuple(window_size)
+    return launch.Modifiers(causal=causal, window_size=window_size, softcap=softcap,
+                            alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask)
 
+
+# window_size=None is (-1, -1): torch.library infers schemas only with None/scalar defaults
 @_register("flashop::attention_with_lse", mutates_args=())
-def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                       scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    check_attention_inputs(q, k, v, scale, interpreting=launch.INTERPRETING)
-    return launch.attention_forward(q, k, v, causal, scale)
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                       alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                       causal: bool = False, scale: Optional[float] = None,
+                       window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                       ) -> tuple[Tensor, Tensor]:
+    mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
+    check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
+    return launch.attention_forward(q, k, v, scale, mods)
 
 
 @attention_with_lse.register_fake
-def _attention_with_lse_fake(q, k, v, *, causal=False, scale=None):
-    check_attention_inputs(q, k, v, scale, interpreting=launch.INTERPRETING)
+def _attention_with_lse_fake(q, k, v, attn_mask=None, alibi_slopes=None, g=None, *,
+                             causal=False, scale=None, window_size=None, softcap=0.0):
+    mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
+    check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
     return launch.attention_forward_outputs(q, k, v)
 
 
 @_register("flashop::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                       out: Tensor, lse: Tensor, *, causal: bool = False,
-                       scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
-    check_backward_inputs(dout, dlse, q, k, v, out, lse, scale,
+                       out: Tensor, lse: Tensor, attn_mask: Optional[Tensor] = None,
+                       alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                       causal: bool = False, scale: Optional[float] = None,
+                       window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
+                       attn_mask_grad: bool = False
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
+    check_backward_inputs(dout, dlse, q, k, v, out, lse, scale, mods, attn_mask_grad,
                           interpreting=launch.INTERPRETING)
-    return launch.attention_backward(dout, dlse, q, k, v, out, lse, causal, scale)
+    return launch.attention_backward(dout, dlse, q, k, v, out, lse, scale, mods, attn_mask_grad)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, dlse, q, k, v, out, lse, *, causal=False, scale=None):
-    check_backward_inputs(dout, dlse, q, k, v, out, lse, scale,
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, attn_mask=None, alibi_slopes=None,
+                             g=None, *, causal=False, scale=None, window_size=None,
+                             softcap=0.0, attn_mask_grad=False):
+    mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
+    check_backward_inputs(dout, dlse, q, k, v, out, lse, scale, mods, attn_mask_grad,
                           interpreting=launch.INTERPRETING)
-    return launch.attention_backward_outputs(q, k, v)
+    return launch.attention_backward_outputs(q, k, v, g, attn_mask, attn_mask_grad)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v = inputs
+    q, k, v, attn_mask, alibi_slopes, g = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = keyword_only_inputs["causal"]
-    ctx.scale = keyword_only_inputs["scale"]
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, g)
+    ctx.kwargs = dict(keyword_only_inputs)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashop.attention_backward(
-        dout, dlse, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale)
-    return dq, dk, dv
+    q, k, v, out, lse, attn_mask, alibi_slopes, g = ctx.saved_tensors
+    # the dispatcher drops trailing arguments left at their defaults (None)
+    given = len(ctx.needs_input_grad)
+    needs = ctx.needs_input_grad + (False,) * (6 - given)
+    if needs[4]:
+        raise RuntimeError(
+            "flashop.attention: alibi_slopes get no gradient (as in FlashAttention); detach "
+            "them, or pass the ALiBi bias as a float attn_mask, whose gradient is computed")
+    dq, dk, dv, dg, dmask = torch.ops.flashop.attention_backward(
+        dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, g,
+        attn_mask_grad=needs[3], **ctx.kwargs)
+    grads = (dq, dk, dv, dmask if needs[3] else None, None, dg if needs[5] else None)
+    return grads[:given]
 
 
 attention_with_lse.register_autograd(_backward, setup_context=_setup_context)
 
 _lib = torch.library.Library("flashop", "FRAGMENT")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, *, bool causal=False, float? scale=None)"
-            " -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
+            "Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, "
+            "float? scale=None, SymInt[]? window_size=None, float softcap=0.0) -> Tensor")
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-              scale: Optional[float] = None) -> Tensor:
-    return torch.ops.flashop.attention_with_lse(q, k, v, causal=causal, scale=scale)[0]
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+              causal: bool = False, scale: Optional[float] = None,
+              window_size: Optional[Sequence[int]] = None, softcap: float = 0.0) -> Tensor:
+    return torch.ops.flashop.attention_with_lse(
+        q, k, v, attn_mask, alibi_slopes, g, causal=causal, scale=scale,
+        window_size=window_size, softcap=softcap)[0]
 
 
 _lib.impl("attention", attention, "CompositeImplicitAutograd")

@@ -3,26 +3,36 @@ machines without a GPU. It materialises the (S_q, S_k) scores: use it on small i
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 
-def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                        scale: Optional[float] = None,
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                        causal: bool = False, scale: Optional[float] = None,
+                        window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                         compute_dtype: Optional[torch.dtype] = torch.float32
                         ) -> tuple[Tensor, Tensor]:
-    """(out, lse) of softmax(scale * q k^T [+ causal mask]) v, computed in ``compute_dtype``
+    """(out, lse) of attention with flashop's modifiers, computed in ``compute_dtype``
     (``None``: the inputs' dtype, as plain PyTorch would).
 
     Layout as ``flashop.attention``: q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv,
-    DV); out (B, S_q, H, DV) and lse (B, H, S_q), both in ``compute_dtype``. Causal is
-    aligned to the bottom-right corner (query i attends key j iff j <= i + S_k - S_q); a
-    query that attends no key gets out 0 and lse -inf. Differentiable.
+    DV); out (B, S_q, H, DV) and lse (B, H, S_q), both in ``compute_dtype``. The score of
+    query i and key j (docs/modifiers.md), with ``off = S_k - S_q``:
+
+        s = scale * q_i . k_j;  s = softcap * tanh(s / softcap)  (softcap > 0)
+        s += -slope_h * |i + off - j|  (alibi_slopes)  +  G[i + off] - G[j]  (g; G = cumsum)
+          +  attn_mask[i, j]  (float)
+        masked (-inf) unless  i + off - left <= j <= i + off + right  (window_size; causal:
+        right = 0; -1: no bound)  and  attn_mask[i, j]  (bool)
+
+    A query whose keys are all masked gets out 0 and lse -inf. Differentiable in q, k, v, g
+    and a float attn_mask.
     """
     dtype = q.dtype if compute_dtype is None else compute_dtype
-    S_q, H, D = q.shape[1], q.shape[2], q.shape[3]
+    B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
     group = H // H_kv
     scale = D ** -0.5 if scale is None else scale
@@ -30,13 +40,39 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
     kf = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     vf = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (B, H, S_q, S_k)
-    i = torch.arange(S_q, device=q.device)[:, None]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(S_q, device=q.device)[:, None] + (S_k - S_q)  # query positions
     j = torch.arange(S_k, device=q.device)[None, :]
-    keep = (j <= i + (S_k - S_q)) if causal else torch.ones_like(j <= i)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).reshape(-1, H, 1, 1)  # (1 or B, H, 1, 1)
+        s = s - slopes * (i - j).abs().to(dtype)
+    if g is not None:
+        G = torch.cumsum(g.to(dtype), dim=1).transpose(1, 2)  # (B, H, S_k)
+        # queries before position 0 (S_q > S_k) attend nothing under causal: G_q = 0 there
+        pad = max(S_q - S_k, 0)
+        G_q = torch.nn.functional.pad(G, (pad, 0))[..., S_k + pad - S_q:]
+        s = s + G_q[..., :, None] - G[..., None, :]
+    keep = torch.ones(S_q, S_k, dtype=torch.bool, device=q.device)
+    left, right = window_size
+    if causal:
+        right = 0
+    if right >= 0:
+        keep = keep & (j <= i + right)
+    if left >= 0:
+        keep = keep & (j >= i - left)
+    keep = keep.expand(B, H, S_q, S_k)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = keep & attn_mask
+        else:
+            bias = attn_mask.to(dtype)
+            s = s + bias
+            keep = keep & (bias != float("-inf"))
     empty = ~keep.any(-1, keepdim=True)  # rows that attend nothing
-    # softmax over the row's own keys; empty rows get an unmasked softmax that is then zeroed,
+    # softmax over the row's own keys; empty rows get a softmax of zeros that is then zeroed,
     # so no NaN appears in the forward or the backward
-    s = s.masked_fill(~(keep | empty), float("-inf"))
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0)
     p = torch.softmax(s, dim=-1).masked_fill(~keep, 0.0)
     out = torch.matmul(p, vf).transpose(1, 2)
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))

@@ -59,18 +59,33 @@ def accuracy(name: str, actual: torch.Tensor, ref: torch.Tensor, plain: torch.Te
     return Accuracy(name, error, plain_error, bound, match)
 
 
-def check_attention(q, k, v, dout, dlse, out, lse, grads, *, causal: bool = False,
-                    scale=None) -> list[Accuracy]:
-    """The rule applied to flashop's ``out``, ``lse`` (2x) and ``grads`` = (dq, dk, dv) (3x),
-    given the cotangents ``dout`` and ``dlse`` they were computed with, against the float64
-    reference and plain PyTorch in the inputs' dtype."""
+def differentiable_inputs(q, k, v, attn_mask=None, g=None) -> dict:
+    """The inputs flashop differentiates, by gradient name: q, k, v, then g and a float
+    attn_mask where they require grad."""
+    inputs = {"dq": q, "dk": k, "dv": v}
+    if g is not None and g.requires_grad:
+        inputs["dg"] = g
+    if attn_mask is not None and attn_mask.requires_grad:
+        inputs["dattn_mask"] = attn_mask
+    return inputs
+
+
+def check_attention(q, k, v, dout, dlse, out, lse, grads, attn_mask=None, alibi_slopes=None,
+                    g=None, **options) -> list[Accuracy]:
+    """The rule applied to flashop's ``out``, ``lse`` (2x) and ``grads`` (3x; in the order of
+    :func:`differentiable_inputs`), given the cotangents ``dout`` and ``dlse`` they were
+    computed with, against the float64 reference and plain PyTorch in the inputs' dtype.
+    ``options`` are the keyword options of ``flashop.attention`` (causal, scale, ...)."""
+    inputs = differentiable_inputs(q, k, v, attn_mask, g)
     refs = []
     for compute_dtype in (torch.float64, None):
-        o, l = attention_reference(q, k, v, causal=causal, scale=scale,
-                                   compute_dtype=compute_dtype)
-        g = torch.autograd.grad((o, l), (q, k, v), (dout.to(o.dtype), dlse.to(l.dtype)))
-        refs.append((o, l, *g))
+        o, l = attention_reference(q, k, v, attn_mask, alibi_slopes, g,
+                                   compute_dtype=compute_dtype, **options)
+        gr = torch.autograd.grad((o, l), tuple(inputs.values()),
+                                 (dout.to(o.dtype), dlse.to(l.dtype)))
+        refs.append((o, l, *gr))
+    names = ("out", "lse", *inputs)
+    factors = (2, 2) + (3,) * len(inputs)
     return [accuracy(name, actual, ref, plain, factor, q.dtype)
             for name, factor, actual, ref, plain in zip(
-                ("out", "lse", "dq", "dk", "dv"), (2, 2, 3, 3, 3), (out, lse, *grads),
-                refs[0], refs[1])]
+                names, factors, (out, lse, *grads), refs[0], refs[1])]

@@ -20,9 +20,10 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def check_attention_inputs(q, k, v, scale: Optional[float], *, interpreting: bool,
+def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interpreting: bool,
                            op: str = "flashop.attention") -> None:
-    """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV) and scale."""
+    """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV), scale and the
+    score modifiers ``mods`` (a ``launch.Modifiers``; None: no modifiers)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -68,13 +69,82 @@ def check_attention_inputs(q, k, v, scale: Optional[float], *, interpreting: boo
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
+    if mods is not None:
+        check_modifiers(q, k, mods, op)
 
 
-def check_backward_inputs(dout, dlse, q, k, v, out, lse, scale: Optional[float], *,
-                          interpreting: bool) -> None:
+def check_modifiers(q, k, mods, op: str) -> None:
+    """Validate window_size, softcap, alibi_slopes, g and attn_mask against q (B, S_q, H, D)
+    and k (B, S_k, H_kv, D)."""
+    B, S_q, H, _ = q.shape
+    S_k = k.shape[1]
+    window = mods.window_size
+    if len(window) != 2 or any(w < -1 for w in window):
+        raise ValueError(
+            f"{op}: window_size must be (left, right) with each >= 0, or -1 for no bound, "
+            f"got {tuple(window)}")
+    if mods.causal and window[1] > 0:
+        raise ValueError(
+            f"{op}: causal=True attends no key after the query, but window_size="
+            f"{tuple(window)} asks for {window[1]} after it; pass window_size=({window[0]}, 0) "
+            f"(or -1) with causal=True, or causal=False for a two-sided window")
+    if not (math.isfinite(mods.softcap) and mods.softcap >= 0):
+        raise ValueError(f"{op}: softcap must be a finite float >= 0 (0 turns it off), "
+                         f"got {mods.softcap}")
+    slopes = mods.alibi_slopes
+    if slopes is not None:
+        if _shape(slopes) not in ((H,), (B, H)):
+            raise ValueError(
+                f"{op}: alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+                f"got {_shape(slopes)}")
+        _check_tensor(op, "alibi_slopes", slopes, (torch.float32,), q.device)
+    g = mods.g
+    if g is not None:
+        if not mods.causal:
+            raise ValueError(
+                f"{op}: the log-decay gate g requires causal=True (as in flash-linear-"
+                f"attention: the decay G_i - G_j is a decay only for keys j before query i)")
+        if _shape(g) != (B, S_k, H):
+            raise ValueError(
+                f"{op}: g must have shape (B, S_k, H) = ({B}, {S_k}, {H}) (one log-decay per "
+                f"key position and query head; query i sits at position i + S_k - S_q), "
+                f"got {_shape(g)}")
+        _check_tensor(op, "g", g, _float_dtypes(q), q.device)
+    mask = mods.attn_mask
+    if mask is not None:
+        target = (B, H, S_q, S_k)
+        if mask.dim() > 4 or any(m not in (1, t) for m, t in zip(reversed(mask.shape),
+                                                                  reversed(target))):
+            raise ValueError(
+                f"{op}: attn_mask of shape {_shape(mask)} does not broadcast to (B, H, S_q, "
+                f"S_k) = {target}; give it that shape, or 1 in the dims it shares")
+        _check_tensor(op, "attn_mask", mask, (torch.bool,) + _float_dtypes(q), q.device)
+        if S_q * S_k >= 2**31:
+            raise ValueError(
+                f"{op}: attn_mask covers S_q * S_k = {S_q} * {S_k} pairs per head, past the "
+                f"kernels' 32-bit offsets within a head; use window_size / causal instead, "
+                f"or split the queries")
+
+
+def _float_dtypes(q) -> tuple:
+    return (torch.float32,) if q.dtype == torch.float32 else (torch.float32, q.dtype)
+
+
+def _check_tensor(op, name, t, dtypes, device) -> None:
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{op}: {name} must be {names}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} must be on {device} like q, got {t.device}")
+
+
+def check_backward_inputs(dout, dlse, q, k, v, out, lse, scale: Optional[float], mods,
+                          attn_mask_grad: bool, *, interpreting: bool) -> None:
     """Validate the backward's inputs against the forward's shapes."""
     op = "flashop.attention_backward"
-    check_attention_inputs(q, k, v, scale, interpreting=interpreting, op=op)
+    check_attention_inputs(q, k, v, scale, mods, interpreting=interpreting, op=op)
+    if attn_mask_grad and (mods.attn_mask is None or mods.attn_mask.dtype == torch.bool):
+        raise ValueError(f"{op}: attn_mask_grad=True needs a float attn_mask")
     B, S_q, H, _ = q.shape
     out_shape = (B, S_q, H, v.shape[3])
     for name, t in (("out", out), ("dout", dout)):

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 import flashop
-from flashop.testing import check_attention
+from flashop.testing import check_attention, differentiable_inputs
 
 DEVICE = "cpu" if flashop.INTERPRETING else "cuda"
 
@@ -29,10 +29,24 @@ class Case:
     causal: bool = False
     scale: Optional[float] = None
     layout: str = "contiguous"  # "contiguous" | "bhsd" (heads-major storage) | "padded"
+    # score modifiers (docs/modifiers.md)
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[tuple] = None  # shape of alibi_slopes: (H,) or (B, H)
+    gate: Optional[torch.dtype] = None  # dtype of g (B, S_k, H)
+    mask: Optional[torch.dtype] = None  # dtype of attn_mask: bool, or float (additive)
+    mask_shape: Optional[tuple] = None  # broadcastable to (B, H, S_q, S_k)
+    mask_keep: float = 0.7  # fraction of pairs a boolean mask keeps
+    mask_grad: bool = False  # a float attn_mask requires grad
 
     @property
     def H(self) -> int:
         return self.H_kv * self.G
+
+    def options(self) -> dict:
+        """Keyword options of flashop.attention."""
+        return dict(causal=self.causal, scale=self.scale, window_size=self.window_size,
+                    softcap=self.softcap)
 
 
 def _strided_randn(shape, dtype, layout, generator):
@@ -60,6 +74,30 @@ def make_inputs(case: Case, seed: int = 0):
     return [t.requires_grad_() for t in (q, k, v)], dout, dlse
 
 
+def make_modifiers(case: Case, seed: int = 0) -> dict:
+    """attn_mask, alibi_slopes and g of the case (None where it has none)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    mods = dict(attn_mask=None, alibi_slopes=None, g=None)
+    if case.alibi is not None:
+        # FlashAttention's slopes are 2^(-8h/H); any positive slopes will do here
+        mods["alibi_slopes"] = torch.rand(case.alibi, device=DEVICE, generator=gen)
+    if case.gate is not None:
+        # log-decays as FLA's gates: logsigmoid of a normal, in (-inf, 0)
+        g = torch.nn.functional.logsigmoid(
+            2 + torch.randn(case.B, case.S_k, case.H, device=DEVICE, generator=gen))
+        mods["g"] = g.to(case.gate).requires_grad_()
+    if case.mask is torch.bool:
+        mods["attn_mask"] = torch.rand(case.mask_shape, device=DEVICE,
+                                       generator=gen) < case.mask_keep
+    elif case.mask is not None:
+        bias = torch.randn(case.mask_shape, device=DEVICE, generator=gen)
+        # some pairs masked by -inf, as an additive SDPA mask may hold
+        bias = bias.masked_fill(torch.rand(case.mask_shape, device=DEVICE, generator=gen)
+                                > case.mask_keep, float("-inf"))
+        mods["attn_mask"] = bias.to(case.mask).requires_grad_(case.mask_grad)
+    return mods
+
+
 @contextlib.contextmanager
 def poisoned_outputs():
     """Within this block torch.empty fills floating-point memory with NaN, so an element a
@@ -76,21 +114,27 @@ def poisoned_outputs():
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
-def run_flashop(case: Case, inputs, dout, dlse):
-    """out, lse and (dq, dk, dv) from flashop, with poisoned output memory."""
+def run_flashop(case: Case, inputs, dout, dlse, mods=None):
+    """out, lse and the gradients of differentiable_inputs (dq, dk, dv[, dg][, dattn_mask])
+    from flashop, with poisoned output memory."""
+    mods = mods or {}
     with poisoned_outputs():
-        out, lse = flashop.attention_with_lse(*inputs, causal=case.causal, scale=case.scale)
-        grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+        out, lse = flashop.attention_with_lse(*inputs, **mods, **case.options())
+        wrt = differentiable_inputs(*inputs, mods.get("attn_mask"), mods.get("g"))
+        grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
     return out, lse, grads
 
 
 def check_case(case: Case, seed: int = 0):
     """Run flashop (outputs poisoned) and apply the accuracy rule (flashop.testing) to out,
-    lse (2x) and dq, dk, dv (3x) against the fp64 reference and plain PyTorch in case.dtype."""
+    lse (2x) and every gradient (3x) against the fp64 reference and plain PyTorch in
+    case.dtype."""
     inputs, dout, dlse = make_inputs(case, seed)
-    out, lse, grads = run_flashop(case, inputs, dout, dlse)
+    mods = make_modifiers(case, seed)
+    out, lse, grads = run_flashop(case, inputs, dout, dlse, mods)
     assert out.dtype == case.dtype and lse.dtype == torch.float32
-    assert all(g.dtype == case.dtype for g in grads)
-    for result in check_attention(*inputs, dout, dlse, out, lse, grads, causal=case.causal,
-                                  scale=case.scale):
+    wrt = differentiable_inputs(*inputs, mods["attn_mask"], mods["g"])
+    assert all(g.dtype == x.dtype for g, x in zip(grads, wrt.values()))
+    for result in check_attention(*inputs, dout, dlse, out, lse, grads, **mods,
+                                  **case.options()):
         assert result.ok, str(result)

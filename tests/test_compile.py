@@ -13,10 +13,17 @@ pytestmark = pytest.mark.compile
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block with grouped-query causal attention."""
+    """Pre-norm transformer block with grouped-query causal attention; with ``modifiers``,
+    also a sliding window, softcap, ALiBi, a learned log-decay gate and a learned distance
+    bias (a float attn_mask that requires grad)."""
 
-    def __init__(self, dim=64, heads=4, kv_heads=2):
+    def __init__(self, dim=64, heads=4, kv_heads=2, modifiers=False):
         super().__init__()
+        self.modifiers = modifiers
+        if modifiers:
+            self.gate = nn.Linear(dim, heads)
+            self.bias_scale = nn.Parameter(torch.tensor(0.05))
+            self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads))
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.norm1 = nn.LayerNorm(dim)
         self.q = nn.Linear(dim, dim, bias=False)
@@ -30,7 +37,14 @@ class Block(nn.Module):
         h = self.norm1(x)
         q = self.q(h).view(B, S, self.heads, self.head_dim)
         k, v = self.kv(h).view(B, S, 2, self.kv_heads, self.head_dim).unbind(2)
-        o = flashop.attention(q, k, v, causal=True)
+        if self.modifiers:
+            pos = torch.arange(S, device=x.device, dtype=torch.float32)
+            bias = -self.bias_scale * (pos[:, None] - pos[None, :]).abs()  # (S, S)
+            g = nn.functional.logsigmoid(self.gate(h).float())  # (B, S, heads)
+            o = flashop.attention(q, k, v, bias, self.slopes, g, causal=True,
+                                  window_size=(24, 0), softcap=20.0)
+        else:
+            o = flashop.attention(q, k, v, causal=True)
         x = x + self.proj(o.reshape(B, S, -1))
         return x + self.mlp(self.norm2(x))
 
@@ -41,10 +55,11 @@ def _run(model, x):
     return out, grads
 
 
-def test_block_compiles_fullgraph_matches_eager_and_does_not_recompile():
+@pytest.mark.parametrize("modifiers", [False, True])
+def test_block_compiles_fullgraph_matches_eager_and_does_not_recompile(modifiers):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = Block().to(DEVICE)
+    model = Block(modifiers=modifiers).to(DEVICE)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
     frames = []

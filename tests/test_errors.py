@@ -85,6 +85,47 @@ class TestErrors(TestCase):
             torch.ops.flashop.attention_backward(q[:, :4], lse, q, q, q, q, lse)
         self.assertExpectedInline(str(ctx.exception), """flashop.attention_backward: dout must have shape (1, 8, 2, 16), got (1, 4, 2, 16)""")  # noqa: B950
 
+    def test_window_size(self):
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(self.message(q, q, q, window_size=(-2, 3)), """flashop.attention: window_size must be (left, right) with each >= 0, or -1 for no bound, got (-2, 3)""")  # noqa: B950
+        self.assertExpectedInline(self.message(q, q, q, window_size=(4,)), """flashop.attention: window_size must be (left, right) with each >= 0, or -1 for no bound, got (4,)""")  # noqa: B950
+
+    def test_causal_window_reaching_ahead(self):
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(
+            self.message(q, q, q, causal=True, window_size=(16, 4)), """flashop.attention: causal=True attends no key after the query, but window_size=(16, 4) asks for 4 after it; pass window_size=(16, 0) (or -1) with causal=True, or causal=False for a two-sided window""")  # noqa: B950
+
+    def test_softcap(self):
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(self.message(q, q, q, softcap=-1.0), """flashop.attention: softcap must be a finite float >= 0 (0 turns it off), got -1.0""")  # noqa: B950
+
+    def test_alibi_slopes(self):
+        q = _t(2, 8, 4, 16)
+        self.assertExpectedInline(
+            self.message(q, q, q, alibi_slopes=torch.ones(4, 2, device=DEVICE)), """flashop.attention: alibi_slopes must have shape (H,) = (4,) or (B, H) = (2, 4), got (4, 2)""")  # noqa: B950
+        self.assertExpectedInline(
+            self.message(q, q, q, alibi_slopes=torch.ones(4, device=DEVICE).half()), """flashop.attention: alibi_slopes must be torch.float32, got torch.float16""")  # noqa: B950
+
+    def test_gate_needs_causal(self):
+        q = _t(2, 8, 4, 16)
+        self.assertExpectedInline(
+            self.message(q, q, q, g=torch.zeros(2, 8, 4, device=DEVICE)), """flashop.attention: the log-decay gate g requires causal=True (as in flash-linear-attention: the decay G_i - G_j is a decay only for keys j before query i)""")  # noqa: B950
+
+    def test_gate_shape(self):
+        q, k = _t(2, 8, 4, 16), _t(2, 12, 2, 16)
+        self.assertExpectedInline(
+            self.message(q, k, k, g=torch.zeros(2, 8, 4, device=DEVICE), causal=True), """flashop.attention: g must have shape (B, S_k, H) = (2, 12, 4) (one log-decay per key position and query head; query i sits at position i + S_k - S_q), got (2, 8, 4)""")  # noqa: B950
+
+    def test_attn_mask_shape(self):
+        q, k = _t(2, 8, 4, 16), _t(2, 12, 2, 16)
+        mask = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
+        self.assertExpectedInline(self.message(q, k, k, attn_mask=mask), """flashop.attention: attn_mask of shape (8, 8) does not broadcast to (B, H, S_q, S_k) = (2, 4, 8, 12); give it that shape, or 1 in the dims it shares""")  # noqa: B950
+
+    def test_attn_mask_dtype(self):
+        q = _t(2, 8, 4, 16)
+        mask = torch.ones(8, 8, dtype=torch.int64, device=DEVICE)
+        self.assertExpectedInline(self.message(q, q, q, attn_mask=mask), """flashop.attention: attn_mask must be torch.bool or torch.float32 or torch.float16, got torch.int64""")  # noqa: B950
+
     def test_errors_surface_under_torch_compile(self):
         fn = torch.compile(flashop.attention, fullgraph=True, backend="eager")
         with self.assertRaisesRegex(Exception, "must be a multiple of the number of key/value"):

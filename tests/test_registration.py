@@ -6,14 +6,27 @@ from expecttest import TestCase
 from torch.library import opcheck
 
 import flashop
-from helpers import Case, make_inputs
+from helpers import Case, make_inputs, make_modifiers
 
 OPCHECK_CASES = [
     Case(B=2, S_q=37, S_k=53, H_kv=2, G=2, D=40, DV=24, dtype=torch.float32, causal=True),
     Case(B=1, S_q=40, S_k=17, H_kv=1, G=3, D=16, DV=16, dtype=torch.float16, causal=True,
          scale=0.5, layout="bhsd"),
     Case(B=1, S_q=19, S_k=33, H_kv=2, G=1, D=24, DV=32, dtype=torch.bfloat16, causal=False),
+    # every modifier at once, the float attn_mask with its gradient
+    Case(B=2, S_q=30, S_k=41, H_kv=1, G=2, D=16, DV=16, dtype=torch.float32, causal=True,
+         window_size=(12, 0), softcap=4.0, alibi=(2, 2), gate=torch.float32,
+         mask=torch.float32, mask_shape=(2, 1, 30, 41), mask_grad=True),
+    Case(B=1, S_q=25, S_k=20, H_kv=2, G=1, D=16, DV=16, dtype=torch.float16,
+         window_size=(5, 3), mask=torch.bool, mask_shape=(25, 20)),
 ]
+
+
+def _args(case):
+    """(q, k, v, attn_mask, alibi_slopes, g) and the keyword options of the case."""
+    (q, k, v), _, _ = make_inputs(case)
+    mods = make_modifiers(case)
+    return (q, k, v, mods["attn_mask"], mods["alibi_slopes"], mods["g"]), case.options()
 
 
 class TestSchemas(TestCase):
@@ -22,9 +35,9 @@ class TestSchemas(TestCase):
             torch.ops.flashop.attention, torch.ops.flashop.attention_with_lse,
             torch.ops.flashop.attention_backward))
         self.assertExpectedInline(schemas, """\
-flashop::attention(Tensor q, Tensor k, Tensor v, *, bool causal=False, float? scale=None) -> Tensor
-flashop::attention_with_lse(Tensor q, Tensor k, Tensor v, *, bool causal=False, float? scale=None) -> (Tensor, Tensor)
-flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, *, bool causal=False, float? scale=None) -> (Tensor, Tensor, Tensor)""")  # noqa: B950
+flashop::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> Tensor
+flashop::attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor)
+flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)""")  # noqa: B950
 
     def test_python_functions_have_the_ops_names(self):
         for fn in (flashop.attention, flashop.attention_with_lse):
@@ -34,15 +47,16 @@ flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
 @pytest.mark.parametrize("op", ["attention", "attention_with_lse"])
 def test_opcheck_forward(case, op):
-    (q, k, v), _, _ = make_inputs(case)
-    opcheck(getattr(torch.ops.flashop, op).default, (q, k, v),
-            {"causal": case.causal, "scale": case.scale})
+    args, options = _args(case)
+    opcheck(getattr(torch.ops.flashop, op).default, args, options)
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
 def test_opcheck_backward(case):
-    (q, k, v), dout, dlse = make_inputs(case)
-    out, lse = flashop.attention_with_lse(q, k, v, causal=case.causal, scale=case.scale)
-    args = (dout, dlse, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach())
-    opcheck(torch.ops.flashop.attention_backward.default, args,
-            {"causal": case.causal, "scale": case.scale})
+    args, options = _args(case)
+    _, dout, dlse = make_inputs(case)
+    out, lse = flashop.attention_with_lse(*args, **options)
+    args = [None if t is None else t.detach() for t in args]
+    opcheck(torch.ops.flashop.attention_backward.default,
+            (dout, dlse, *args[:3], out.detach(), lse.detach(), *args[3:]),
+            dict(options, attn_mask_grad=case.mask_grad))

@@ -7,13 +7,19 @@ never stored. ``lse`` and ``delta`` are contiguous (B, H, S_q) fp32.
 - ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
   over the G query heads of its group, so dK and dV are summed over the group in registers.
 - ``attention_bwd_dq_kernel``: one program per query tile of one query head.
+
+With a softcap, dS is multiplied by its derivative ``1 - tanh^2`` before the dQ and dK
+products. The gate's gradient is split in two halves written by the kernels that own the
+rows: dQ writes ``sum_j dS[i, j]`` per query, dK/dV writes ``-sum_i dS[i, j]`` per key
+(both (B, H, S) fp32); the launcher adds them and undoes the cumulative sum. An additive
+``attn_mask`` that requires grad gets dS itself, written by dQ.
 """
 
 import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LOG2E, dot_operand, key_tile_range, load_tile, query_tile_range,
+    LOG2E, attention_scores, dot_operand, key_tile_range, load_tile, query_tile_range,
 )
 
 
@@ -55,15 +61,18 @@ def _lse_base2(lse):
 
 @triton.jit
 def _dkdv_query_tiles(
-    b_dk, b_dv, b_k, b_v, q, do, lse, delta, stride_qs, stride_dos, o_n, lo, hi, S_q, S_k, qk_scale,
+    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse, delta, g, mask, stride_qs, stride_dos,
+    stride_gs, stride_mq, stride_mk, o_n, m_n, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2,
+    left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate into (b_dk, b_dv) the query tiles in [lo, hi) of one query head.
+    """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head.
 
     Rows past S_q load q = dO = 0 and lse = +inf, so they add nothing. Keys past S_k were
-    loaded as 0 and their rows of dk and dv are never stored, so no key mask is needed.
+    loaded as 0 and their rows of dk, dv and dgk are never stored, so no key mask is needed.
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -77,43 +86,62 @@ def _dkdv_query_tiles(
         b_lse = _lse_base2(tl.load(lse + o_m, mask=m_m, other=float("inf")))
         # S^T = K Q^T [BLOCK_N, BLOCK_M]
         b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
+        b_gq = 0.0
+        if HAS_GATE:
+            o_gq = o_m + (S_k - S_q)
+            b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)[None, :]
+            b_gq = b_gq * LOG2E
+        b_st, b_tt = attention_scores(
+            b_st, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left, right,
+            softcap2, alibi2, b_gq, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
-        if MASK:
-            b_pt = tl.where(o_n[:, None] <= o_m[None, :] + (S_k - S_q), b_pt, 0.0)
         # dO tile [BLOCK_M, BLOCK_DV]
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                          o_dv[None, :] < DV, True, BLOCK_DV != DV)
         b_do = dot_operand(b_do, UPCAST)
         # dV += P^T dO [BLOCK_N, BLOCK_DV]
         b_dv = tl.dot(dot_operand(b_pt.to(do.dtype.element_ty), UPCAST), b_do, b_dv,
-                    input_precision=DOT_PRECISION)
+                      input_precision=DOT_PRECISION)
         b_delta = tl.load(delta + o_m, mask=m_m, other=0.0)
         # dP^T = V dO^T [BLOCK_N, BLOCK_M]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
+        if HAS_GATE:
+            # [BLOCK_N]
+            b_dgk -= tl.sum(b_dst, 1)
+        if HAS_SOFTCAP:
+            b_dst = b_dst * (1.0 - b_tt * b_tt)
         # dK += dS^T Q [BLOCK_N, BLOCK_D]
         b_dk = tl.dot(dot_operand(b_dst.to(q.dtype.element_ty), UPCAST),
                       tl.trans(dot_operand(b_qt, UPCAST)), b_dk, input_precision=DOT_PRECISION)
-    return b_dk, b_dv
+    return b_dk, b_dv, b_dgk
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, dk, dv,
+    q, k, v, do, lse, delta, alibi, g, mask, dk, dv, dgk,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
+    stride_ab, stride_ah,
+    stride_gb, stride_gs, stride_gh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    S_q, S_k, H, G, sm_scale, qk_scale,
+    S_q, S_k, H, G, sm_scale, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dK, dV of one key tile of key/value head i_hk, summed over its G query heads."""
+    """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
+    gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap2 = tl.cast(softcap2, tl.float32)
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -133,19 +161,49 @@ def attention_bwd_dkdv_kernel(
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    lo, hi_mask = query_tile_range(start_n, S_q, S_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, hi = query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
+                                          BLOCK_M, BLOCK_N)
     for i_g in range(0, G):
         i_h = i_hk * G + i_g
         p_q = q + i_b * stride_qb + i_h * stride_qh
         p_do = do + i_b * stride_dob + i_h * stride_doh
         p_lse = lse + (i_b * H + i_h) * S_q
         p_delta = delta + (i_b * H + i_h) * S_q
-        b_dk, b_dv = _dkdv_query_tiles(
-            b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_qs, stride_dos, o_n, lo, hi_mask,
-            S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, UPCAST, DOT_PRECISION)
-        b_dk, b_dv = _dkdv_query_tiles(
-            b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_qs, stride_dos, o_n, hi_mask, S_q,
-            S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, UPCAST, DOT_PRECISION)
+        alibi2 = 0.0
+        if HAS_ALIBI:
+            alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
+        p_g = g
+        b_gk = 0.0
+        if HAS_GATE:
+            p_g = g + i_b * stride_gb + i_h * stride_gh
+            b_gk = tl.load(p_g + o_n * stride_gs, mask=m_n, other=0.0)[:, None] * LOG2E
+        p_mask = mask
+        if MASK_KIND != 0:
+            p_mask = mask + i_b * stride_mb + i_h * stride_mh
+        # [BLOCK_N]
+        b_dgk = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HAS_RIGHT:
+            b_dk, b_dv, b_dgk = _dkdv_query_tiles(
+                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
+                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, o_n, m_n, lo, u_lo,
+                S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
+                UPCAST, DOT_PRECISION)
+        b_dk, b_dv, b_dgk = _dkdv_query_tiles(
+            b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
+            stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, o_n, m_n, u_lo, u_hi,
+            S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
+            UPCAST, DOT_PRECISION)
+        if HAS_LEFT:
+            b_dk, b_dv, b_dgk = _dkdv_query_tiles(
+                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
+                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, o_n, m_n, u_hi, hi,
+                S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
+                UPCAST, DOT_PRECISION)
+        if HAS_GATE:
+            tl.store(dgk + (i_b * H + i_h) * S_k + o_n, b_dgk, mask=m_n)
 
     b_dk = b_dk * sm_scale
     tl.store(dk + i_b * stride_dkb + i_hk * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :],
@@ -156,12 +214,17 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_tiles(
-    b_dq, b_q, b_do, b_lse, b_delta, k, v, stride_ks, stride_vs, o_m, lo, hi, S_q, S_k, qk_scale,
+    b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks, stride_vs,
+    stride_gs, stride_mq, stride_mk, stride_dmq, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2,
+    alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate into b_dq the key tiles in [lo, hi); ``MASK`` as in the forward."""
+    """Accumulate into (b_dq, b_dgq) the key tiles in [lo, hi); ``MASK`` as in the forward.
+    Where ``MASK_GRAD``, write dS into ``dmask`` (rows of stride ``stride_dmq``)."""
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -175,37 +238,54 @@ def _dq_key_tiles(
                                      o_dv[:, None] < DV, MASK, BLOCK_DV != DV), UPCAST)
         # [BLOCK_M, BLOCK_N]
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
+        b_gk = 0.0
+        if HAS_GATE:
+            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
+        b_s, b_t = attention_scores(
+            b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
+            softcap2, alibi2, b_gq, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
-        if MASK:
-            m_keep = m_n[None, :]
-            if IS_CAUSAL:
-                m_keep = m_keep & (o_n[None, :] <= o_m[:, None] + (S_k - S_q))
-            b_p = tl.where(m_keep, b_p, 0.0)
         # dP = dO V^T [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
         b_ds = b_p * (b_dp - b_delta[:, None])
+        if MASK_GRAD:
+            tl.store(dmask + o_m[:, None] * stride_dmq + o_n[None, :], b_ds,
+                     mask=m_m[:, None] & m_n[None, :])
+        if HAS_GATE:
+            # [BLOCK_M]
+            b_dgq += tl.sum(b_ds, 1)
+        if HAS_SOFTCAP:
+            b_ds = b_ds * (1.0 - b_t * b_t)
         # dQ += dS K [BLOCK_M, BLOCK_D]
         b_dq = tl.dot(dot_operand(b_ds.to(k.dtype.element_ty), UPCAST), tl.trans(b_kt), b_dq,
                       input_precision=DOT_PRECISION)
-    return b_dq
+    return b_dq, b_dgq
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    q, k, v, do, lse, delta, dq,
+    q, k, v, do, lse, delta, alibi, g, mask, dq, dgq, dmask,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
+    stride_ab, stride_ah,
+    stride_gb, stride_gs, stride_gh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dqb, stride_dqs, stride_dqh,
-    S_q, S_k, H, G, sm_scale, qk_scale,
+    S_q, S_k, H, G, sm_scale, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ of one query tile of query head i_h."""
+    """dQ of one query tile of query head i_h; with a gate, also dgq[b, h, i] =
+    sum_j dS[i, j]; where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask``."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap2 = tl.cast(softcap2, tl.float32)
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -229,14 +309,44 @@ def attention_bwd_dq_kernel(
     b_lse = _lse_base2(tl.load(lse + row, mask=m_m, other=float("inf")))
     b_delta = tl.load(delta + row, mask=m_m, other=0.0)
 
+    alibi2 = 0.0
+    if HAS_ALIBI:
+        alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
+    b_gq = 0.0
+    if HAS_GATE:
+        g += i_b * stride_gb + i_h * stride_gh
+        o_gq = o_m + (S_k - S_q)
+        b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)[:, None] * LOG2E
+    if MASK_KIND != 0:
+        mask += i_b * stride_mb + i_h * stride_mh
+    if MASK_GRAD:
+        dmask += (i_b * H + i_h) * S_q * S_k
+
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo_mask, hi = key_tile_range(start_m, S_q, S_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    b_dq = _dq_key_tiles(b_dq, b_q, b_do, b_lse, b_delta, k, v, stride_ks, stride_vs, o_m, 0, lo_mask,
-                       S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, IS_CAUSAL,
-                       UPCAST, DOT_PRECISION)
-    b_dq = _dq_key_tiles(b_dq, b_q, b_do, b_lse, b_delta, k, v, stride_ks, stride_vs, o_m, lo_mask, hi,
-                       S_q, S_k, qk_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IS_CAUSAL,
-                       UPCAST, DOT_PRECISION)
+    b_dgq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
+                                        BLOCK_M, BLOCK_N)
+    if HAS_LEFT:
+        b_dq, b_dgq = _dq_key_tiles(
+            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks,
+            stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, lo, u_lo, S_q, S_k,
+            qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
+            DOT_PRECISION)
+    b_dq, b_dgq = _dq_key_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks,
+        stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, u_lo, u_hi, S_q, S_k,
+        qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
+        DOT_PRECISION)
+    b_dq, b_dgq = _dq_key_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks,
+        stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, u_hi, hi, S_q, S_k,
+        qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
+        DOT_PRECISION)
     b_dq = b_dq * sm_scale
     tl.store(dq + i_b * stride_dqb + i_h * stride_dqh + o_m[:, None] * stride_dqs + o_d[None, :],
              b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))
+    if HAS_GATE:
+        tl.store(dgq + row, b_dgq, mask=m_m)

@@ -45,42 +45,118 @@ def load_tile(p, m_rows, m_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 
 @triton.jit
-def key_tile_range(start_m, S_q, S_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Keys that the query tile [start_m, start_m + BLOCK_M) attends: ``[0, hi)``.
-
-    Tiles in ``[0, lo_mask)`` need no mask at all; tiles in ``[lo_mask, hi)`` need the causal
-    and/or key-length mask. Causal is aligned to the bottom-right corner: query ``i`` attends
-    key ``j`` iff ``j <= i + S_k - S_q``. Tiles past ``hi`` are never visited.
-    """
-    n_full = (S_k // BLOCK_N) * BLOCK_N  # keys in whole tiles
-    if IS_CAUSAL:
-        diag = start_m + S_k - S_q  # the last key the first row of the tile attends
-        hi = tl.minimum(S_k, tl.maximum(diag + BLOCK_M, 0))
-        # tiles ending at or before diag + 1 are below the diagonal for every row;
-        # lo_mask <= hi since diag + 1 <= diag + BLOCK_M and n_full <= S_k
-        lo_mask = tl.minimum((tl.maximum(diag + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
-    else:
-        hi = S_k
-        lo_mask = n_full
-    return lo_mask, hi
+def tanh(x):
+    """tanh from exp2 (no libdevice call, so it also runs under the interpreter); saturates
+    to +-1 without NaN for large |x|."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
-def query_tile_range(start_n, S_q, S_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """Queries that attend some key of the tile [start_n, start_n + BLOCK_N): ``[lo, S_q)``.
+def key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys that the query tile [start_m, start_m + BLOCK_M) attends: ``(lo, u_lo, u_hi, hi)``.
 
-    ``lo`` is aligned to BLOCK_M. Tiles in ``[lo, hi_mask)`` need the causal mask, tiles in
-    ``[hi_mask, S_q)`` attend every key of the tile.
+    Query ``i`` attends key ``j`` iff ``i + S_k - S_q - left <= j <= i + S_k - S_q + right``
+    (bounds only where ``HAS_LEFT`` / ``HAS_RIGHT``; causal is ``right = 0``). Tiles in
+    ``[u_lo, u_hi)`` are inside the window for every row and need no mask; tiles in
+    ``[lo, u_lo)`` and ``[u_hi, hi)`` need the window and/or key-length mask; tiles outside
+    ``[lo, hi)`` are never visited. Tile starts are multiples of BLOCK_N.
     """
-    if IS_CAUSAL:
-        first = tl.maximum(start_n + S_q - S_k, 0)  # the first query that attends key start_n
-        lo = tl.minimum((first // BLOCK_M) * BLOCK_M, S_q)
-        # the first query that attends every key of the tile, rounded up to a tile start
-        full = tl.maximum(start_n + BLOCK_N - 1 + S_q - S_k, 0)
-        hi_mask = tl.maximum(tl.minimum(tl.cdiv(full, BLOCK_M) * BLOCK_M, S_q), lo)
+    off = S_k - S_q
+    n_full = (S_k // BLOCK_N) * BLOCK_N  # keys in whole tiles
+    if HAS_RIGHT:
+        # the last row attends up to start_m + BLOCK_M - 1 + off + right
+        hi = tl.minimum(S_k, tl.maximum(start_m + BLOCK_M + off + right, 0))
+        # tiles ending at or before the first row's last key are inside for every row;
+        # (x // BLOCK_N) truncates, so x is clamped to >= 0 first
+        u_hi = tl.minimum((tl.maximum(start_m + off + right + 1, 0) // BLOCK_N) * BLOCK_N,
+                          n_full)
+    else:
+        hi = S_k
+        u_hi = n_full
+    if HAS_LEFT:
+        # the first row attends from start_m + off - left, the last row from
+        # start_m + BLOCK_M - 1 + off - left
+        lo = tl.minimum((tl.maximum(start_m + off - left, 0) // BLOCK_N) * BLOCK_N, hi)
+        u_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + off - left, 0), BLOCK_N) * BLOCK_N
+        u_lo = tl.minimum(tl.maximum(u_lo, lo), hi)
+        u_hi = tl.minimum(tl.maximum(u_hi, u_lo), hi)
     else:
         lo = 0
-        hi_mask = 0
-    return lo, hi_mask
+        u_lo = 0
+    return lo, u_lo, u_hi, hi
+
+
+@triton.jit
+def query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
+                     HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Queries that attend some key of the tile [start_n, start_n + BLOCK_N):
+    ``(lo, u_lo, u_hi, hi)`` as in :func:`key_tile_range`, with query tiles of BLOCK_M.
+
+    Key ``j`` is attended by queries ``j - off - right <= i <= j - off + left``
+    (``off = S_k - S_q``). Query tiles past S_q need no mask here: their rows load zeros and
+    add nothing.
+    """
+    off = S_k - S_q
+    if HAS_RIGHT:
+        lo = tl.minimum((tl.maximum(start_n - off - right, 0) // BLOCK_M) * BLOCK_M, S_q)
+        # the first query that attends every key of the tile, rounded up to a tile start
+        u_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - off - right, 0), BLOCK_M) * BLOCK_M
+        u_lo = tl.maximum(tl.minimum(u_lo, S_q), lo)
+    else:
+        lo = 0
+        u_lo = 0
+    if HAS_LEFT:
+        hi = tl.minimum(S_q, tl.maximum(start_n + BLOCK_N - off + left, 0))
+        # tiles whose last row still attends the tile's first key
+        u_hi = (tl.maximum(start_n - off + left + 1, 0) // BLOCK_M) * BLOCK_M
+        lo = tl.minimum(lo, hi)
+        u_lo = tl.minimum(u_lo, hi)
+        u_hi = tl.minimum(tl.maximum(u_hi, u_lo), hi)
+    else:
+        hi = S_q
+        u_hi = S_q
+    return lo, u_lo, u_hi, hi
+
+
+@triton.jit
+def attention_scores(
+    b_s, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap2, alibi2, b_gq, b_gk,
+    p_mask, stride_mq, stride_mk,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+):
+    """Scores in base-2 units of one tile, -inf where masked; also ``t = tanh(...)`` for the
+    softcap's derivative (``b_s`` where there is no softcap).
+
+    The tile may be [queries, keys] or transposed: ``o_q``/``m_q`` (query indices and their
+    bound) and ``o_k``/``m_k`` broadcast against ``b_s``, as do the gate blocks ``b_gq``,
+    ``b_gk`` (cumulative gates, already in base-2 units). ``b_s`` is ``q . k`` times
+    ``scale * log2 e``, or times ``scale / softcap`` when ``HAS_SOFTCAP``. In order
+    (docs/modifiers.md): softcap, ALiBi (``alibi2 = -slope * log2 e``), gate, additive
+    ``attn_mask`` (``MASK_KIND`` 1), then the masks: window/causal and key length where
+    ``MASK``, boolean ``attn_mask`` (``MASK_KIND`` 2).
+    """
+    t = b_s
+    if HAS_SOFTCAP:
+        t = tanh(b_s)
+        b_s = t * softcap2
+    if HAS_ALIBI:
+        b_s += alibi2 * tl.abs(o_q + (S_k - S_q) - o_k).to(tl.float32)
+    if HAS_GATE:
+        b_s += b_gq - b_gk
+    if MASK_KIND == 1:
+        b_bias = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k, other=0.0)
+        b_s += b_bias.to(tl.float32) * LOG2E
+    if MASK_KIND == 2:
+        b_keep = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k, other=0)
+        b_s = tl.where(b_keep != 0, b_s, float("-inf"))
+    if MASK:
+        m_keep = m_k
+        if HAS_RIGHT:
+            m_keep = m_keep & (o_k <= o_q + (S_k - S_q) + right)
+        if HAS_LEFT:
+            m_keep = m_keep & (o_k >= o_q + (S_k - S_q) - left)
+        b_s = tl.where(m_keep, b_s, float("-inf"))
+    return b_s, t

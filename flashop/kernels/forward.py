@@ -1,26 +1,32 @@
 """FlashAttention-2 forward: one program per (query tile, head, batch), online softmax in exp2.
 
 Scores are kept in base-2 units (``qk_scale = scale * log2(e)``); the log-sum-exp is
-written in natural-log units, the convention of the public API.
+written in natural-log units, the convention of the public API. Score modifiers (window,
+softcap, ALiBi, gate, ``attn_mask``) are compile-time flags: without them the kernel is the
+plain one.
 """
 
 import triton
 import triton.language as tl
 
-from flashop.kernels.common import LN2, dot_operand, key_tile_range, load_tile
+from flashop.kernels.common import (
+    LN2, LOG2E, attention_scores, dot_operand, key_tile_range, load_tile,
+)
 
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, b_q, k, v, stride_ks, stride_vs, o_m, lo, hi, S_q, S_k, qk_scale,
+    acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+    stride_mk, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i).
 
-    ``MASK`` tiles may cross the causal diagonal or the end of the keys; the others are
-    attended by every row of the query tile and skip all masking.
+    ``MASK`` tiles may cross the window (causal) bounds or the end of the keys; the others
+    are inside for every row of the query tile and skip that masking.
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -33,18 +39,19 @@ def _fwd_key_tiles(
                          o_d[:, None] < D, MASK, BLOCK_D != D)
         # [BLOCK_M, BLOCK_N]
         b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
-        if MASK:
-            m_keep = m_n[None, :]
-            if IS_CAUSAL:
-                m_keep = m_keep & (o_n[None, :] <= o_m[:, None] + (S_k - S_q))
-            b_s = tl.where(m_keep, b_s, float("-inf"))
-            # [BLOCK_M]
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        b_gk = 0.0
+        if HAS_GATE:
+            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
+        b_s, _ = attention_scores(
+            b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
+            softcap2, alibi2, b_gq, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+        # [BLOCK_M]
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        if MASK or MASK_KIND != 0:
             # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            # [BLOCK_M]
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
             m_sub = m_new
         b_p = tl.math.exp2(b_s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
@@ -61,21 +68,29 @@ def _fwd_key_tiles(
 
 @triton.jit
 def attention_fwd_kernel(
-    q, k, v, o, lse,
+    q, k, v, o, lse, alibi, g, mask,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    S_q, S_k, H, G, qk_scale,
+    stride_ab, stride_ah,
+    stride_gb, stride_gs, stride_gh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    S_q, S_k, H, G, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """o[b, i, h] = softmax_j(scale * q[b, i, h] . k[b, j, h // G]) v[b, j, h // G].
+    """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
     Also writes lse[b, h, i] (natural log) into the contiguous (B, H, S_q) fp32 ``lse``.
+    ``alibi`` (slopes), ``g`` (the cumulative gate, (B, S_k, H) fp32) and ``mask`` are read
+    only where their flag is set.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
+    softcap2 = tl.cast(softcap2, tl.float32)
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -96,18 +111,41 @@ def attention_fwd_kernel(
                     True, BLOCK_D != D)
     b_q = dot_operand(b_q, UPCAST)
 
+    alibi2 = 0.0
+    if HAS_ALIBI:
+        alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
+    b_gq = 0.0
+    if HAS_GATE:
+        g += i_b * stride_gb + i_h * stride_gh
+        # query i sits at key position i + S_k - S_q
+        o_gq = o_m + (S_k - S_q)
+        b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)[:, None] * LOG2E
+    if MASK_KIND != 0:
+        mask += i_b * stride_mb + i_h * stride_mh
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    lo_mask, hi = key_tile_range(start_m, S_q, S_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
+                                        BLOCK_M, BLOCK_N)
+    if HAS_LEFT:
+        acc, l_i, m_i = _fwd_key_tiles(
+            acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+            stride_mk, o_m, m_m, lo, u_lo, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, b_q, k, v, stride_ks, stride_vs, o_m, 0, lo_mask, S_q, S_k, qk_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, IS_CAUSAL, UPCAST, DOT_PRECISION)
+        acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+        stride_mk, o_m, m_m, u_lo, u_hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, b_q, k, v, stride_ks, stride_vs, o_m, lo_mask, hi, S_q, S_k, qk_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IS_CAUSAL, UPCAST, DOT_PRECISION)
+        acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+        stride_mk, o_m, m_m, u_hi, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
 
-    # rows that attend no key (causal with S_q > S_k, or S_k == 0): output 0, lse -inf
+    # rows that attend no key (outside the window, masked out, or S_k == 0): output 0, lse -inf
     m_empty = l_i == 0.0
     l_safe = tl.where(m_empty, 1.0, l_i)
     b_o = acc / l_safe[:, None]

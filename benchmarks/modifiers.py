@@ -1,0 +1,150 @@
+"""Cost of each score modifier: flashop with a modifier against flashop without, and
+FlexAttention with the same mask or score modification where it has one.
+
+bf16, D = 128, 16384 tokens per batch, hidden size 2048 (as benchmarks/attention.py).
+TFLOP/s count only the (query, key) pairs a variant attends (so a window is not credited
+with the pairs it skips); ``ms`` is the time itself.
+
+Usage: python benchmarks/modifiers.py [--seqlens 4096,16384] [--out PATH.csv]
+"""
+
+import argparse
+import csv
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import TOKENS, HIDDEN, gpu_slug, import_flashop, int_list  # noqa: E402
+
+CSV_HEADER = ["gpu", "torch", "triton", "provider", "variant", "dtype", "D", "N", "B", "H",
+              "causal", "pass", "ms", "tflops"]
+WINDOW = 1024
+
+
+def variants(N, H, B, device):
+    """name -> (causal, window_size, extra keyword arguments of flashop.attention)."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device=device) / H)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, N, H, device=device) + 4)
+    keep = torch.rand(1, 1, N, N, device=device) < 0.9
+    bias = torch.randn(1, 1, N, N, device=device, dtype=torch.bfloat16)
+    return {
+        "plain": (False, (-1, -1), {}),
+        "window 512/512": (False, (512, 512), {}),
+        "causal": (True, (-1, -1), {}),
+        f"causal window {WINDOW}": (True, (WINDOW, 0), {}),
+        "causal softcap 30": (True, (-1, -1), dict(softcap=30.0)),
+        "causal alibi": (True, (-1, -1), dict(alibi_slopes=slopes)),
+        "causal gate": (True, (-1, -1), dict(g=g)),
+        "causal bool mask": (True, (-1, -1), dict(attn_mask=keep)),
+        "causal bf16 bias": (True, (-1, -1), dict(attn_mask=bias)),
+    }
+
+
+def attended_pairs(N, causal, window):
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(N, dtype=torch.float64)
+    hi = torch.clamp(i + right, max=N - 1) if right >= 0 else torch.full_like(i, N - 1)
+    lo = torch.clamp(i - left, min=0) if left >= 0 else torch.zeros_like(i)
+    return float((hi - lo + 1).sum())
+
+
+def flex_fn(N, causal, window):
+    """FlexAttention with a block mask for causal / sliding-window causal, or None."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if not causal or window[1] not in (0, -1):
+        return None
+    left = window[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        return keep & (q_idx - kv_idx <= left) if left >= 0 else keep
+
+    block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    block_mask=block_mask).transpose(1, 2)
+
+
+def bench(fn, q, k, v, warmup, rep):
+    out = {}
+    fn(q, k, v)
+    torch.cuda.synchronize()
+    out["fwd"] = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep,
+                                         return_mode="median")
+    o = fn(q, k, v)
+    do = torch.randn_like(o)
+    o.backward(do, retain_graph=True)
+    torch.cuda.synchronize()
+    out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
+                                         warmup=warmup, rep=rep, grad_to_none=[q, k, v],
+                                         return_mode="median")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlens", type=int_list, default=[4096, 16384])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("This benchmark needs a CUDA GPU; none is available.")
+    flashop = import_flashop()
+    gpu = torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else (
+        Path(__file__).resolve().parent / "results"
+        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-modifiers.csv")
+    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
+    D, rows = 128, []
+    import torch._functorch.config
+    torch._functorch.config.donated_buffer = False  # compiled backward re-run with retain_graph
+    for N in args.seqlens:
+        B, H = TOKENS // N, HIDDEN // D
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        for name, (causal, window, extra) in variants(N, H, B, "cuda").items():
+            pairs = attended_pairs(N, causal, window)
+            providers = [("flashop", lambda q, k, v, c=causal, w=window, e=extra:
+                          flashop.attention(q, k, v, causal=c, window_size=w, **e))]
+            if not args.no_flex and not extra:
+                fn = flex_fn(N, causal, window)
+                if fn is not None:
+                    providers.append(("flex", fn))
+            for provider, fn in providers:
+                try:
+                    times = bench(fn, q, k, v, args.warmup, args.rep)
+                except Exception as e:  # noqa: BLE001 (report and go on)
+                    print(f"N={N} {name} {provider}: skipped: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[-1][:160]}", flush=True)
+                    continue
+                for pass_, ms in times.items():
+                    f = 4 * B * H * pairs * D * (2.5 if pass_ == "bwd" else 1.0)
+                    tflops = f / (ms * 1e-3) / 1e12
+                    rows.append(dict(gpu=gpu, torch=torch.__version__,
+                                     triton=triton.__version__, provider=provider,
+                                     variant=name, dtype="bf16", D=D, N=N, B=B, H=H,
+                                     causal=causal, **{"pass": pass_}, ms=round(ms, 4),
+                                     tflops=round(tflops, 1)))
+                    print(f"N={N:6d} {name:<22} {provider:<8} {pass_} {ms:8.3f} ms "
+                          f"{tflops:7.1f} TFLOP/s", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_HEADER, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+    print(f"results written to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Score modifiers (window, softcap, ALiBi, gate, attn_mask) against the fp64 reference:
+Hypothesis-drawn combinations and edge cases."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import flashop
+from helpers import DEVICE, Case, check_case, make_inputs, make_modifiers, run_flashop
+
+ON_GPU = DEVICE == "cuda"
+MAX_SEQ = 400 if ON_GPU else 64
+HEAD_DIMS = [16, 24, 64, 128] if ON_GPU else [8, 16, 24, 40]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _bound(draw, length):
+    """One side of a window: -1 (unbounded) or 0 .. a little past the length."""
+    return draw(st.one_of(st.just(-1), st.integers(0, length + 4)))
+
+
+@st.composite
+def modified_cases(draw, dtype):
+    B, S_q, S_k = draw(st.integers(1, 2)), draw(st.integers(1, MAX_SEQ)), draw(
+        st.integers(1, MAX_SEQ))
+    H_kv, G = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    H = H_kv * G
+    D = draw(st.sampled_from(HEAD_DIMS))
+    causal = draw(st.booleans())
+    left = _bound(draw, S_k)
+    right = draw(st.sampled_from([-1, 0])) if causal else _bound(draw, S_k)
+    mask = draw(st.sampled_from([None, torch.bool, torch.float32, dtype]))
+    mask_shape = None
+    if mask is not None:
+        full = (B, H, S_q, S_k)
+        mask_shape = tuple(n if draw(st.booleans()) else 1 for n in full)
+        mask_shape = mask_shape[draw(st.integers(0, 2)):]  # 4, 3 or 2 dims
+    return Case(
+        B=B, S_q=S_q, S_k=S_k, H_kv=H_kv, G=G, D=D, DV=draw(st.sampled_from([D, 16])),
+        dtype=dtype, causal=causal,
+        scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D ** 0.5))),
+        window_size=(left, right),
+        softcap=draw(st.one_of(st.just(0.0), st.floats(0.5, 8.0))),
+        alibi=draw(st.sampled_from([None, (H,), (B, H)])),
+        gate=draw(st.sampled_from([None, torch.float32, dtype])) if causal else None,
+        mask=mask, mask_shape=mask_shape,
+        # a sparse mask leaves some queries nothing to attend
+        mask_keep=draw(st.sampled_from([0.05, 0.5, 0.9])),
+        mask_grad=mask not in (None, torch.bool) and draw(st.booleans()),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)  # one test per dtype: they run in parallel
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_modifiers_match_reference(dtype, data, seed):
+    check_case(data.draw(modified_cases(dtype)), seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_everything_at_once(dtype):
+    """Causal + window + softcap + ALiBi + gate + a broadcast float bias with its gradient,
+    lengths across several tiles, grouped heads."""
+    check_case(Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=24, DV=24, dtype=dtype, causal=True,
+                    window_size=(20, 0), softcap=5.0, alibi=(2, 2), gate=torch.float32,
+                    mask=torch.float32, mask_shape=(1, 2, 45, 1), mask_grad=True))
+
+
+@pytest.mark.parametrize("window_size", [(0, 0), (3, 7), (-1, 5), (9, -1), (200, 200)])
+@pytest.mark.parametrize("lengths", [(33, 71), (71, 33)])
+def test_windows(window_size, lengths):
+    S_q, S_k = lengths
+    check_case(Case(B=1, S_q=S_q, S_k=S_k, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16,
+                    window_size=window_size))
+
+
+@pytest.mark.parametrize("lengths", [(20, 50), (50, 20), (40, 40)])
+def test_gate_with_other_lengths(lengths):
+    """Query i sits at key position i + S_k - S_q, as with a KV cache."""
+    S_q, S_k = lengths
+    check_case(Case(B=1, S_q=S_q, S_k=S_k, H_kv=2, G=1, D=16, DV=16, dtype=torch.float32,
+                    causal=True, gate=torch.float32))
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    """A boolean mask that leaves some queries nothing: output 0, lse -inf, zero gradients
+    for those rows, finite everywhere."""
+    case = Case(B=1, S_q=40, S_k=30, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16,
+                mask=torch.bool, mask_shape=(1, 2, 40, 30), softcap=3.0, alibi=(2,))
+    inputs, dout, dlse = make_inputs(case)
+    mods = make_modifiers(case)
+    mods["attn_mask"][:, :, ::3] = False  # every third query attends nothing
+    out, lse, (dq, dk, dv) = run_flashop(case, inputs, dout, dlse, mods)
+    assert torch.equal(out[:, ::3], torch.zeros_like(out[:, ::3]))
+    assert torch.isneginf(lse[:, :, ::3]).all()
+    assert torch.equal(dq[:, ::3], torch.zeros_like(dq[:, ::3]))
+    for grad in (dq, dk, dv):
+        assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("shape", [(30,), (2, 1, 20, 30), (1, 2, 1, 30), (20, 1)])
+def test_bias_gradient_has_the_bias_shape(shape):
+    case = Case(B=2, S_q=20, S_k=30, H_kv=1, G=2, D=16, DV=16, dtype=torch.float32,
+                mask=torch.float32, mask_shape=shape, mask_keep=1.0, mask_grad=True)
+    check_case(case)
+
+
+def test_modifiers_compose_with_attention_op():
+    """torch.ops.flashop.attention takes the same modifiers as keyword arguments."""
+    case = Case(B=1, S_q=20, S_k=30, H_kv=1, G=2, D=16, DV=16, dtype=torch.float32,
+                causal=True, window_size=(8, 0), softcap=2.0, alibi=(2,), gate=torch.float32)
+    (q, k, v), _, _ = make_inputs(case)
+    mods = make_modifiers(case)
+    out = torch.ops.flashop.attention(q, k, v, **mods, **case.options())
+    assert torch.equal(out, flashop.attention_with_lse(q, k, v, **mods, **case.options())[0])
+
+
+def test_alibi_slopes_get_no_gradient():
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, requires_grad=True)
+    slopes = torch.rand(2, device=DEVICE, requires_grad=True)
+    out = flashop.attention(q, q, q, alibi_slopes=slopes)
+    with pytest.raises(RuntimeError, match="alibi_slopes get no gradient"):
+        out.sum().backward()
