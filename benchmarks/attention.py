@@ -102,14 +102,32 @@ def flops(B, H, N, D, causal, pass_):
     return f * 2.5 if pass_ == "bwd" else f
 
 
-def bench_one(fn, inputs, passes, warmup, rep):
-    """Time fn(*inputs) forward and/or backward; returns {pass: median ms}."""
+def _graphed(fn, q, k, v):
+    """fn(q, k, v) without autograd, captured in a CUDA graph: replaying it times the
+    kernels without the host's launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn(q, k, v)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(q, k, v)
+    return graph.replay
+
+
+def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
+    """Time fn(*inputs) forward and/or backward; returns {pass: median ms}. With
+    ``cuda_graph`` the forward is replayed from a CUDA graph (no host overhead)."""
     q, k, v = inputs
     out = {}
     if "fwd" in passes:
         fn(q, k, v)  # warm-up (compiles / autotunes)
         torch.cuda.synchronize()
-        out["fwd"] = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep,
+        run = _graphed(fn, q, k, v) if cuda_graph else (lambda: fn(q, k, v))
+        out["fwd"] = triton.testing.do_bench(run, warmup=warmup, rep=rep,
                                              return_mode="median")
     if "bwd" in passes:
         o = fn(q, k, v)
@@ -213,6 +231,9 @@ def parse_args(argv=None):
                    help="CSV path (default benchmarks/results/<date>-<gpu>.csv)")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="also plot TFLOP/s against N (needs matplotlib)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time the forward replayed from a CUDA graph (kernels without host "
+                        "overhead; short sequences are otherwise launch-bound)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: D=64,128 and N=1024,4096 unless given explicitly")
     args = p.parse_args(argv)
@@ -261,7 +282,8 @@ def main(argv=None):
             try:
                 fn, layout = make_provider(name, N, causal)
                 inputs = make_inputs(B, N, H, D, layout)
-                times = bench_one(fn, inputs, args.passes, args.warmup, args.rep)
+                times = bench_one(fn, inputs, args.passes, args.warmup, args.rep,
+                                  args.cuda_graph)
             except Exception as e:  # unsupported shape, OOM, compile failure...
                 lines = [x for x in str(e).splitlines() if x.strip()] or [""]
                 # Triton compile errors start with "at L:C:" and end with the cause.

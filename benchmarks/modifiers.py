@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,7 +105,6 @@ def main(argv=None):
         / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-modifiers.csv")
     print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     D, rows = 128, []
-    import torch._functorch.config
     torch._functorch.config.donated_buffer = False  # compiled backward re-run with retain_graph
     for N in args.seqlens:
         B, H = TOKENS // N, HIDDEN // D

@@ -72,12 +72,18 @@ def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
     return Tiles(64, 32, 4, 1)
 
 
-def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
+              mask_grad: bool = False) -> Tiles:
     if INTERPRETING:
         return _INTERPRETER_TILES[kind]
     if dtype == torch.float32:
         return _FP32_TILES[kind]
-    return _gpu_tiles(kind, head_dim, device)
+    t = _gpu_tiles(kind, head_dim, device)
+    if mask_grad and t.BLOCK_M > 64:
+        # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
+        # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
+        t = Tiles(64, t.BLOCK_N, 4, 2)
+    return t
 
 
 def _block_dim(d: int) -> int:
@@ -136,11 +142,21 @@ class Modifiers:
     attn_mask: Optional[torch.Tensor] = None  # bool keep-mask or additive float bias
 
 
+# Calls without modifiers (but causal) share these, so the plain path adds little host time
+PLAIN = {False: Modifiers(), True: Modifiers(causal=True)}
+_PLAIN_FLAGS = {causal: dict(HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False,
+                             HAS_ALIBI=False, HAS_GATE=False, MASK_KIND=0)
+                for causal in (False, True)}
+
+
 def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float):
     """Kernel arguments of the modifiers: (tensors, strides, scalars, flags).
 
     Tensors a flag leaves unread are replaced by ``q`` (never read) with zero strides.
     """
+    if mods is PLAIN[mods.causal]:
+        return ((q, q, q), (0,) * 9, (sm_scale * LOG2E.value, 0.0, 0, 0),
+                _PLAIN_FLAGS[mods.causal])
     B, S_q, H, _ = q.shape
     S_k = k.shape[1]
     left, right = mods.window_size
@@ -152,9 +168,10 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
         alibi_strides = alibi.stride() if alibi.dim() == 2 else (0, alibi.stride(0))
     g, g_strides = q, (0, 0, 0)
     if mods.g is not None:
-        # the cumulative gate, fp32 (B, S_k, H): score(i, j) += G[i + S_k - S_q] - G[j]
-        g = torch.cumsum(mods.g, dim=1, dtype=torch.float32)
-        g_strides = _strides(g)
+        # the cumulative gate, fp32: score(i, j) += G[i + S_k - S_q] - G[j], stored (B, H, S_k)
+        # so that a tile's gates are one contiguous load
+        g = torch.cumsum(mods.g, dim=1, dtype=torch.float32).transpose(1, 2).contiguous()
+        g_strides = (g.stride(0), g.stride(2), g.stride(1))  # (batch, seq, head)
     mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
     if mods.attn_mask is not None:
         mask = mods.attn_mask.expand(B, H, S_q, S_k)
@@ -272,7 +289,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    t = tiles_for("dq", max(D, DV), q.dtype, q.device)
+    t = tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
         q, k, v, dout, lse, delta, *tensors, dq, dgq, dS,
         *strides, *_strides(dq), *scalars,

@@ -32,6 +32,9 @@ _register = torch.library.custom_op if launch.INTERPRETING else torch.library.tr
 
 def _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap) -> launch.Modifiers:
     window_size = (-1, -1) if window_size is None else tuple(window_size)
+    if (attn_mask is None and alibi_slopes is None and g is None and window_size == (-1, -1)
+            and softcap == 0.0):
+        return launch.PLAIN[bool(causal)]
     return launch.Modifiers(causal=causal, window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask)
 

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from flashop.launch import PLAIN
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
@@ -69,7 +71,7 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interp
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
-    if mods is not None:
+    if mods is not None and mods is not PLAIN[mods.causal]:
         check_modifiers(q, k, mods, op)
 
 
