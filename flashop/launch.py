@@ -170,7 +170,9 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
     if mods.g is not None:
         # the cumulative gate, fp32: score(i, j) += G[i + S_k - S_q] - G[j], stored (B, H, S_k)
         # so that a tile's gates are one contiguous load
-        g = torch.cumsum(mods.g, dim=1, dtype=torch.float32).transpose(1, 2).contiguous()
+        # (a scan along a contiguous last dim: CUDA's scan along an outer dim runs one
+        # thread per column, milliseconds at S_k = 16k)
+        g = torch.cumsum(mods.g.transpose(1, 2).contiguous(), dim=-1, dtype=torch.float32)
         g_strides = (g.stride(0), g.stride(2), g.stride(1))  # (batch, seq, head)
     mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
     if mods.attn_mask is not None:

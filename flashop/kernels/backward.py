@@ -84,16 +84,15 @@ def _dkdv_query_tiles(
         b_qt = load_tile(q + o_m[None, :] * stride_qs + o_d[:, None], m_m[None, :],
                          o_d[:, None] < D, True, BLOCK_D != D)
         b_lse = _lse_base2(tl.load(lse + o_m, mask=m_m, other=float("inf")))
+        if HAS_GATE:
+            # the forward added the queries' gate G_i to lse (attention_scores)
+            o_gq = o_m + (S_k - S_q)
+            b_lse -= tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
         # S^T = K Q^T [BLOCK_N, BLOCK_M]
         b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
-        b_gq = 0.0
-        if HAS_GATE:
-            o_gq = o_m + (S_k - S_q)
-            b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)[None, :]
-            b_gq = b_gq * LOG2E
         b_st, b_tt = attention_scores(
             b_st, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left, right,
-            softcap2, alibi2, b_gq, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+            softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
         # dO tile [BLOCK_M, BLOCK_DV]
@@ -214,7 +213,7 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_tiles(
-    b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks, stride_vs,
+    b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks, stride_vs,
     stride_gs, stride_mq, stride_mk, stride_dmq, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2,
     alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -243,7 +242,7 @@ def _dq_key_tiles(
             b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
         b_s, b_t = attention_scores(
             b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
-            softcap2, alibi2, b_gq, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+            softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         # dP = dO V^T [BLOCK_M, BLOCK_N]
@@ -312,11 +311,11 @@ def attention_bwd_dq_kernel(
     alibi2 = 0.0
     if HAS_ALIBI:
         alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
-    b_gq = 0.0
     if HAS_GATE:
         g += i_b * stride_gb + i_h * stride_gh
+        # the forward added the queries' gate G_i to lse (attention_scores)
         o_gq = o_m + (S_k - S_q)
-        b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)[:, None] * LOG2E
+        b_lse -= tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
     if MASK_KIND != 0:
         mask += i_b * stride_mb + i_h * stride_mh
     if MASK_GRAD:
@@ -328,19 +327,19 @@ def attention_bwd_dq_kernel(
                                         BLOCK_M, BLOCK_N)
     if HAS_LEFT:
         b_dq, b_dgq = _dq_key_tiles(
-            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks,
+            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks,
             stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, lo, u_lo, S_q, S_k,
             qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
             DOT_PRECISION)
     b_dq, b_dgq = _dq_key_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks,
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks,
         stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, u_lo, u_hi, S_q, S_k,
         qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
         DOT_PRECISION)
     b_dq, b_dgq = _dq_key_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, b_gq, k, v, g, mask, dmask, stride_ks,
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks,
         stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, u_hi, hi, S_q, S_k,
         qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,

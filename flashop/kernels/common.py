@@ -121,7 +121,7 @@ def query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
 
 @triton.jit
 def attention_scores(
-    b_s, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap2, alibi2, b_gq, b_gk,
+    b_s, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap2, alibi2, b_gk,
     p_mask, stride_mq, stride_mk,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -131,8 +131,10 @@ def attention_scores(
     softcap's derivative (``b_s`` where there is no softcap).
 
     The tile may be [queries, keys] or transposed: ``o_q``/``m_q`` (query indices and their
-    bound) and ``o_k``/``m_k`` broadcast against ``b_s``, as do the gate blocks ``b_gq``,
-    ``b_gk`` (cumulative gates, already in base-2 units). ``b_s`` is ``q . k`` times
+    bound) and ``o_k``/``m_k`` broadcast against ``b_s``, as does the gate block ``b_gk`` (the keys'
+    cumulative gates, in base-2 units). The queries' gate ``G_i`` is constant along a row,
+    so it is not added here: the kernels add it to the log-sum-exp instead (the forward's
+    output is unchanged by it; the backward subtracts it from lse). ``b_s`` is ``q . k`` times
     ``scale * log2 e``, or times ``scale / softcap`` when ``HAS_SOFTCAP``. In order
     (docs/modifiers.md): softcap, ALiBi (``alibi2 = -slope * log2 e``), gate, additive
     ``attn_mask`` (``MASK_KIND`` 1), then the masks: window/causal and key length where
@@ -145,7 +147,7 @@ def attention_scores(
     if HAS_ALIBI:
         b_s += alibi2 * tl.abs(o_q + (S_k - S_q) - o_k).to(tl.float32)
     if HAS_GATE:
-        b_s += b_gq - b_gk
+        b_s -= b_gk
     if MASK_KIND == 1:
         b_bias = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k, other=0.0)
         b_s += b_bias.to(tl.float32) * LOG2E

@@ -16,7 +16,7 @@ from flashop.kernels.common import (
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+    acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
     stride_mk, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -44,7 +44,7 @@ def _fwd_key_tiles(
             b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
         b_s, _ = attention_scores(
             b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
-            softcap2, alibi2, b_gq, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+            softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         # [BLOCK_M]
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
@@ -86,8 +86,8 @@ def attention_fwd_kernel(
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
     Also writes lse[b, h, i] (natural log) into the contiguous (B, H, S_q) fp32 ``lse``.
-    ``alibi`` (slopes), ``g`` (the cumulative gate, (B, S_k, H) fp32) and ``mask`` are read
-    only where their flag is set.
+    ``alibi`` (slopes), ``g`` (the cumulative gate, fp32, read through its (batch, seq,
+    head) strides) and ``mask`` are read only where their flag is set.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap2 = tl.cast(softcap2, tl.float32)
@@ -119,7 +119,7 @@ def attention_fwd_kernel(
         g += i_b * stride_gb + i_h * stride_gh
         # query i sits at key position i + S_k - S_q
         o_gq = o_m + (S_k - S_q)
-        b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)[:, None] * LOG2E
+        b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
     if MASK_KIND != 0:
         mask += i_b * stride_mb + i_h * stride_mh
 
@@ -130,17 +130,17 @@ def attention_fwd_kernel(
                                         BLOCK_M, BLOCK_N)
     if HAS_LEFT:
         acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+            acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
             stride_mk, o_m, m_m, lo, u_lo, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+        acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
         stride_mk, o_m, m_m, u_lo, u_hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, b_q, b_gq, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
+        acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
         stride_mk, o_m, m_m, u_hi, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
@@ -151,5 +151,6 @@ def attention_fwd_kernel(
     b_o = acc / l_safe[:, None]
     tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
-    b_lse = tl.where(m_empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    # the queries' gate G_i, constant along each row, only shifts the log-sum-exp
+    b_lse = tl.where(m_empty, float("-inf"), (m_i + tl.math.log2(l_safe) + b_gq) * LN2)
     tl.store(lse + o_m, b_lse, mask=m_m)
