@@ -4,11 +4,14 @@ Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_ls
 ``attention_backward``. See README.md and docs/ for the API and its conventions.
 """
 
-from flashop.api import attention, attention_with_lse
+from flashop.api import (
+    attention, attention_varlen, attention_varlen_with_lse, attention_with_lse,
+)
 from flashop.launch import INTERPRETING
 from flashop.padding import pad_input, unpad_input
-from flashop.reference import attention_reference
+from flashop.reference import attention_reference, attention_varlen_reference
 
-__all__ = ["attention", "attention_with_lse", "attention_reference", "pad_input", "unpad_input",
+__all__ = ["attention", "attention_with_lse", "attention_varlen", "attention_varlen_with_lse",
+           "attention_reference", "attention_varlen_reference", "pad_input", "unpad_input",
            "INTERPRETING"]
 __version__ = "0.1.0"

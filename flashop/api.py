@@ -68,3 +68,46 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
     return torch.ops.flashop.attention_with_lse(
         q, k, v, attn_mask, alibi_slopes, g, causal=causal, scale=scale,
         window_size=window_size, softcap=softcap)
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                     causal: bool = False, scale: Optional[float] = None,
+                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0) -> Tensor:
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's
+    ``flash_attn_varlen_func`` layout); differentiable.
+
+    Args:
+        q: (total_q, H, D): the batch's query tokens, sequence after sequence.
+        k, v: (total_k, H_kv, D) and (total_k, H_kv, DV).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 cumulative offsets on q's device:
+            sequence ``b`` is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``. They start at 0,
+            never decrease (zero-length sequences are allowed), and end at total_q / total_k.
+            They are not read on the host (no synchronization), so they are not checked.
+        max_seqlen_q, max_seqlen_k: Python ints, the longest sequence's lengths (they size
+            the grid; a smaller value leaves tokens unattended).
+        alibi_slopes: (H,) or (batch, H); g: (total_k, H) log-decays (the cumulative sum
+            restarts at each sequence); causal, scale, window_size, softcap: as
+            :func:`attention`, applied within each sequence, aligned to its own end.
+
+    Returns:
+        (total_q, H, DV) in the inputs' dtype. Packed batches from padded ones:
+        :func:`flashop.unpad_input`.
+    """
+    return torch.ops.flashop.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
+        causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+
+
+def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                              *, causal: bool = False, scale: Optional[float] = None,
+                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0
+                              ) -> tuple[Tensor, Tensor]:
+    """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
+    packed layout); both differentiable."""
+    return torch.ops.flashop.attention_varlen_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
+        causal=causal, scale=scale, window_size=window_size, softcap=softcap)

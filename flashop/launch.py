@@ -115,10 +115,12 @@ def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_offsets(*tensors: torch.Tensor) -> None:
-    """The kernels offset rows within one (batch, head) slice in 32-bit integers."""
-    for x in tensors:
-        if x.shape[1] * x.stride(1) >= 2**31:
+def _check_offsets(*tensors: torch.Tensor, rows: Optional[tuple] = None) -> None:
+    """The kernels offset rows within one (batch, head) slice, or within one packed
+    sequence of at most ``rows`` tokens, in 32-bit integers."""
+    for i, x in enumerate(tensors):
+        n = x.shape[1] if rows is None else rows[i]
+        if n * x.stride(1) >= 2**31:
             raise ValueError(
                 f"flashop.attention: a tensor of shape {tuple(x.shape)} and strides "
                 f"{x.stride()} spans 2**31 elements or more along its sequence dimension, past "
@@ -149,7 +151,8 @@ _PLAIN_FLAGS = {causal: dict(HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False
                 for causal in (False, True)}
 
 
-def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float):
+def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float,
+                   packing: Optional["Packing"] = None):
     """Kernel arguments of the modifiers: (tensors, strides, scalars, flags).
 
     Tensors a flag leaves unread are replaced by ``q`` (never read) with zero strides.
@@ -172,8 +175,12 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
         # so that a tile's gates are one contiguous load
         # (a scan along a contiguous last dim: CUDA's scan along an outer dim runs one
         # thread per column, milliseconds at S_k = 16k)
-        g = torch.cumsum(mods.g.transpose(1, 2).contiguous(), dim=-1, dtype=torch.float32)
-        g_strides = (g.stride(0), g.stride(2), g.stride(1))  # (batch, seq, head)
+        if packing is None:
+            g = torch.cumsum(mods.g.transpose(1, 2).contiguous(), dim=-1, dtype=torch.float32)
+            g_strides = (g.stride(0), g.stride(2), g.stride(1))  # (batch, seq, head)
+        else:  # (H, total_k), restarted at each sequence
+            g = _packed_cumsum(mods.g, packing.cu_seqlens_k)
+            g_strides = (0, g.stride(1), g.stride(0))
     mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
     if mods.attn_mask is not None:
         mask = mods.attn_mask.expand(B, H, S_q, S_k)
@@ -194,9 +201,47 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
     return (alibi, g, mask), (*alibi_strides, *g_strides, *mask_strides), scalars, flags
 
 
-def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Allocate (out, lse) for the forward: out (B, S_q, H, DV) in q's dtype, lse (B, H, S_q)
-    fp32, both contiguous. The real op and its fake both allocate here."""
+@dataclass(frozen=True)
+class Packing:
+    """A packed batch (flash_attn_varlen's convention): sequence b holds the query tokens
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` and the key tokens likewise; the longest
+    lengths size the grid."""
+
+    cu_seqlens_q: torch.Tensor  # (batch + 1,) int32
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+def _token_sequences(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """The sequence of each of ``total`` packed tokens (int64), without a host sync."""
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, tokens, right=True) - 1
+
+
+def _packed_cumsum(g: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """(total_k, H) gate -> (H, total_k) fp32 cumulative sums restarted at each sequence
+    (summed in fp64 over the whole packing, then the sequence's start subtracted)."""
+    total, H = g.shape
+    C = torch.cumsum(g.t().contiguous(), dim=-1, dtype=torch.float64)
+    C0 = torch.cat([C.new_zeros(H, 1), C], dim=1)  # C0[:, t] = sum of the first t tokens
+    start = cu_seqlens_k.long()[_token_sequences(cu_seqlens_k, total)]
+    return (C - C0[:, start]).float()
+
+
+def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              packed: bool = False):
+    """Allocate (out, lse) for the forward, both contiguous: out (B, S_q, H, DV) in q's dtype
+    and lse (B, H, S_q) fp32; packed, out (total_q, H, DV) and lse (H, total_q). The real ops
+    and their fakes both allocate here."""
+    if packed:
+        total_q, H, _ = q.shape
+        return q.new_empty((total_q, H, v.shape[-1])), q.new_empty((H, total_q),
+                                                                   dtype=torch.float32)
     B, S_q, H, _ = q.shape
     out = q.new_empty((B, S_q, H, v.shape[-1]))
     lse = q.new_empty((B, H, S_q), dtype=torch.float32)
@@ -214,26 +259,52 @@ def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg, dmask
 
 
-def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers):
-    """Launch the forward; returns (out, lse)."""
+def _problem(q, k, packing: Optional[Packing]):
+    """(B, S_q, S_k, cu_seqlens_q, cu_seqlens_k): the grid's batch and lengths, and the
+    offsets the kernels read where packed (``q`` stands in for them otherwise)."""
+    if packing is None:
+        return q.shape[0], q.shape[1], k.shape[1], q, q
+    return (packing.batch, packing.max_seqlen_q, packing.max_seqlen_k, packing.cu_seqlens_q,
+            packing.cu_seqlens_k)
+
+
+def _batched(x: torch.Tensor, packing: Optional[Packing]) -> torch.Tensor:
+    """The kernels' (batch, seq, head, dim) view: packed tensors get a batch dim of stride 0
+    (each program offsets its sequence's start instead)."""
+    return x if packing is None else x.unsqueeze(0).expand(packing.batch, *x.shape)
+
+
+def _row_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
+    """(batch, head) strides of a per-row fp32 tensor: (B, H, S) dense, (H, total) packed."""
+    return (0, x.stride(0)) if packing is not None else (x.stride(0), x.stride(1))
+
+
+def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
+                      packing: Optional[Packing] = None):
+    """Launch the forward; returns (out, lse) (see attention_forward_outputs)."""
     q, k, v = (_unit_stride_last(x) for x in (q, k, v))
-    out, lse = attention_forward_outputs(q, k, v)
-    _check_offsets(q, k, v, out)
-    B, S_q, H, D = q.shape
-    S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
+    out, lse = attention_forward_outputs(q, k, v, packed=packing is not None)
     if out.numel() == 0:
         return out, lse
+    B, S_q, S_k, cu_q, cu_k = _problem(q, k, packing)
+    if packing is not None and B == 0:  # no sequences: no token attends anything
+        return out.zero_(), lse.fill_(float("-inf"))
+    lse_strides = _row_strides(lse, packing)
+    q, k, v, out4 = (_batched(x, packing) for x in (q, k, v, out))
+    _check_offsets(q, k, v, out4, rows=(S_q, S_k, S_k, S_q))
+    H, D = q.shape[2], q.shape[3]
+    H_kv, DV = k.shape[2], v.shape[3]
     sm_scale = resolve_scale(scale, D)
-    tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale)
+    tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
     grid = (triton.cdiv(S_q, t.BLOCK_M), H, B)
     wrap_triton(attention_fwd_kernel)[grid](
-        q, k, v, out, lse, *tensors,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *mod_strides,
+        q, k, v, out4, lse, *tensors, cu_q, cu_k,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out4), *mod_strides, *lse_strides,
         S_q, S_k, H, H // H_kv, *mod_scalars,
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **flags, **_kernel_args(q),
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **flags, IS_VARLEN=packing is not None,
+        **_kernel_args(q), num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out, lse
 
@@ -251,56 +322,91 @@ def _gate_grad(dgq: torch.Tensor, dgk: torch.Tensor) -> torch.Tensor:
     return dg.transpose(1, 2)  # (B, S_k, H)
 
 
+def _packed_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """As _gate_grad for a packed batch: dgq (H, total_q), dgk (H, total_k) -> dg
+    (total_k, H), the reverse cumulative sums restarted at each sequence."""
+    (H, total_q), total_k = dgq.shape, dgk.shape[1]
+    cu_q, cu_k = packing.cu_seqlens_q.long(), packing.cu_seqlens_k.long()
+    seq = _token_sequences(packing.cu_seqlens_q, total_q)
+    # query token t of sequence b sits at key token t + (end_k(b) - end_q(b)); tokens before
+    # their sequence's keys attend nothing and go to a spare column
+    pos = torch.arange(total_q, device=dgq.device) + (cu_k[seq + 1] - cu_q[seq + 1])
+    pos = torch.where(pos >= cu_k[seq], pos, total_k)
+    dG = torch.cat([dgk, dgk.new_zeros(H, 1)], dim=1).double()
+    dG.index_add_(1, pos, dgq.double())  # one query per key position: no accumulation order
+    R = torch.flip(torch.cumsum(torch.flip(dG[:, :total_k], [-1]), dim=-1), [-1])
+    R0 = torch.cat([R, R.new_zeros(H, 1)], dim=1)  # R0[:, t] = sum from token t on
+    end = cu_k[_token_sequences(packing.cu_seqlens_k, total_k) + 1]
+    return (R - R0[:, end]).t()
+
+
 def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mods: Modifiers,
-                       attn_mask_grad: bool):
+                       attn_mask_grad: bool, packing: Optional[Packing] = None):
     """Launch the backward; returns (dq, dk, dv, dg, dattn_mask) (the last two as in
     attention_backward_outputs)."""
     q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
-    lse = lse.contiguous()  # (B, H, S_q) fp32: the kernels index it as contiguous
+    lse = lse.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
                                                        attn_mask_grad)
-    _check_offsets(q, k, v, out, dout)
-    B, S_q, H, D = q.shape
-    S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[3]
-    if B == 0 or H == 0 or S_q == 0 or S_k == 0:
+    B, S_q, S_k, cu_q, cu_k = _problem(q, k, packing)
+    if packing is None and (B == 0 or q.shape[2] == 0 or S_q == 0 or S_k == 0) or (
+            packing is not None and (B == 0 or q.shape[0] == 0 or k.shape[0] == 0
+                                     or q.shape[1] == 0)):
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
+    lse_strides = _row_strides(lse, packing)
+    q4, k4, v4, do4, dq4, dk4, dv4 = (_batched(x, packing) for x in (q, k, v, dout, dq, dk, dv))
+    _check_offsets(q4, k4, v4, do4, rows=(S_q, S_k, S_k, S_q))
+    H, D = q4.shape[2], q4.shape[3]
+    H_kv, DV = k4.shape[2], v4.shape[3]
     sm_scale = resolve_scale(scale, D)
-    tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale)
+    tensors, mod_strides, mod_scalars, flags = _modifier_args(q4, k4, mods, sm_scale, packing)
     delta = torch.empty_like(lse)
     has_gate = mods.g is not None
-    dgq = torch.empty_like(lse) if has_gate else delta  # (B, H, S_q)
-    dgk = lse.new_empty((B, H, S_k)) if has_gate else delta
+    dgq = torch.empty_like(lse) if has_gate else delta  # rows of the queries, as lse
+    if not has_gate:
+        dgk = delta
+    elif packing is None:
+        dgk = lse.new_empty((B, H, S_k))
+    else:
+        dgk = lse.new_empty((H, k.shape[0]))
+    dgk_strides = _row_strides(dgk, packing) if has_gate else (0, 0)
     # dS of every (query, key) pair; pairs outside the window are never visited: zeros
     dS = lse.new_zeros((B, H, S_q, S_k)) if attn_mask_grad else delta
     BLOCK_D, BLOCK_DV = _block_dim(D), _block_dim(DV)
-    common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags, **_kernel_args(q))
+    common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
+                  IS_VARLEN=packing is not None, **_kernel_args(q))
 
+    # delta is row-wise: a packed batch is one sequence of total_q rows here
+    pre = (out, dout, dlse) if packing is None else (
+        out.unsqueeze(0), dout.unsqueeze(0), dlse.unsqueeze(0))
     pre_block = 64 if not INTERPRETING else 32
-    wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(S_q, pre_block), H, B)](
-        out, dout, dlse, delta, *_strides(out), *_strides(dout), *dlse.stride(),
-        S_q, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
+    B_pre, rows_pre = pre[0].shape[0], pre[0].shape[1]
+    wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(rows_pre, pre_block), H, B_pre)](
+        *pre, delta, *_strides(pre[0]), *_strides(pre[1]), *pre[2].stride(),
+        rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, heads and scales
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *mod_strides)
+    strides = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *mod_strides)
     scalars = (S_q, S_k, H, H // H_kv, sm_scale, *mod_scalars)
     t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
-        q, k, v, dout, lse, delta, *tensors, dk, dv, dgk,
-        *strides, *_strides(dk), *_strides(dv), *scalars,
+        q4, k4, v4, do4, lse, delta, *tensors, cu_q, cu_k, dk4, dv4, dgk,
+        *strides, *_strides(dk4), *_strides(dv4), *lse_strides, *dgk_strides, *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
-        q, k, v, dout, lse, delta, *tensors, dq, dgq, dS,
-        *strides, *_strides(dq), *scalars,
+        q4, k4, v4, do4, lse, delta, *tensors, cu_q, cu_k, dq4, dgq, dS,
+        *strides, *_strides(dq4), *lse_strides, *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_GRAD=attn_mask_grad, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     # into the tensors attention_backward_outputs allocated (the fake's strides)
     if has_gate:
-        dg.copy_(_gate_grad(dgq, dgk))
+        dg.copy_(_gate_grad(dgq, dgk) if packing is None else
+                 _packed_gate_grad(dgq, dgk, packing))
     if attn_mask_grad:
         dmask.copy_(dS.sum_to_size(mods.attn_mask.shape))
     return dq, dk, dv, dg, dmask

@@ -8,6 +8,10 @@
   forward's lse; ``dg`` / ``dattn_mask`` are empty where there is no gate / no mask gradient.
 - ``flashop::attention(...) -> out``: CompositeImplicitAutograd over ``attention_with_lse``,
   so it traces into the same forward and backward.
+- ``flashop::attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, alibi_slopes, g, *, causal, scale, window_size, softcap) -> (out, lse)``,
+  its backward ``flashop::attention_varlen_backward`` and ``flashop::attention_varlen``
+  (-> out): the same for packed sequences (flash_attn_varlen's layout).
 
 The optional tensors are positional-or-keyword: custom ops take no keyword-only tensors.
 ``window_size=None`` means ``(-1, -1)`` (no window).
@@ -26,7 +30,9 @@ import torch
 from torch import Tensor
 
 from flashop import launch
-from flashop.validation import check_attention_inputs, check_backward_inputs
+from flashop.validation import (
+    check_attention_inputs, check_backward_inputs, check_varlen_inputs,
+)
 
 _register = torch.library.custom_op if launch.INTERPRETING else torch.library.triton_op
 
@@ -124,3 +130,121 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
 
 
 _lib.impl("attention", attention, "CompositeImplicitAutograd")
+
+
+# --- packed variable-length batches ---------------------------------------------------------
+
+
+def _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> launch.Packing:
+    return launch.Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@_register("flashop::attention_varlen_with_lse", mutates_args=())
+def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                              *, causal: bool = False, scale: Optional[float] = None,
+                              window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                              ) -> tuple[Tensor, Tensor]:
+    mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                        mods, interpreting=launch.INTERPRETING)
+    return launch.attention_forward(
+        q, k, v, scale, mods, _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@attention_varlen_with_lse.register_fake
+def _attention_varlen_with_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, alibi_slopes=None, g=None, *, causal=False,
+                                    scale=None, window_size=None, softcap=0.0):
+    mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                        mods, interpreting=launch.INTERPRETING)
+    return launch.attention_forward_outputs(q, k, v, packed=True)
+
+
+@_register("flashop::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                              out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                              *, causal: bool = False, scale: Optional[float] = None,
+                              window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
+    _check_varlen_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, scale, mods)
+    packing = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv, dg, _ = launch.attention_backward(dout, dlse, q, k, v, out, lse, scale, mods,
+                                                  False, packing)
+    return dq, dk, dv, dg
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, alibi_slopes=None, g=None, *,
+                                    causal=False, scale=None, window_size=None, softcap=0.0):
+    mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
+    _check_varlen_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, scale, mods)
+    return launch.attention_backward_outputs(q, k, v, g, None, False)[:4]
+
+
+def _check_varlen_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, scale, mods):
+    op = "flashop.attention_varlen_backward"
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                        mods, interpreting=launch.INTERPRETING, op=op)
+    out_shape, lse_shape = (*q.shape[:2], v.shape[2]), (q.shape[1], q.shape[0])
+    for name, t, shape, dtype in (("out", out, out_shape, q.dtype),
+                                  ("dout", dout, out_shape, q.dtype),
+                                  ("lse", lse, lse_shape, torch.float32),
+                                  ("dlse", dlse, lse_shape, torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{op}: {name} must be {dtype} of shape {shape} on {q.device}, "
+                             f"got {t.dtype} of shape {tuple(t.shape)} on {t.device}")
+
+
+def _varlen_setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.kwargs = dict(keyword_only_inputs)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g = ctx.saved_tensors
+    given = len(ctx.needs_input_grad)  # trailing arguments left at None are dropped
+    needs = ctx.needs_input_grad + (False,) * (9 - given)
+    if needs[7]:
+        raise RuntimeError(
+            "flashop.attention_varlen: alibi_slopes get no gradient (as in FlashAttention); "
+            "detach them")
+    dq, dk, dv, dg = torch.ops.flashop.attention_varlen_backward(
+        dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+        alibi_slopes, g, **ctx.kwargs)
+    grads = (dq, dk, dv, None, None, None, None, None, dg if needs[8] else None)
+    return grads[:given]
+
+
+attention_varlen_with_lse.register_autograd(_varlen_backward,
+                                            setup_context=_varlen_setup_context)
+
+_lib.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+            "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+            "Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, "
+            "float? scale=None, SymInt[]? window_size=None, float softcap=0.0) -> Tensor")
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                     causal: bool = False, scale: Optional[float] = None,
+                     window_size: Optional[Sequence[int]] = None, softcap: float = 0.0) -> Tensor:
+    return torch.ops.flashop.attention_varlen_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
+        causal=causal, scale=scale, window_size=window_size, softcap=softcap)[0]
+
+
+_lib.impl("attention_varlen", attention_varlen, "CompositeImplicitAutograd")

@@ -77,3 +77,31 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     out = torch.matmul(p, vf).transpose(1, 2)
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     return out, lse
+
+
+def attention_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                               cu_seqlens_k: Tensor, max_seqlen_q: int = 0,
+                               max_seqlen_k: int = 0, alibi_slopes: Optional[Tensor] = None,
+                               g: Optional[Tensor] = None, *,
+                               compute_dtype: Optional[torch.dtype] = torch.float32,
+                               **options) -> tuple[Tensor, Tensor]:
+    """:func:`attention_reference` applied to each sequence of a packed batch (q (total_q,
+    H, D), k/v (total_k, H_kv, .), g (total_k, H)): out (total_q, H, DV) and lse (H,
+    total_q). The max_seqlen arguments are accepted for the op's signature and unused."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        o, l = attention_reference(
+            q[None, qs], k[None, ks], v[None, ks], None, slopes,
+            None if g is None else g[None, ks], compute_dtype=compute_dtype, **options)
+        outs.append(o[0])
+        lses.append(l[0])
+    dtype = q.dtype if compute_dtype is None else compute_dtype
+    if not outs:
+        return (q.new_zeros(*q.shape[:2], v.shape[-1], dtype=dtype),
+                q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype))
+    return torch.cat(outs), torch.cat(lses, dim=1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashop.reference import attention_reference
+from flashop.reference import attention_reference, attention_varlen_reference
 
 
 def rounding_noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -76,16 +76,34 @@ def check_attention(q, k, v, dout, dlse, out, lse, grads, attn_mask=None, alibi_
     :func:`differentiable_inputs`), given the cotangents ``dout`` and ``dlse`` they were
     computed with, against the float64 reference and plain PyTorch in the inputs' dtype.
     ``options`` are the keyword options of ``flashop.attention`` (causal, scale, ...)."""
-    inputs = differentiable_inputs(q, k, v, attn_mask, g)
+    return _apply_rule(
+        lambda dtype: attention_reference(q, k, v, attn_mask, alibi_slopes, g,
+                                          compute_dtype=dtype, **options),
+        differentiable_inputs(q, k, v, attn_mask, g), dout, dlse, out, lse, grads)
+
+
+def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dout, dlse, out, lse, grads,
+                           alibi_slopes=None, g=None, **options) -> list[Accuracy]:
+    """:func:`check_attention` for a packed batch, against the reference of each sequence."""
+    return _apply_rule(
+        lambda dtype: attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                 alibi_slopes=alibi_slopes, g=g,
+                                                 compute_dtype=dtype, **options),
+        differentiable_inputs(q, k, v, None, g), dout, dlse, out, lse, grads)
+
+
+def _apply_rule(reference, inputs, dout, dlse, out, lse, grads) -> list[Accuracy]:
+    """``reference(compute_dtype)`` gives (out, lse) differentiable in ``inputs``."""
     refs = []
     for compute_dtype in (torch.float64, None):
-        o, l = attention_reference(q, k, v, attn_mask, alibi_slopes, g,
-                                   compute_dtype=compute_dtype, **options)
+        o, l = reference(compute_dtype)
         gr = torch.autograd.grad((o, l), tuple(inputs.values()),
-                                 (dout.to(o.dtype), dlse.to(l.dtype)))
+                                 (dout.to(o.dtype), dlse.to(l.dtype)), allow_unused=True)
+        gr = [torch.zeros_like(x) if d is None else d for d, x in zip(gr, inputs.values())]
         refs.append((o, l, *gr))
     names = ("out", "lse", *inputs)
     factors = (2, 2) + (3,) * len(inputs)
-    return [accuracy(name, actual, ref, plain, factor, q.dtype)
+    dtype = inputs["dq"].dtype
+    return [accuracy(name, actual, ref, plain, factor, dtype)
             for name, factor, actual, ref, plain in zip(
                 names, factors, (out, lse, *grads), refs[0], refs[1])]

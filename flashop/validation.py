@@ -72,14 +72,13 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interp
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
     if mods is not None and mods is not PLAIN[mods.causal]:
-        check_modifiers(q, k, mods, op)
+        check_modifiers(q, mods, op, B, q.shape[1], k.shape[1], H)
 
 
-def check_modifiers(q, k, mods, op: str) -> None:
-    """Validate window_size, softcap, alibi_slopes, g and attn_mask against q (B, S_q, H, D)
-    and k (B, S_k, H_kv, D)."""
-    B, S_q, H, _ = q.shape
-    S_k = k.shape[1]
+def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] = None) -> None:
+    """Validate window_size, softcap, alibi_slopes, g and attn_mask for a batch of B
+    sequences of S_q queries (H heads; dtype and device of ``q``) and S_k keys; ``g_shape``
+    replaces g's expected (B, S_k, H)."""
     window = mods.window_size
     if len(window) != 2 or any(w < -1 for w in window):
         raise ValueError(
@@ -106,7 +105,12 @@ def check_modifiers(q, k, mods, op: str) -> None:
             raise ValueError(
                 f"{op}: the log-decay gate g requires causal=True (as in flash-linear-"
                 f"attention: the decay G_i - G_j is a decay only for keys j before query i)")
-        if _shape(g) != (B, S_k, H):
+        if g_shape is not None:
+            if _shape(g) != g_shape:
+                raise ValueError(
+                    f"{op}: g must have shape (total_k, H) = {g_shape} (one log-decay per key "
+                    f"token and query head), got {_shape(g)}")
+        elif _shape(g) != (B, S_k, H):
             raise ValueError(
                 f"{op}: g must have shape (B, S_k, H) = ({B}, {S_k}, {H}) (one log-decay per "
                 f"key position and query head; query i sits at position i + S_k - S_q), "
@@ -161,3 +165,52 @@ def check_backward_inputs(dout, dlse, q, k, v, out, lse, scale: Optional[float],
         if t.dtype != torch.float32 or t.device != q.device:
             raise ValueError(f"{op}: {name} must be float32 on {q.device}, "
                              f"got {t.dtype} on {t.device}")
+
+
+_PACKED = "(total_tokens, heads, head_dim)"
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        scale: Optional[float], mods, *, interpreting: bool,
+                        op: str = "flashop.attention_varlen") -> None:
+    """Validate a packed batch: q (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv,
+    DV), int32 cu_seqlens of length batch + 1, the longest lengths, scale and modifiers.
+
+    The offsets' values stay on the device (reading them would synchronize with the host):
+    they must start at 0, not decrease, end at total_q / total_k, and no sequence may be
+    longer than max_seqlen; other values read or write outside the sequences' tokens."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(
+                f"{op}: {name} must be a 3-D tensor {_PACKED} of packed sequences, got shape "
+                f"{_shape(t)}; for padded (batch, seqlen, heads, head_dim) tensors use "
+                f"flashop.attention, or flashop.unpad_input to pack them")
+    # the dense checks apply to the packing seen as one sequence
+    check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, None,
+                           interpreting=interpreting, op=op)
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype != torch.int32:
+            raise ValueError(
+                f"{op}: {name} must be a 1-D int32 tensor of batch + 1 cumulative offsets "
+                f"(0, len_0, len_0 + len_1, ..., {total}), got {cu.dtype} of shape "
+                f"{_shape(cu)}")
+        if cu.device != q.device:
+            raise ValueError(f"{op}: {name} must be on {q.device} like q, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"{op}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{_shape(cu_seqlens_q)} and {_shape(cu_seqlens_k)}")
+    for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
+                           ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        if m < 0 or (m == 0 and total > 0):
+            raise ValueError(
+                f"{op}: {name} must be the longest sequence's length (>= 1 with {total} "
+                f"tokens), got {m}")
+    if mods is None or mods is PLAIN[mods.causal]:
+        return
+    if mods.attn_mask is not None:
+        raise ValueError(f"{op}: attn_mask is not supported with packed sequences; use "
+                         f"causal / window_size, or flashop.attention on a padded batch")
+    check_modifiers(q, mods, op, cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], q.shape[1],
+                    g_shape=(k.shape[0], q.shape[1]))

@@ -73,6 +73,38 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(a, b)
 
 
+def test_cuda_graph_capture_of_packed_batches_with_modifiers():
+    """attention_varlen (gate, window, ALiBi) needs no host synchronisation either: the
+    offsets stay on the device."""
+    from test_varlen import make_packed
+
+    args, dout, dlse = make_packed([0, 70, 1, 129], [5, 100, 1, 129], 2, 2, 64, torch.bfloat16,
+                                   gate=torch.float32, alibi=(4,))
+    args = {n: a.detach() if isinstance(a, torch.Tensor) else a for n, a in args.items()}
+    options = dict(causal=True, window_size=(48, 0), softcap=10.0)
+
+    def step():
+        out, lse = torch.ops.flashop.attention_varlen_with_lse(*args.values(), **options)
+        values = list(args.values())
+        grads = torch.ops.flashop.attention_varlen_backward(
+            dout, dlse, *values[:3], out, lse, *values[3:], **options)
+        return (out, lse, *grads)
+
+    expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, expected):
+        assert torch.equal(a, b)
+
+
 SANITIZER_SCRIPT = """
 import torch, flashop
 for (B, S_q, S_k, H, H_kv, D, DV, causal) in [(1, 1, 1, 1, 1, 59, 59, True),
@@ -84,6 +116,23 @@ for (B, S_q, S_k, H, H_kv, D, DV, causal) in [(1, 1, 1, 1, 1, 59, 59, True),
         v = torch.randn(B, S_k, H_kv, DV, device="cuda", dtype=dtype, requires_grad=True)
         out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
         torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+        # every modifier, the float mask with its gradient
+        g = torch.nn.functional.logsigmoid(torch.randn(B, S_k, H, device="cuda")).requires_grad_()
+        bias = torch.randn(1, H, S_q, S_k, device="cuda", requires_grad=True)
+        out, lse = flashop.attention_with_lse(q, k, v, bias, torch.rand(H, device="cuda"), g,
+                                              causal=True, window_size=(40, 0), softcap=5.0)
+        torch.autograd.grad((out, lse), (q, k, v, g, bias),
+                            (torch.randn_like(out), torch.randn_like(lse)))
+        # the same tokens packed (B sequences of S_q and S_k), a boolean mask dense
+        cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
+        cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
+        out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
+                                       cu_k, S_q, S_k, None, g.flatten(0, 1), causal=True,
+                                       window_size=(17, 0))
+        out.sum().backward()
+        out = flashop.attention(q, k, v, torch.rand(S_q, S_k, device="cuda") > 0.5,
+                                window_size=(9, 30))
+        out.sum().backward()
 torch.cuda.synchronize()
 print("sanitized")
 """

@@ -33,14 +33,20 @@ class TestSchemas(TestCase):
     def test_schemas(self):
         schemas = "\n".join(str(op.default._schema) for op in (
             torch.ops.flashop.attention, torch.ops.flashop.attention_with_lse,
-            torch.ops.flashop.attention_backward))
+            torch.ops.flashop.attention_backward, torch.ops.flashop.attention_varlen,
+            torch.ops.flashop.attention_varlen_with_lse,
+            torch.ops.flashop.attention_varlen_backward))
         self.assertExpectedInline(schemas, """\
 flashop::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> Tensor
 flashop::attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor)
-flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)""")  # noqa: B950
+flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+flashop::attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> Tensor
+flashop::attention_varlen_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor)
+flashop::attention_varlen_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor, Tensor, Tensor)""")  # noqa: B950
 
     def test_python_functions_have_the_ops_names(self):
-        for fn in (flashop.attention, flashop.attention_with_lse):
+        for fn in (flashop.attention, flashop.attention_with_lse, flashop.attention_varlen,
+                   flashop.attention_varlen_with_lse):
             self.assertTrue(hasattr(torch.ops.flashop, fn.__name__))
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     LOG2E, attention_scores, dot_operand, key_tile_range, load_tile, query_tile_range,
+    sequence_bounds,
 )
 
 
@@ -36,7 +37,8 @@ def attention_bwd_preprocess_kernel(
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # 64-bit rows: a packed batch comes here as one sequence of all its tokens
+    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_dv = tl.arange(0, BLOCK_DV)
     m_m = o_m < S_q
     m_dv = o_dv < DV
@@ -119,7 +121,7 @@ def _dkdv_query_tiles(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, alibi, g, mask, dk, dv, dgk,
+    q, k, v, do, lse, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dk, dv, dgk,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -129,11 +131,12 @@ def attention_bwd_dkdv_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh, stride_dgkb, stride_dgkh,
     S_q, S_k, H, G, sm_scale, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
@@ -144,10 +147,17 @@ def attention_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
-    k += i_b * stride_kb + i_hk * stride_kh
-    v += i_b * stride_vb + i_hk * stride_vh
-
+    q_start, S_q, k_start, S_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k,
+                                                 IS_VARLEN)
     start_n = i_n * BLOCK_N
+    if IS_VARLEN:
+        if start_n >= S_k:  # a tile past this sequence's end
+            return
+    k += i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+    v += i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    dk += i_b * stride_dkb + k_start * stride_dks + i_hk * stride_dkh
+    dv += i_b * stride_dvb + k_start * stride_dvs + i_hk * stride_dvh
+
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -164,17 +174,18 @@ def attention_bwd_dkdv_kernel(
                                           BLOCK_M, BLOCK_N)
     for i_g in range(0, G):
         i_h = i_hk * G + i_g
-        p_q = q + i_b * stride_qb + i_h * stride_qh
-        p_do = do + i_b * stride_dob + i_h * stride_doh
-        p_lse = lse + (i_b * H + i_h) * S_q
-        p_delta = delta + (i_b * H + i_h) * S_q
+        p_q = q + i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
+        p_do = do + i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
+        row = i_b * stride_lb + i_h * stride_lh + q_start  # lse, delta: rows of this head
+        p_lse = lse + row
+        p_delta = delta + row
         alibi2 = 0.0
         if HAS_ALIBI:
             alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
         p_g = g
         b_gk = 0.0
         if HAS_GATE:
-            p_g = g + i_b * stride_gb + i_h * stride_gh
+            p_g = g + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
             b_gk = tl.load(p_g + o_n * stride_gs, mask=m_n, other=0.0)[:, None] * LOG2E
         p_mask = mask
         if MASK_KIND != 0:
@@ -202,13 +213,14 @@ def attention_bwd_dkdv_kernel(
                 BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
                 UPCAST, DOT_PRECISION)
         if HAS_GATE:
-            tl.store(dgk + (i_b * H + i_h) * S_k + o_n, b_dgk, mask=m_n)
+            tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
+                     mask=m_n)
 
     b_dk = b_dk * sm_scale
-    tl.store(dk + i_b * stride_dkb + i_hk * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :],
-             b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
-    tl.store(dv + i_b * stride_dvb + i_hk * stride_dvh + o_n[:, None] * stride_dvs + o_dv[None, :],
-             b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
+    tl.store(dk + o_n[:, None] * stride_dks + o_d[None, :], b_dk.to(dk.dtype.element_ty),
+             mask=m_n[:, None] & (o_d[None, :] < D))
+    tl.store(dv + o_n[:, None] * stride_dvs + o_dv[None, :], b_dv.to(dv.dtype.element_ty),
+             mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
 @triton.jit
@@ -264,7 +276,7 @@ def _dq_key_tiles(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    q, k, v, do, lse, delta, alibi, g, mask, dq, dgq, dmask,
+    q, k, v, do, lse, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dq, dgq, dmask,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -273,12 +285,13 @@ def attention_bwd_dq_kernel(
     stride_gb, stride_gs, stride_gh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
     S_q, S_k, H, G, sm_scale, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one query tile of query head i_h; with a gate, also dgq[b, h, i] =
     sum_j dS[i, j]; where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask``."""
@@ -289,22 +302,28 @@ def attention_bwd_dq_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    k += i_b * stride_kb + i_hk * stride_kh
-    v += i_b * stride_vb + i_hk * stride_vh
-
+    q_start, S_q, k_start, S_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k,
+                                                 IS_VARLEN)
     start_m = i_m * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= S_q:  # a tile past this sequence's end
+            return
+    q += i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
+    k += i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+    v += i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    do += i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
+    dq += i_b * stride_dqb + q_start * stride_dqs + i_h * stride_dqh
+
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     m_m = o_m < S_q
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
-    b_q = dot_operand(load_tile(q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qs
-                                + o_d[None, :], m_m[:, None], o_d[None, :] < D, True,
-                                BLOCK_D != D), UPCAST)
-    b_do = dot_operand(load_tile(do + i_b * stride_dob + i_h * stride_doh
-                                 + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
+    b_q = dot_operand(load_tile(q + o_m[:, None] * stride_qs + o_d[None, :], m_m[:, None],
+                                o_d[None, :] < D, True, BLOCK_D != D), UPCAST)
+    b_do = dot_operand(load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                                  o_dv[None, :] < DV, True, BLOCK_DV != DV), UPCAST)
-    row = (i_b * H + i_h) * S_q + o_m
+    row = i_b * stride_lb + i_h * stride_lh + q_start + o_m  # lse, delta, dgq
     b_lse = _lse_base2(tl.load(lse + row, mask=m_m, other=float("inf")))
     b_delta = tl.load(delta + row, mask=m_m, other=0.0)
 
@@ -312,7 +331,7 @@ def attention_bwd_dq_kernel(
     if HAS_ALIBI:
         alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
     if HAS_GATE:
-        g += i_b * stride_gb + i_h * stride_gh
+        g += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
         # the forward added the queries' gate G_i to lse (attention_scores)
         o_gq = o_m + (S_k - S_q)
         b_lse -= tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
@@ -345,7 +364,7 @@ def attention_bwd_dq_kernel(
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
         DOT_PRECISION)
     b_dq = b_dq * sm_scale
-    tl.store(dq + i_b * stride_dqb + i_h * stride_dqh + o_m[:, None] * stride_dqs + o_d[None, :],
-             b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))
+    tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_m[:, None] & (o_d[None, :] < D))
     if HAS_GATE:
         tl.store(dgq + row, b_dgq, mask=m_m)

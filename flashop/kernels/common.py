@@ -162,3 +162,17 @@ def attention_scores(
             m_keep = m_keep & (o_k >= o_q + (S_k - S_q) - left)
         b_s = tl.where(m_keep, b_s, float("-inf"))
     return b_s, t
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k, IS_VARLEN: tl.constexpr):
+    """``(q_start, S_q, k_start, S_k)`` of batch entry ``i_b``: from the cumulative offsets
+    of a packed batch where ``IS_VARLEN``, else 0 and the given (padded) lengths."""
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + i_b)
+        k_start = tl.load(cu_seqlens_k + i_b)
+        S_q = tl.load(cu_seqlens_q + i_b + 1) - q_start
+        S_k = tl.load(cu_seqlens_k + i_b + 1) - k_start
+        return q_start.to(tl.int64), S_q, k_start.to(tl.int64), S_k
+    else:
+        return 0, S_q, 0, S_k

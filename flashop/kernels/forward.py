@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, key_tile_range, load_tile,
+    LN2, LOG2E, attention_scores, dot_operand, key_tile_range, load_tile, sequence_bounds,
 )
 
 
@@ -68,7 +68,7 @@ def _fwd_key_tiles(
 
 @triton.jit
 def attention_fwd_kernel(
-    q, k, v, o, lse, alibi, g, mask,
+    q, k, v, o, lse, alibi, g, mask, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -76,16 +76,20 @@ def attention_fwd_kernel(
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
     S_q, S_k, H, G, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
-    Also writes lse[b, h, i] (natural log) into the contiguous (B, H, S_q) fp32 ``lse``.
+    Also writes lse[b, h, i] (natural log, fp32) at ``b * stride_lb + h * stride_lh + i``.
+    Where ``IS_VARLEN``, batch entry b is the packed sequence ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1]`` (keys likewise; S_q, S_k are then the longest lengths) and the
+    tensors' batch strides are 0.
     ``alibi`` (slopes), ``g`` (the cumulative gate, fp32, read through its (batch, seq,
     head) strides) and ``mask`` are read only where their flag is set.
     """
@@ -95,13 +99,18 @@ def attention_fwd_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    q += i_b * stride_qb + i_h * stride_qh
-    k += i_b * stride_kb + i_hk * stride_kh
-    v += i_b * stride_vb + i_hk * stride_vh
-    o += i_b * stride_ob + i_h * stride_oh
-    lse += (i_b * H + i_h) * S_q
-
+    q_start, S_q, k_start, S_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k,
+                                                 IS_VARLEN)
     start_m = i_m * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= S_q:  # a tile past this sequence's end
+            return
+    q += i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
+    k += i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+    v += i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    o += i_b * stride_ob + q_start * stride_os + i_h * stride_oh
+    lse += i_b * stride_lb + i_h * stride_lh + q_start
+
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -116,7 +125,7 @@ def attention_fwd_kernel(
         alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
     b_gq = 0.0
     if HAS_GATE:
-        g += i_b * stride_gb + i_h * stride_gh
+        g += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
         # query i sits at key position i + S_k - S_q
         o_gq = o_m + (S_k - S_q)
         b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E

@@ -1,0 +1,183 @@
+"""flashop.attention_varlen: packed batches against the reference of each sequence,
+registration, torch.compile, errors, and the padding helpers end to end."""
+
+import pytest
+import torch
+from expecttest import TestCase
+from hypothesis import given, strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.library import opcheck
+
+import flashop
+from flashop.testing import check_attention_varlen, differentiable_inputs
+from helpers import DEVICE, poisoned_outputs
+
+ON_GPU = DEVICE == "cuda"
+MAX_LEN = 300 if ON_GPU else 48
+HEAD_DIMS = [16, 64, 128] if ON_GPU else [8, 16, 24]
+
+
+def make_packed(lens_q, lens_k, H_kv, G, D, dtype, seed=0, gate=None, alibi=None):
+    """q, k, v (requiring grad), cu_seqlens, max lengths, g, slopes, dout, dlse."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    H = H_kv * G
+
+    def cu(lens):
+        return torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, H, D, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(tk, H_kv, D, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(tk, H_kv, D, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+    g = None
+    if gate is not None:
+        g = torch.nn.functional.logsigmoid(
+            2 + torch.randn(tk, H, device=DEVICE, generator=gen)).to(gate).requires_grad_()
+    slopes = None if alibi is None else torch.rand(alibi, device=DEVICE, generator=gen)
+    dout = torch.randn(tq, H, D, device=DEVICE, generator=gen).to(dtype)
+    dlse = torch.randn(H, tq, device=DEVICE, generator=gen)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=max(lens_q, default=0), max_seqlen_k=max(lens_k, default=0),
+                alibi_slopes=slopes, g=g), dout, dlse
+
+
+def check_packed(args, dout, dlse, **options):
+    with poisoned_outputs():
+        out, lse = flashop.attention_varlen_with_lse(**args, **options)
+        wrt = differentiable_inputs(args["q"], args["k"], args["v"], None, args["g"])
+        grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
+    results = check_attention_varlen(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], dout,
+        dlse, out, lse, grads, args["alibi_slopes"], args["g"], **options)
+    for result in results:
+        assert result.ok, str(result)
+    return out, lse, grads
+
+
+@st.composite
+def packings(draw, dtype):
+    n = draw(st.integers(1, 4))
+    # lengths 0 and 1 included; S_q != S_k per sequence
+    length = st.one_of(st.sampled_from([0, 1]), st.integers(0, MAX_LEN))
+    lens_q = [draw(length) for _ in range(n)]
+    lens_k = [draw(length) for _ in range(n)]
+    causal = draw(st.booleans())
+    left = draw(st.one_of(st.just(-1), st.integers(0, MAX_LEN)))
+    right = draw(st.sampled_from([-1, 0])) if causal else draw(
+        st.one_of(st.just(-1), st.integers(0, MAX_LEN)))
+    H_kv, G = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    shape = dict(lens_q=lens_q, lens_k=lens_k, H_kv=H_kv, G=G,
+                 D=draw(st.sampled_from(HEAD_DIMS)), dtype=dtype,
+                 gate=draw(st.sampled_from([None, torch.float32])) if causal else None,
+                 alibi=draw(st.sampled_from([None, (H_kv * G,), (n, H_kv * G)])))
+    options = dict(causal=causal, window_size=(left, right),
+                   softcap=draw(st.sampled_from([0.0, 5.0])))
+    return shape, options
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_varlen_matches_reference_per_sequence(dtype, data, seed):
+    shape, options = data.draw(packings(dtype))
+    args, dout, dlse = make_packed(**shape, seed=seed)
+    check_packed(args, dout, dlse, **options)
+
+
+def test_empty_sequences_and_empty_batch():
+    args, dout, dlse = make_packed([0, 7, 0], [3, 0, 0], 1, 2, 16, torch.float32)
+    out, lse, (dq, dk, dv) = check_packed(args, dout, dlse, causal=False)
+    # the second sequence has no keys: output 0, lse -inf; the first has no queries
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    assert torch.equal(dk, torch.zeros_like(dk))
+    args, dout, dlse = make_packed([0, 0], [0, 0], 1, 1, 16, torch.float32)
+    out, lse = flashop.attention_varlen_with_lse(**args)
+    assert out.shape == (0, 1, 16) and lse.shape == (1, 0)
+
+
+def test_padded_batch_through_unpad_equals_masked_dense_attention():
+    """unpad_input -> attention_varlen -> pad_input equals dense attention with the padding
+    masked (keys) on the valid queries."""
+    B, S, H, D = 3, 37, 2, 16
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(B, S, H, D, device=DEVICE, generator=gen)
+    lengths = torch.tensor([37, 5, 20], device=DEVICE)
+    valid = torch.arange(S, device=DEVICE)[None, :] < lengths[:, None]  # (B, S)
+    packed = flashop.unpad_input(x, valid)
+    out = flashop.attention_varlen(packed.values, packed.values, packed.values,
+                                   packed.cu_seqlens, packed.cu_seqlens, packed.max_seqlen,
+                                   packed.max_seqlen, causal=True)
+    out = flashop.pad_input(out, packed.indices, B, S)
+    dense = flashop.attention(x, x, x, valid[:, None, None, :], causal=True)
+    torch.testing.assert_close(out[valid], dense[valid])
+
+
+def _opcheck_args():
+    args, dout, dlse = make_packed([5, 0, 30], [17, 4, 30], 1, 2, 16, torch.float32,
+                                   gate=torch.float32, alibi=(3, 2))
+    return args, dout, dlse, dict(causal=True, window_size=(9, 0), softcap=3.0)
+
+
+def test_opcheck():
+    args, dout, dlse, options = _opcheck_args()
+    opcheck(torch.ops.flashop.attention_varlen_with_lse.default, tuple(args.values()), options)
+    opcheck(torch.ops.flashop.attention_varlen.default, tuple(args.values()), options)
+    out, lse = flashop.attention_varlen_with_lse(**args, **options)
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args.values()]
+    opcheck(torch.ops.flashop.attention_varlen_backward.default,
+            (dout, dlse, *detached[:3], out.detach(), lse.detach(), *detached[3:]), options)
+
+
+@pytest.mark.compile
+def test_compiles_without_recompiling_when_the_packing_changes():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    def step(q, k, v, g, cu, max_len):
+        out = flashop.attention_varlen(q, k, v, cu, cu, max_len, max_len, None, g, causal=True,
+                                       window_size=(16, 0))
+        return out.square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    for lens in ([5, 30, 12], [40, 1], [7, 7, 7, 9], [33]):
+        args, _, _ = make_packed(lens, lens, 1, 2, 16, torch.float32, gate=torch.float32)
+        inputs = (args["q"], args["k"], args["v"], args["g"], args["cu_seqlens_q"],
+                  args["max_seqlen_q"])
+        loss = compiled(*inputs)
+        grads = torch.autograd.grad(loss, inputs[:4])
+        frames.append(counter.frame_count)
+        eager_loss = step(*inputs)
+        eager_grads = torch.autograd.grad(eager_loss, inputs[:4])
+        torch.testing.assert_close(loss, eager_loss)
+        for a, b in zip(grads, eager_grads):
+            torch.testing.assert_close(a, b)
+    assert frames == frames[:1] * 4, f"recompiled: frames compiled after each packing {frames}"
+
+
+class TestVarlenErrors(TestCase):
+    def message(self, **overrides):
+        args, _, _ = make_packed([4, 6], [4, 6], 1, 1, 16, torch.float32)
+        args.update(overrides)
+        with self.assertRaises(ValueError) as ctx:
+            flashop.attention_varlen(**args)
+        return str(ctx.exception)
+
+    def test_dense_tensors(self):
+        q = torch.randn(2, 6, 1, 16, device=DEVICE)
+        self.assertExpectedInline(self.message(q=q), """flashop.attention_varlen: q must be a 3-D tensor (total_tokens, heads, head_dim) of packed sequences, got shape (2, 6, 1, 16); for padded (batch, seqlen, heads, head_dim) tensors use flashop.attention, or flashop.unpad_input to pack them""")  # noqa: B950
+
+    def test_offsets_dtype(self):
+        cu = torch.tensor([0, 4, 10], device=DEVICE)
+        self.assertExpectedInline(self.message(cu_seqlens_q=cu), """flashop.attention_varlen: cu_seqlens_q must be a 1-D int32 tensor of batch + 1 cumulative offsets (0, len_0, len_0 + len_1, ..., 10), got torch.int64 of shape (3,)""")  # noqa: B950
+
+    def test_offsets_lengths(self):
+        cu = torch.tensor([0, 10], device=DEVICE, dtype=torch.int32)
+        self.assertExpectedInline(self.message(cu_seqlens_k=cu), """flashop.attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got (3,) and (2,)""")  # noqa: B950
+
+    def test_max_seqlen(self):
+        self.assertExpectedInline(self.message(max_seqlen_q=0), """flashop.attention_varlen: max_seqlen_q must be the longest sequence's length (>= 1 with 10 tokens), got 0""")  # noqa: B950
+
+    def test_gate_shape(self):
+        g = torch.zeros(2, 10, 1, device=DEVICE)
+        self.assertExpectedInline(self.message(g=g, causal=True), """flashop.attention_varlen: g must have shape (total_k, H) = (10, 1) (one log-decay per key token and query head), got (2, 10, 1)""")  # noqa: B950
