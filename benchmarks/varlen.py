@@ -20,7 +20,7 @@ import torch._functorch.config
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import gpu_slug, import_flashop  # noqa: E402
+from attention import _graphed, gpu_slug, import_flashop  # noqa: E402
 
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "layout", "dtype", "D", "H", "tokens",
               "documents", "mean_len", "pass", "ms", "tflops"]
@@ -42,22 +42,31 @@ def causal_pairs(lens):
     return sum(n * (n + 1) / 2 for n in lens)
 
 
-def bench(fn, inputs, warmup, rep):
+def bench(fn, inputs, warmup, rep, cuda_graph=False):
+    """{pass: median ms}; with ``cuda_graph`` also "fwd-graph": the forward replayed from a
+    CUDA graph (no host time)."""
     fn()
     torch.cuda.synchronize()
+    times = {}
+    if cuda_graph:
+        replay = _graphed(lambda q, k, v: fn(), None, None, None)
+        times["fwd-graph"] = triton.testing.do_bench(replay, warmup=warmup, rep=rep,
+                                                     return_mode="median")
     fwd = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     o = fn()
     do = torch.randn_like(o)
     o.backward(do, retain_graph=True)
     bwd = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True), warmup=warmup,
                                   rep=rep, grad_to_none=inputs, return_mode="median")
-    return {"fwd": fwd, "bwd": bwd}
+    return {**times, "fwd": fwd, "bwd": bwd}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time the forward replayed from a CUDA graph (no host time)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -102,9 +111,9 @@ def main(argv=None):
              lambda: flashop.attention(qd, kd, vd, causal=True)),
         ]
         for provider, layout, doc_lens, n_pairs, inputs, fn in cases:
-            times = bench(fn, list(inputs), args.warmup, args.rep)
+            times = bench(fn, list(inputs), args.warmup, args.rep, args.cuda_graph)
             for pass_, ms in times.items():
-                f = 4 * n_pairs * D * H * (2.5 if pass_ == "bwd" else 1.0)
+                f = 4 * n_pairs * D * H * (2.5 if pass_ == "bwd" else 1.0)  # fwd, fwd-graph
                 tflops = f / (ms * 1e-3) / 1e12
                 rows.append(dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                                  provider=provider, layout=layout, dtype="bf16", D=D, H=H,

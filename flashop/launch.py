@@ -115,12 +115,13 @@ def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_offsets(*tensors: torch.Tensor, rows: Optional[tuple] = None) -> None:
+def _check_offsets(*tensors: torch.Tensor, rows: Optional[tuple] = None,
+                   packing: Optional["Packing"] = None) -> None:
     """The kernels offset rows within one (batch, head) slice, or within one packed
     sequence of at most ``rows`` tokens, in 32-bit integers."""
     for i, x in enumerate(tensors):
         n = x.shape[1] if rows is None else rows[i]
-        if n * x.stride(1) >= 2**31:
+        if n * _seq_strides(x, packing)[1] >= 2**31:
             raise ValueError(
                 f"flashop.attention: a tensor of shape {tuple(x.shape)} and strides "
                 f"{x.stride()} spans 2**31 elements or more along its sequence dimension, past "
@@ -160,8 +161,6 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
     if mods is PLAIN[mods.causal]:
         return ((q, q, q), (0,) * 9, (sm_scale * LOG2E.value, 0.0, 0, 0),
                 _PLAIN_FLAGS[mods.causal])
-    B, S_q, H, _ = q.shape
-    S_k = k.shape[1]
     left, right = mods.window_size
     if mods.causal:
         right = 0
@@ -182,8 +181,9 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
             g = _packed_cumsum(mods.g, packing.cu_seqlens_k)
             g_strides = (0, g.stride(1), g.stride(0))
     mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
-    if mods.attn_mask is not None:
-        mask = mods.attn_mask.expand(B, H, S_q, S_k)
+    if mods.attn_mask is not None:  # dense batches only
+        B, S_q, H, _ = q.shape
+        mask = mods.attn_mask.expand(B, H, S_q, k.shape[1])
         if mask.dtype == torch.bool:
             mask, mask_kind = mask.view(torch.uint8), 2
         else:
@@ -268,10 +268,14 @@ def _problem(q, k, packing: Optional[Packing]):
             packing.cu_seqlens_k)
 
 
-def _batched(x: torch.Tensor, packing: Optional[Packing]) -> torch.Tensor:
-    """The kernels' (batch, seq, head, dim) view: packed tensors get a batch dim of stride 0
-    (each program offsets its sequence's start instead)."""
-    return x if packing is None else x.unsqueeze(0).expand(packing.batch, *x.shape)
+def _seq_strides(x: torch.Tensor, packing: Optional["Packing"]) -> tuple:
+    """The kernels' (batch, seq, head) strides: a packed (total, H, D) tensor has batch
+    stride 0 (each program offsets its sequence's start instead). The tensors themselves are
+    passed as they are: a broadcast view of an output would hide the kernel's writes from
+    functionalization under torch.compile."""
+    if packing is None:
+        return x.stride(0), x.stride(1), x.stride(2)
+    return 0, x.stride(0), x.stride(1)
 
 
 def _row_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
@@ -290,17 +294,17 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     if packing is not None and B == 0:  # no sequences: no token attends anything
         return out.zero_(), lse.fill_(float("-inf"))
     lse_strides = _row_strides(lse, packing)
-    q, k, v, out4 = (_batched(x, packing) for x in (q, k, v, out))
-    _check_offsets(q, k, v, out4, rows=(S_q, S_k, S_k, S_q))
-    H, D = q.shape[2], q.shape[3]
-    H_kv, DV = k.shape[2], v.shape[3]
+    _check_offsets(q, k, v, out, rows=(S_q, S_k, S_k, S_q), packing=packing)
+    H, D = q.shape[-2], q.shape[-1]
+    H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
     grid = (triton.cdiv(S_q, t.BLOCK_M), H, B)
     wrap_triton(attention_fwd_kernel)[grid](
-        q, k, v, out4, lse, *tensors, cu_q, cu_k,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out4), *mod_strides, *lse_strides,
+        q, k, v, out, lse, *tensors, cu_q, cu_k,
+        *(st for x in (q, k, v, out) for st in _seq_strides(x, packing)), *mod_strides,
+        *lse_strides,
         S_q, S_k, H, H // H_kv, *mod_scalars,
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **flags, IS_VARLEN=packing is not None,
@@ -355,12 +359,11 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
     lse_strides = _row_strides(lse, packing)
-    q4, k4, v4, do4, dq4, dk4, dv4 = (_batched(x, packing) for x in (q, k, v, dout, dq, dk, dv))
-    _check_offsets(q4, k4, v4, do4, rows=(S_q, S_k, S_k, S_q))
-    H, D = q4.shape[2], q4.shape[3]
-    H_kv, DV = k4.shape[2], v4.shape[3]
+    _check_offsets(q, k, v, dout, rows=(S_q, S_k, S_k, S_q), packing=packing)
+    H, D = q.shape[-2], q.shape[-1]
+    H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
-    tensors, mod_strides, mod_scalars, flags = _modifier_args(q4, k4, mods, sm_scale, packing)
+    tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     delta = torch.empty_like(lse)
     has_gate = mods.g is not None
     dgq = torch.empty_like(lse) if has_gate else delta  # rows of the queries, as lse
@@ -387,19 +390,20 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
         rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, heads and scales
-    strides = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *mod_strides)
+    strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
     scalars = (S_q, S_k, H, H // H_kv, sm_scale, *mod_scalars)
     t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
-        q4, k4, v4, do4, lse, delta, *tensors, cu_q, cu_k, dk4, dv4, dgk,
-        *strides, *_strides(dk4), *_strides(dv4), *lse_strides, *dgk_strides, *scalars,
+        q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk,
+        *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
+        *dgk_strides, *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
-        q4, k4, v4, do4, lse, delta, *tensors, cu_q, cu_k, dq4, dgq, dS,
-        *strides, *_strides(dq4), *lse_strides, *scalars,
+        q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
+        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_GRAD=attn_mask_grad, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
