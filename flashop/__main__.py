@@ -58,6 +58,63 @@ def self_check(device: str) -> bool:
     return all_ok
 
 
+def modifier_check(device: str) -> bool:
+    """Every modifier at once (dense, float mask with its gradient) and a packed batch with a
+    gate and a window, per dtype, under the same accuracy rule."""
+    import flashop
+    from flashop.testing import check_attention, check_attention_varlen, differentiable_inputs
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    all_ok = True
+    print(f"\n{'dtype':>9}  {'case':<58} worst error/bound  result")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        def randn(*shape, dt=dtype):
+            return torch.randn(*shape, device=device, dtype=dt, generator=gen)
+
+        B, S_q, S_k, H, H_kv, D = 2, 45, 70, 4, 2, 32
+        q, k, v = randn(B, S_q, H, D), randn(B, S_k, H_kv, D), randn(B, S_k, H_kv, D)
+        g = torch.nn.functional.logsigmoid(randn(B, S_k, H, dt=torch.float32) + 2)
+        bias = randn(1, H, S_q, 1, dt=torch.float32)
+        slopes = torch.rand(H, device=device, generator=gen)
+        options = dict(causal=True, window_size=(24, 0), softcap=5.0)
+        dense = (q, k, v, bias, g)
+        for t in dense:
+            t.requires_grad_()
+        out, lse = flashop.attention_with_lse(q, k, v, bias, slopes, g, **options)
+        wrt = differentiable_inputs(q, k, v, bias, g)
+        dout, dlse = randn(B, S_q, H, D), randn(B, H, S_q, dt=torch.float32)
+        grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
+        results = [("causal, window 24, softcap 5, ALiBi, gate, float mask (grad)",
+                    check_attention(q, k, v, dout, dlse, out, lse, grads, bias, slopes, g,
+                                    **options))]
+
+        lens_q, lens_k = [0, 37, 1, 60], [5, 50, 1, 60]
+        cu_q, cu_k = (torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+                      for lens in (lens_q, lens_k))
+        q, k, v = randn(sum(lens_q), H, D), randn(sum(lens_k), H_kv, D), randn(
+            sum(lens_k), H_kv, D)
+        g = torch.nn.functional.logsigmoid(randn(sum(lens_k), H, dt=torch.float32) + 2)
+        for t in (q, k, v, g):
+            t.requires_grad_()
+        options = dict(causal=True, window_size=(20, 0))
+        out, lse = flashop.attention_varlen_with_lse(q, k, v, cu_q, cu_k, 60, 60, None, g,
+                                                     **options)
+        dout, dlse = randn(*out.shape), randn(*lse.shape, dt=torch.float32)
+        grads = torch.autograd.grad((out, lse), (q, k, v, g), (dout, dlse))
+        results.append(("packed lengths q 0/37/1/60, k 5/50/1/60, gate, window 20",
+                        check_attention_varlen(q, k, v, cu_q, cu_k, dout, dlse, out, lse,
+                                               grads, None, g, **options)))
+        for name, rs in results:
+            ok = all(r.ok for r in rs)
+            all_ok &= ok
+            worst = max(r.error / r.bound if r.bound else 0.0 for r in rs)
+            print(f"{str(dtype)[6:]:>9}  {name:<58} {worst:17.2f}  {'ok' if ok else 'FAIL'}")
+            for r in rs:
+                if not r.ok:
+                    print("    " + str(r))
+    return all_ok
+
+
 def benchmark_gpu() -> None:
     import torch.nn.functional as F
     from triton.testing import do_bench
@@ -121,6 +178,7 @@ def main() -> int:
     print(f"flashop {flashop.__version__}, torch {torch.__version__}, triton "
           f"{triton.__version__}, kernels on: {where}\n")
     ok = self_check(device)
+    ok &= modifier_check(device)
     print("\nself-check:", "passed" if ok else "FAILED")
     if device == "cuda":
         benchmark_gpu()
