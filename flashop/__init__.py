@@ -2,7 +2,8 @@
 
 Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_lse``,
 ``attention_backward`` and their packed-batch versions ``attention_varlen``,
-``attention_varlen_with_lse``, ``attention_varlen_backward``. See README.md and docs/ for the API and its conventions.
+``attention_varlen_with_lse``, ``attention_varlen_backward``. See README.md and docs/
+for the API and its conventions.
 """
 
 from flashop.api import (
