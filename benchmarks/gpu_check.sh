@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the test suite on the real kernels (Hypothesis `gpu`
 # profile unless HYPOTHESIS_PROFILE says otherwise), the self-check, the benchmark grid and
-# the modifiers' benchmark.
+# the modifiers' and packed documents' benchmarks.
 # Logs and the CSV go to $OUT (or ./gpu-check); a short summary is printed last.
 #   bash benchmarks/gpu_check.sh [--quick]     (--quick: ci profile, N = 1k and 4k)
 set -uo pipefail
@@ -29,8 +29,12 @@ echo "bench rc=$?" >> "$out/bench.log"
 timeout "${BENCH_SECONDS:-420}" python benchmarks/modifiers.py \
     --out "$out/$(date +%F)-$gpu-modifiers.csv" > "$out/modifiers.log" 2>&1
 echo "modifiers rc=$?" >> "$out/modifiers.log"
+timeout "${BENCH_SECONDS:-420}" python benchmarks/varlen.py --cuda-graph \
+    --out "$out/$(date +%F)-$gpu-varlen.csv" > "$out/varlen.log" 2>&1
+echo "varlen rc=$?" >> "$out/varlen.log"
 
 echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$out/pytest.log" | tail -15
 echo "== python -m flashop"; grep -E "FAIL|self-check|rc=" "$out/main.log"
 echo "== benchmark"; sed -n '/^TFLOP/,$p' "$out/bench.log"; tail -1 "$out/bench.log"
 echo "== modifiers"; grep -E "^N=|rc=" "$out/modifiers.log"
+echo "== packed documents"; grep -E "^docs|rc=" "$out/varlen.log"
