@@ -128,11 +128,6 @@ def _check_offsets(*tensors: torch.Tensor, rows: Optional[tuple] = None,
                 f"the kernels' 32-bit row offsets; split the sequence or the heads")
 
 
-def _strides(x: torch.Tensor) -> tuple:
-    """(batch, seq, head) strides of a (B, S, H, D) tensor."""
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
 @dataclass(frozen=True)
 class Modifiers:
     """Score modifiers of one call, as the ops receive them (docs/modifiers.md)."""
@@ -322,8 +317,12 @@ def _gate_grad(dgq: torch.Tensor, dgk: torch.Tensor) -> torch.Tensor:
         dG = torch.cat([dgk[..., :off], dgk[..., off:] + dgq], dim=-1)
     else:
         dG = dgk + dgq[..., -off:]
-    dg = torch.flip(torch.cumsum(torch.flip(dG, [-1]), dim=-1), [-1])
-    return dg.transpose(1, 2)  # (B, S_k, H)
+    return _reverse_cumsum(dG).transpose(1, 2)  # (B, S_k, H)
+
+
+def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """out[..., t] = sum of x[..., t:]: the gradient of a cumulative sum."""
+    return torch.flip(torch.cumsum(torch.flip(x, [-1]), dim=-1), [-1])
 
 
 def _packed_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -338,7 +337,7 @@ def _packed_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, packing: Packing) ->
     pos = torch.where(pos >= cu_k[seq], pos, total_k)
     dG = torch.cat([dgk, dgk.new_zeros(H, 1)], dim=1).double()
     dG.index_add_(1, pos, dgq.double())  # one query per key position: no accumulation order
-    R = torch.flip(torch.cumsum(torch.flip(dG[:, :total_k], [-1]), dim=-1), [-1])
+    R = _reverse_cumsum(dG[:, :total_k])
     R0 = torch.cat([R, R.new_zeros(H, 1)], dim=1)  # R0[:, t] = sum from token t on
     end = cu_k[_token_sequences(packing.cu_seqlens_k, total_k) + 1]
     return (R - R0[:, end]).t()
@@ -353,9 +352,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
                                                        attn_mask_grad)
     B, S_q, S_k, cu_q, cu_k = _problem(q, k, packing)
-    if packing is None and (B == 0 or q.shape[2] == 0 or S_q == 0 or S_k == 0) or (
-            packing is not None and (B == 0 or q.shape[0] == 0 or k.shape[0] == 0
-                                     or q.shape[1] == 0)):
+    if B == 0 or q.numel() == 0 or k.numel() == 0:
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
     lse_strides = _row_strides(lse, packing)
@@ -381,13 +378,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
                   IS_VARLEN=packing is not None, **_kernel_args(q))
 
     # delta is row-wise: a packed batch is one sequence of total_q rows here
-    pre = (out, dout, dlse) if packing is None else (
-        out.unsqueeze(0), dout.unsqueeze(0), dlse.unsqueeze(0))
+    B_pre, rows_pre = (B, S_q) if packing is None else (1, q.shape[0])
+    dlse_strides = dlse.stride() if packing is None else (0, *dlse.stride())
     pre_block = 64 if not INTERPRETING else 32
-    B_pre, rows_pre = pre[0].shape[0], pre[0].shape[1]
     wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(rows_pre, pre_block), H, B_pre)](
-        *pre, delta, *_strides(pre[0]), *_strides(pre[1]), *pre[2].stride(),
-        rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
+        out, dout, dlse, delta, *_seq_strides(out, packing), *_seq_strides(dout, packing),
+        *dlse_strides, rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, heads and scales
     strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
