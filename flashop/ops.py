@@ -31,7 +31,8 @@ from torch import Tensor
 
 from flashop import launch
 from flashop.validation import (
-    check_attention_inputs, check_backward_inputs, check_varlen_inputs,
+    check_attention_inputs, check_backward_inputs, check_varlen_backward_inputs,
+    check_varlen_inputs,
 )
 
 _register = torch.library.custom_op if launch.INTERPRETING else torch.library.triton_op
@@ -172,8 +173,9 @@ def attention_varlen_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, 
                               window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
-    _check_varlen_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, scale, mods)
+    check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, scale, mods,
+                                 interpreting=launch.INTERPRETING)
     packing = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dg, _ = launch.attention_backward(dout, dlse, q, k, v, out, lse, scale, mods,
                                                   False, packing)
@@ -185,24 +187,10 @@ def _attention_varlen_backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q,
                                     max_seqlen_q, max_seqlen_k, alibi_slopes=None, g=None, *,
                                     causal=False, scale=None, window_size=None, softcap=0.0):
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
-    _check_varlen_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, scale, mods)
+    check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, scale, mods,
+                                 interpreting=launch.INTERPRETING)
     return launch.attention_backward_outputs(q, k, v, g, None, False)[:4]
-
-
-def _check_varlen_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, scale, mods):
-    op = "flashop.attention_varlen_backward"
-    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                        mods, interpreting=launch.INTERPRETING, op=op)
-    out_shape, lse_shape = (*q.shape[:2], v.shape[2]), (q.shape[1], q.shape[0])
-    for name, t, shape, dtype in (("out", out, out_shape, q.dtype),
-                                  ("dout", dout, out_shape, q.dtype),
-                                  ("lse", lse, lse_shape, torch.float32),
-                                  ("dlse", dlse, lse_shape, torch.float32)):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
-            raise ValueError(f"{op}: {name} must be {dtype} of shape {shape} on {q.device}, "
-                             f"got {t.dtype} of shape {tuple(t.shape)} on {t.device}")
 
 
 def _varlen_setup_context(ctx, inputs, keyword_only_inputs, output):
