@@ -145,10 +145,10 @@ def gpu_slug(name):
     return re.sub(r"[^a-z0-9-]", "", name.lower().replace(" ", "-"))
 
 
-def write_csv(path, rows):
+def write_csv(path, rows, fieldnames=CSV_HEADER):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_HEADER, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=fieldnames, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
 

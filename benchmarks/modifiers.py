@@ -9,7 +9,6 @@ Usage: python benchmarks/modifiers.py [--seqlens 4096,16384] [--out PATH.csv]
 """
 
 import argparse
-import csv
 import datetime
 import sys
 from pathlib import Path
@@ -19,7 +18,9 @@ import torch._functorch.config
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import TOKENS, HIDDEN, gpu_slug, import_flashop, int_list  # noqa: E402
+from attention import (  # noqa: E402
+    HIDDEN, TOKENS, bench_one, gpu_slug, import_flashop, int_list, write_csv,
+)
 
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "variant", "dtype", "D", "N", "B", "H",
               "causal", "pass", "ms", "tflops"]
@@ -72,22 +73,6 @@ def flex_fn(N, causal, window):
                                     block_mask=block_mask).transpose(1, 2)
 
 
-def bench(fn, q, k, v, warmup, rep):
-    out = {}
-    fn(q, k, v)
-    torch.cuda.synchronize()
-    out["fwd"] = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep,
-                                         return_mode="median")
-    o = fn(q, k, v)
-    do = torch.randn_like(o)
-    o.backward(do, retain_graph=True)
-    torch.cuda.synchronize()
-    out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
-                                         warmup=warmup, rep=rep, grad_to_none=[q, k, v],
-                                         return_mode="median")
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqlens", type=int_list, default=[4096, 16384])
@@ -121,7 +106,7 @@ def main(argv=None):
                     providers.append(("flex", fn))
             for provider, fn in providers:
                 try:
-                    times = bench(fn, q, k, v, args.warmup, args.rep)
+                    times = bench_one(fn, (q, k, v), ("fwd", "bwd"), args.warmup, args.rep)
                 except Exception as e:  # noqa: BLE001 (report and go on)
                     print(f"N={N} {name} {provider}: skipped: {type(e).__name__}: "
                           f"{str(e).strip().splitlines()[-1][:160]}", flush=True)
@@ -138,11 +123,7 @@ def main(argv=None):
                           f"{tflops:7.1f} TFLOP/s", flush=True)
         del q, k, v
         torch.cuda.empty_cache()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_HEADER, lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(out, rows, CSV_HEADER)  # after every length: a partial run keeps its rows
     print(f"results written to {out}", flush=True)
 
 

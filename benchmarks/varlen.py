@@ -10,7 +10,6 @@ Usage: python benchmarks/varlen.py [--out PATH.csv]
 """
 
 import argparse
-import csv
 import datetime
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch._functorch.config
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import _graphed, gpu_slug, import_flashop  # noqa: E402
+from attention import bench_one, gpu_slug, import_flashop, write_csv  # noqa: E402
 
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "layout", "dtype", "D", "H", "tokens",
               "documents", "mean_len", "pass", "ms", "tflops"]
@@ -43,22 +42,15 @@ def causal_pairs(lens):
 
 
 def bench(fn, inputs, warmup, rep, cuda_graph=False):
-    """{pass: median ms}; with ``cuda_graph`` also "fwd-graph": the forward replayed from a
-    CUDA graph (no host time)."""
-    fn()
-    torch.cuda.synchronize()
+    """{pass: median ms} of ``fn()``; with ``cuda_graph`` also "fwd-graph": the forward
+    replayed from a CUDA graph (no host time)."""
+    def call(q, k, v):
+        return fn()
+
     times = {}
     if cuda_graph:
-        replay = _graphed(lambda q, k, v: fn(), None, None, None)
-        times["fwd-graph"] = triton.testing.do_bench(replay, warmup=warmup, rep=rep,
-                                                     return_mode="median")
-    fwd = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    o = fn()
-    do = torch.randn_like(o)
-    o.backward(do, retain_graph=True)
-    bwd = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True), warmup=warmup,
-                                  rep=rep, grad_to_none=inputs, return_mode="median")
-    return {**times, "fwd": fwd, "bwd": bwd}
+        times["fwd-graph"] = bench_one(call, inputs, ("fwd",), warmup, rep, cuda_graph=True)["fwd"]
+    return {**times, **bench_one(call, inputs, ("fwd", "bwd"), warmup, rep)}
 
 
 def main(argv=None):
@@ -122,11 +114,7 @@ def main(argv=None):
                                  ms=round(ms, 4), tflops=round(tflops, 1)))
                 print(f"docs {lo}-{hi} ({len(lens)} docs, mean {mean:.0f}) {provider:<8} "
                       f"{layout:<14} {pass_} {ms:7.3f} ms {tflops:6.1f} TFLOP/s", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_HEADER, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows, CSV_HEADER)
     print(f"results written to {out}", flush=True)
 
 
