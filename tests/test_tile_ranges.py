@@ -12,21 +12,23 @@ from helpers import DEVICE
 
 
 @triton.jit
+def _store4(p, a, b, c, d):
+    o = tl.arange(0, 4)
+    tl.store(p + o, tl.where(o == 0, a, tl.where(o == 1, b, tl.where(o == 2, c, d))))
+
+
+@triton.jit
 def _ranges_kernel(out_k, out_q, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     i = tl.program_id(0)
     if i * BLOCK_M < S_q:
         lo, u_lo, u_hi, hi = key_tile_range(i * BLOCK_M, S_q, S_k, left, right, HAS_LEFT,
                                             HAS_RIGHT, BLOCK_M, BLOCK_N)
-        tl.store(out_k + 4 * i + tl.arange(0, 4), tl.where(
-            tl.arange(0, 4) == 0, lo, tl.where(tl.arange(0, 4) == 1, u_lo, tl.where(
-                tl.arange(0, 4) == 2, u_hi, hi))))
+        _store4(out_k + 4 * i, lo, u_lo, u_hi, hi)
     if i * BLOCK_N < S_k:
         lo, u_lo, u_hi, hi = query_tile_range(i * BLOCK_N, S_q, S_k, left, right, HAS_LEFT,
                                               HAS_RIGHT, BLOCK_M, BLOCK_N)
-        tl.store(out_q + 4 * i + tl.arange(0, 4), tl.where(
-            tl.arange(0, 4) == 0, lo, tl.where(tl.arange(0, 4) == 1, u_lo, tl.where(
-                tl.arange(0, 4) == 2, u_hi, hi))))
+        _store4(out_q + 4 * i, lo, u_lo, u_hi, hi)
 
 
 def _attended(S_q, S_k, left, right, rows=None):
