@@ -300,7 +300,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         q, k, v, out, lse, *tensors, cu_q, cu_k,
         *(st for x in (q, k, v, out) for st in _seq_strides(x, packing)), *mod_strides,
         *lse_strides,
-        S_q, S_k, H, H // H_kv, *mod_scalars,
+        S_q, S_k, H // H_kv, *mod_scalars,
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **flags, IS_VARLEN=packing is not None,
         **_kernel_args(q), num_warps=t.num_warps, num_stages=t.num_stages,
@@ -385,9 +385,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
         out, dout, dlse, delta, *_seq_strides(out, packing), *_seq_strides(dout, packing),
         *dlse_strides, rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
-    # arguments the dK/dV and dQ kernels share: input strides, then lengths, heads and scales
+    # arguments the dK/dV and dQ kernels share: input strides, then lengths, group size, scales
     strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
-    scalars = (S_q, S_k, H, H // H_kv, sm_scale, *mod_scalars)
+    scalars = (S_q, S_k, H // H_kv, sm_scale, *mod_scalars)
     t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk,
@@ -399,7 +399,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     t = tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
-        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars,
+        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_GRAD=attn_mask_grad, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )

@@ -132,7 +132,7 @@ def attention_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_dgkb, stride_dgkh,
-    S_q, S_k, H, G, sm_scale, qk_scale, softcap2, left, right,
+    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -286,7 +286,7 @@ def attention_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
-    S_q, S_k, H, G, sm_scale, qk_scale, softcap2, left, right,
+    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, H,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -294,7 +294,8 @@ def attention_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one query tile of query head i_h; with a gate, also dgq[b, h, i] =
-    sum_j dS[i, j]; where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask``."""
+    sum_j dS[i, j]; where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask``
+    (``H``, the query heads, is read only for its offsets)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap2 = tl.cast(softcap2, tl.float32)

@@ -77,7 +77,7 @@ def attention_fwd_kernel(
     stride_gb, stride_gs, stride_gh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_lb, stride_lh,
-    S_q, S_k, H, G, qk_scale, softcap2, left, right,
+    S_q, S_k, G, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
