@@ -129,11 +129,6 @@ def test_opcheck():
 
 
 @pytest.mark.compile
-@pytest.mark.xfail(
-    ON_GPU, strict=True, raises=torch._inductor.exc.InductorError,
-    reason="known bug, open: with dynamic=True, Inductor's decompose_triton_kernel_wrapper_"
-           "functional pass asserts on the packed kernels (triton 3.6, torch 2.11, H200); "
-           "dynamic=False compiles (docs/varlen.md)")
 def test_compiles_without_recompiling_when_the_packing_changes():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     LOG2E, attention_scores, dot_operand, key_tile_range, load_tile, query_tile_range,
-    sequence_bounds,
 )
 
 
@@ -147,8 +146,15 @@ def attention_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
-    q_start, S_q, k_start, S_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k,
-                                                 IS_VARLEN)
+    # the sequence's offsets and lengths where packed (not through a helper's return
+    # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        k_start = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        S_q = (tl.load(cu_seqlens_q + i_b + 1) - q_start).to(tl.int32)
+        S_k = (tl.load(cu_seqlens_k + i_b + 1) - k_start).to(tl.int32)
     start_n = i_n * BLOCK_N
     if IS_VARLEN:
         if start_n >= S_k:  # a tile past this sequence's end
@@ -303,8 +309,15 @@ def attention_bwd_dq_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    q_start, S_q, k_start, S_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k,
-                                                 IS_VARLEN)
+    # the sequence's offsets and lengths where packed (not through a helper's return
+    # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        k_start = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        S_q = (tl.load(cu_seqlens_q + i_b + 1) - q_start).to(tl.int32)
+        S_k = (tl.load(cu_seqlens_k + i_b + 1) - k_start).to(tl.int32)
     start_m = i_m * BLOCK_M
     if IS_VARLEN:
         if start_m >= S_q:  # a tile past this sequence's end

@@ -164,15 +164,9 @@ def attention_scores(
     return b_s, t
 
 
-@triton.jit
-def sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k, IS_VARLEN: tl.constexpr):
-    """``(q_start, S_q, k_start, S_k)`` of batch entry ``i_b``: from the cumulative offsets
-    of a packed batch where ``IS_VARLEN``, else 0 and the given (padded) lengths."""
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q + i_b)
-        k_start = tl.load(cu_seqlens_k + i_b)
-        S_q = tl.load(cu_seqlens_q + i_b + 1) - q_start
-        S_k = tl.load(cu_seqlens_k + i_b + 1) - k_start
-        return q_start.to(tl.int64), S_q, k_start.to(tl.int64), S_k
-    else:
-        return 0, S_q, 0, S_k
+# Packed sequences: each kernel loads its sequence's offsets from cu_seqlens inline, not
+# through a helper. torch before 2.13 (its Triton mutation analysis) follows a helper call's
+# results back to all of the call's arguments, so store pointers offset by a helper's return
+# values made it count cu_seqlens (or the tensor standing in for them) as written: Inductor
+# then cloned them on every call, and with dynamic shapes failed an assertion while doing
+# so. (It also counts stores through helpers precisely, so only pointer offsets matter.)

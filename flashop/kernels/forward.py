@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, key_tile_range, load_tile, sequence_bounds,
+    LN2, LOG2E, attention_scores, dot_operand, key_tile_range, load_tile,
 )
 
 
@@ -99,8 +99,15 @@ def attention_fwd_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    q_start, S_q, k_start, S_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, i_b, S_q, S_k,
-                                                 IS_VARLEN)
+    # the sequence's offsets and lengths where packed (not through a helper's return
+    # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        k_start = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        S_q = (tl.load(cu_seqlens_q + i_b + 1) - q_start).to(tl.int32)
+        S_k = (tl.load(cu_seqlens_k + i_b + 1) - k_start).to(tl.int32)
     start_m = i_m * BLOCK_M
     if IS_VARLEN:
         if start_m >= S_q:  # a tile past this sequence's end
