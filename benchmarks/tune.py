@@ -1,16 +1,17 @@
 """Sweep the tile sizes of each attention kernel on this GPU and print the fastest.
 
 Times bf16 B=4, N=4096, H=2048/D (non-causal): the forward alone for forward tiles; the
-whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a time. The chosen
+whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a time (the
+deterministic backward for "dkdv" and "dq", the one with atomic dQ for "dkdv_atomic"). The chosen
 tiles go into flashop/launch.py by hand; the full sweep is written to --out as CSV.
 
     python benchmarks/tune.py --heads-dims 64,128,256 --out tune.csv
 """
 
 import argparse
-import csv
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -21,6 +22,8 @@ try:
 except ImportError:
     sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
     import flashop
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import write_csv  # noqa: E402
 from flashop import launch
 from flashop.launch import Tiles
 
@@ -29,7 +32,7 @@ def candidates(kind, D):
     if kind == "fwd":
         bm, bn = ([64, 128], [32, 64]) if D > 128 else ([128], [64, 128])
         stages = [1, 2] if D > 128 else [2, 3]
-    elif kind == "dkdv":
+    elif kind in ("dkdv", "dkdv_atomic"):
         bm, bn = ([16, 32, 64], [32, 64]) if D > 128 else ([32, 64], [64, 128])
         stages = [1, 2] if D > 128 else [2, 3]
     else:
@@ -42,6 +45,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads-dims", default="64,128,256")
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--kinds", default="fwd,dkdv,dq,dkdv_atomic")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -57,13 +61,19 @@ def main():
         out, lse = flashop.attention_with_lse(q, k, v)
         dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
         fwd = lambda: torch.ops.flashop.attention_with_lse(q, k, v)  # noqa: E731
-        bwd = lambda: torch.ops.flashop.attention_backward(dout, dlse, q, k, v, out, lse)  # noqa: E731,E501
+
+        def bwd(deterministic):
+            return lambda: launch.attention_backward(
+                dout, dlse, q, k, v, out, lse, None, launch.PLAIN[False], False,
+                deterministic=deterministic)
         flops = 4 * B * H * N * N * D
-        for kind, fn, mult in (("fwd", fwd, 1.0), ("dkdv", bwd, 2.5), ("dq", bwd, 2.5)):
+        kinds = (("fwd", fwd, 1.0), ("dkdv", bwd(True), 2.5), ("dq", bwd(True), 2.5),
+                 ("dkdv_atomic", bwd(False), 2.5))
+        for kind, fn, mult in (x for x in kinds if x[0] in args.kinds.split(",")):
             results = []
             for t in candidates(kind, D):
-                launch.tiles_for = (lambda kd, hd, dt, dev, t=t, kind=kind:
-                                    t if kd == kind else default_tiles(kd, hd, dt, dev))
+                launch.tiles_for = (lambda kd, hd, dt, dev, t=t, kind=kind, **kw:
+                                    t if kd == kind else default_tiles(kd, hd, dt, dev, **kw))
                 try:
                     fn()
                     ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -86,10 +96,7 @@ def main():
         cur = default_tiles(kind, D, torch.bfloat16, torch.device("cuda"))
         print(f"  D={D:>3} {kind:>4}: {t}  {ms:.3f} ms   (current {cur})")
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(Path(args.out), rows, fieldnames=list(rows[0]))
     return 0
 
 

@@ -7,6 +7,7 @@ Every kernel is launched through ``torch.library.wrap_triton`` so that, inside a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,13 +43,15 @@ class Tiles:
 _INTERPRETER_TILES = {
     "fwd": Tiles(32, 16),
     "dkdv": Tiles(16, 32),
+    "dkdv_atomic": Tiles(16, 32),
     "dq": Tiles(32, 16),
 }
 
 
 # fp32 inputs take twice the shared memory of 16-bit ones: small tiles, one stage (the fp32
 # path is for accuracy, not speed)
-_FP32_TILES = {"fwd": Tiles(64, 32, 4, 1), "dkdv": Tiles(32, 32, 4, 1), "dq": Tiles(32, 32, 4, 1)}
+_FP32_TILES = {"fwd": Tiles(64, 32, 4, 1), "dkdv": Tiles(32, 32, 4, 1),
+               "dkdv_atomic": Tiles(32, 32, 4, 1), "dq": Tiles(32, 32, 4, 1)}
 
 
 def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
@@ -60,6 +63,10 @@ def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
         if head_dim <= 128:
             return Tiles(128, 64, 8, 3)
         return Tiles(128, 64, 8, 2) if hopper else Tiles(64, 32, 4, 2)
+    if kind == "dkdv_atomic":
+        if head_dim <= 128:
+            return Tiles(64, 128, 8, 3)
+        return Tiles(64, 64, 8, 2) if hopper else Tiles(32, 64, 8, 1)
     if kind == "dkdv":
         if head_dim <= 64:
             return Tiles(32, 128, 4, 3)
@@ -308,6 +315,19 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     return out, lse
 
 
+# dQ by fp32 atomics in the dK/dV kernel (one pass over S and dP instead of two) measured
+# slower than the dQ kernel at most shapes on an H100 (docs/performance.md), so it is opt-in:
+# FLASHOP_DQ_ATOMICS=1, read at import (and at tracing time under torch.compile).
+DQ_ATOMICS = os.environ.get("FLASHOP_DQ_ATOMICS", "0") == "1"
+
+
+def deterministic_backward() -> bool:
+    """Whether backwards sum dQ in one program per query tile (the dQ kernel, bitwise
+    reproducible) rather than by fp32 atomics: always, unless atomics were opted into, and
+    always under torch.use_deterministic_algorithms."""
+    return not DQ_ATOMICS or torch.are_deterministic_algorithms_enabled()
+
+
 def _gate_grad(dgq: torch.Tensor, dgk: torch.Tensor) -> torch.Tensor:
     """dg from the kernels' halves: dG[p] = dgk[p] + dgq[p - (S_k - S_q)] (query i sits at
     key position i + S_k - S_q), then dg = reverse cumulative sum of dG (G = cumsum(g))."""
@@ -344,9 +364,14 @@ def _packed_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, packing: Packing) ->
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mods: Modifiers,
-                       attn_mask_grad: bool, packing: Optional[Packing] = None):
+                       attn_mask_grad: bool, packing: Optional[Packing] = None,
+                       deterministic: Optional[bool] = None):
     """Launch the backward; returns (dq, dk, dv, dg, dattn_mask) (the last two as in
-    attention_backward_outputs)."""
+    attention_backward_outputs).
+
+    dQ comes from the dK/dV kernel's fp32 atomics (no second pass over S and dP) unless
+    ``deterministic`` (default: deterministic_backward()), a gate or
+    the mask's gradient asks for the dQ kernel, whose rows are summed in one program."""
     q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
@@ -373,6 +398,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     dgk_strides = _row_strides(dgk, packing) if has_gate else (0, 0)
     # dS of every (query, key) pair; pairs outside the window are never visited: zeros
     dS = lse.new_zeros((B, H, S_q, S_k)) if attn_mask_grad else delta
+    if deterministic is None:
+        deterministic = deterministic_backward()
+    dq_atomic = not (deterministic or has_gate or attn_mask_grad)
+    # zeroed fp32 dQ / scale, laid out as q, where the dK/dV kernel adds into it
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
+    dqa_strides = _seq_strides(dq_acc, packing) if dq_atomic else (0, 0, 0)
     BLOCK_D, BLOCK_DV = _block_dim(D), _block_dim(DV)
     common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
                   IS_VARLEN=packing is not None, **_kernel_args(q))
@@ -388,14 +419,17 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, group size, scales
     strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
     scalars = (S_q, S_k, H // H_kv, sm_scale, *mod_scalars)
-    t = tiles_for("dkdv", max(D, DV), q.dtype, q.device)
+    t = tiles_for("dkdv_atomic" if dq_atomic else "dkdv", max(D, DV), q.dtype, q.device)
     wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
-        q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk,
+        q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
-        *dgk_strides, *scalars,
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **common,
+        *dgk_strides, *dqa_strides, *scalars,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, DQ_ATOMIC=dq_atomic, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
+    if dq_atomic:
+        dq.copy_(dq_acc.mul_(sm_scale))
+        return dq, dk, dv, dg, dmask
     t = tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad)
     wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dq, dgq, dS,

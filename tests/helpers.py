@@ -99,39 +99,54 @@ def make_modifiers(case: Case, seed: int = 0) -> dict:
 
 
 @contextlib.contextmanager
-def poisoned_outputs():
-    """Within this block torch.empty fills floating-point memory with NaN, so an element a
-    kernel fails to write shows up as NaN (torch.utils.deterministic.fill_uninitialized_memory)."""
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) within this block (flashop's backward then
+    never adds dQ by atomics)."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@contextlib.contextmanager
+def poisoned_outputs(deterministic_backward: bool = True):
+    """Within this block torch.empty fills floating-point memory with NaN, so an element a
+    kernel fails to write shows up as NaN (torch.utils.deterministic.fill_uninitialized_memory,
+    which needs deterministic algorithms on). flashop's backward takes its default dQ kernel
+    unless ``deterministic_backward`` is False (the opt-in dQ by atomics)."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    choice = flashop.launch.deterministic_backward
+    flashop.launch.deterministic_backward = lambda: deterministic_backward
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with deterministic_algorithms():
+            yield
+    finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
+        flashop.launch.deterministic_backward = choice
 
 
-def run_flashop(case: Case, inputs, dout, dlse, mods=None):
+def run_flashop(case: Case, inputs, dout, dlse, mods=None, deterministic_backward=True):
     """out, lse and the gradients of differentiable_inputs (dq, dk, dv[, dg][, dattn_mask])
     from flashop, with poisoned output memory."""
     mods = mods or {}
-    with poisoned_outputs():
+    with poisoned_outputs(deterministic_backward):
         out, lse = flashop.attention_with_lse(*inputs, **mods, **case.options())
         wrt = differentiable_inputs(*inputs, mods.get("attn_mask"), mods.get("g"))
         grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
     return out, lse, grads
 
 
-def check_case(case: Case, seed: int = 0):
+def check_case(case: Case, seed: int = 0, deterministic_backward: bool = True):
     """Run flashop (outputs poisoned) and apply the accuracy rule (flashop.testing) to out,
     lse (2x) and every gradient (3x) against the fp64 reference and plain PyTorch in
     case.dtype."""
     inputs, dout, dlse = make_inputs(case, seed)
     mods = make_modifiers(case, seed)
-    out, lse, grads = run_flashop(case, inputs, dout, dlse, mods)
+    out, lse, grads = run_flashop(case, inputs, dout, dlse, mods, deterministic_backward)
     assert out.dtype == case.dtype and lse.dtype == torch.float32
     wrt = differentiable_inputs(*inputs, mods["attn_mask"], mods["g"])
     assert all(g.dtype == x.dtype for g, x in zip(grads, wrt.values()))

@@ -5,7 +5,10 @@ import torch
 from hypothesis import given, strategies as st
 
 import flashop
-from helpers import DEVICE, Case, check_case, make_inputs, poisoned_outputs, run_flashop
+from helpers import (
+    DEVICE, Case, check_case, deterministic_algorithms, make_inputs, poisoned_outputs,
+    run_flashop,
+)
 
 ON_GPU = DEVICE == "cuda"
 # The interpreter runs every program in numpy, one after another: small shapes there.
@@ -103,14 +106,30 @@ def test_strided_last_dimension_is_accepted():
     assert torch.equal(out, dense)
 
 
-def test_backward_is_deterministic():
+def test_deterministic_backward_is_bitwise_reproducible():
     case = Case(B=1, S_q=70, S_k=90, H_kv=1, G=3, D=32, DV=32, dtype=torch.float32,
                 causal=True)
     inputs, dout, dlse = make_inputs(case)
-    first = run_flashop(case, inputs, dout, dlse)
-    second = run_flashop(case, inputs, dout, dlse)
+    first = run_flashop(case, inputs, dout, dlse, deterministic_backward=True)
+    second = run_flashop(case, inputs, dout, dlse, deterministic_backward=True)
     for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2])):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_atomic_dq_backward_matches_reference(causal):
+    """The opt-in backward whose dK/dV kernel adds dQ by atomics (FLASHOP_DQ_ATOMICS=1)
+    passes the same rule, with GQA, a window and lengths that are not multiples of tiles."""
+    check_case(Case(B=2, S_q=70, S_k=45, H_kv=2, G=2, D=32, DV=24, dtype=torch.float16,
+                    causal=causal, window_size=(20, -1)), deterministic_backward=False)
+
+
+def test_dq_atomics_are_opt_in_and_off_when_deterministic(monkeypatch):
+    assert flashop.launch.deterministic_backward()  # the default
+    monkeypatch.setattr(flashop.launch, "DQ_ATOMICS", True)
+    assert not flashop.launch.deterministic_backward()
+    with deterministic_algorithms():
+        assert flashop.launch.deterministic_backward()
 
 
 def test_attention_equals_first_output_of_attention_with_lse():

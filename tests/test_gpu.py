@@ -43,6 +43,15 @@ def test_inductor_sees_the_triton_kernels():
                    "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
         assert kernel in code, f"{kernel} not in Inductor's code"
     assert q.grad is not None and torch.isfinite(q.grad).all()
+    # opted into dQ by atomics: the dK/dV kernel adds dQ, no dQ kernel runs
+    dq = q.grad
+    q.grad = None
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flashop.launch, "DQ_ATOMICS", True)
+        _, code = run_and_get_code(lambda: loss(q, k).backward())
+    assert "attention_bwd_dq_kernel" not in "\n".join(code)
+    torch.testing.assert_close(q.grad, dq)
 
 
 def _assert_replay_equals_eager(step):

@@ -42,8 +42,8 @@ def make_packed(lens_q, lens_k, H_kv, G, D, dtype, seed=0, gate=None, alibi=None
                 alibi_slopes=slopes, g=g), dout, dlse
 
 
-def check_packed(args, dout, dlse, **options):
-    with poisoned_outputs():
+def check_packed(args, dout, dlse, deterministic_backward=True, **options):
+    with poisoned_outputs(deterministic_backward):
         out, lse = flashop.attention_varlen_with_lse(**args, **options)
         wrt = differentiable_inputs(args["q"], args["k"], args["v"], None, args["g"])
         grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
@@ -82,6 +82,14 @@ def test_varlen_matches_reference_per_sequence(dtype, data, seed):
     shape, options = data.draw(packings(dtype))
     args, dout, dlse = make_packed(**shape, seed=seed)
     check_packed(args, dout, dlse, **options)
+
+
+def test_atomic_dq_backward_per_sequence():
+    """The opt-in dQ by atomics (FLASHOP_DQ_ATOMICS=1) on a packing with an empty sequence,
+    GQA, S_q != S_k and a causal window."""
+    args, dout, dlse = make_packed([9, 0, 40, 1], [30, 3, 17, 1], 2, 2, 16, torch.float16)
+    check_packed(args, dout, dlse, deterministic_backward=False, causal=True,
+                 window_size=(12, 0))
 
 
 def test_empty_sequences_and_empty_batch():

@@ -62,15 +62,18 @@ def _lse_base2(lse):
 
 @triton.jit
 def _dkdv_query_tiles(
-    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse, delta, g, mask, stride_qs, stride_dos,
-    stride_gs, stride_mq, stride_mk, o_n, m_n, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2,
-    left, right,
+    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse, delta, g, mask, dq_acc,
+    stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n, m_n, lo, hi,
+    S_q, S_k, qk_scale, softcap2, alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head.
+    """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head;
+    where ``DQ_ATOMIC``, also add dS K into the fp32 ``dq_acc`` (rows of stride
+    ``stride_dqas``).
 
     Rows past S_q load q = dO = 0 and lse = +inf, so they add nothing. Keys past S_k were
     loaded as 0 and their rows of dk, dv and dgk are never stored, so no key mask is needed.
@@ -112,15 +115,21 @@ def _dkdv_query_tiles(
             b_dgk -= tl.sum(b_dst, 1)
         if HAS_SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
+        b_dst = dot_operand(b_dst.to(q.dtype.element_ty), UPCAST)
         # dK += dS^T Q [BLOCK_N, BLOCK_D]
-        b_dk = tl.dot(dot_operand(b_dst.to(q.dtype.element_ty), UPCAST),
-                      tl.trans(dot_operand(b_qt, UPCAST)), b_dk, input_precision=DOT_PRECISION)
+        b_dk = tl.dot(b_dst, tl.trans(dot_operand(b_qt, UPCAST)), b_dk,
+                      input_precision=DOT_PRECISION)
+        if DQ_ATOMIC:
+            # dQ += dS K [BLOCK_M, BLOCK_D], summed over the key tiles by fp32 atomics
+            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=DOT_PRECISION)
+            tl.atomic_add(dq_acc + o_m[:, None] * stride_dqas + o_d[None, :], b_dq,
+                          mask=m_m[:, None] & (o_d[None, :] < D), sem="relaxed")
     return b_dk, b_dv, b_dgk
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dk, dv, dgk,
+    q, k, v, do, lse, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dk, dv, dgk, dq_acc,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -131,15 +140,18 @@ def attention_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_dgkb, stride_dgkh,
+    stride_dqab, stride_dqas, stride_dqah,
     S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
-    gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads."""
+    gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads. Where ``DQ_ATOMIC``,
+    also dQ / scale, added with fp32 atomics into the zeroed ``dq_acc`` (laid out as q), so
+    that no dQ kernel recomputes S and dP (faster, not bitwise deterministic)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap2 = tl.cast(softcap2, tl.float32)
@@ -185,6 +197,7 @@ def attention_bwd_dkdv_kernel(
         row = i_b * stride_lb + i_h * stride_lh + q_start  # lse, delta: rows of this head
         p_lse = lse + row
         p_delta = delta + row
+        p_dqa = dq_acc + i_b * stride_dqab + q_start * stride_dqas + i_h * stride_dqah
         alibi2 = 0.0
         if HAS_ALIBI:
             alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
@@ -200,24 +213,24 @@ def attention_bwd_dkdv_kernel(
         b_dgk = tl.zeros([BLOCK_N], dtype=tl.float32)
         if HAS_RIGHT:
             b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
-                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, o_n, m_n, lo, u_lo,
-                S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
-                UPCAST, DOT_PRECISION)
+                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
+                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
+                m_n, lo, u_lo, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
         b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
-            stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, o_n, m_n, u_lo, u_hi,
-            S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
-            UPCAST, DOT_PRECISION)
+            b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
+            stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
+            m_n, u_lo, u_hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
+            BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
         if HAS_LEFT:
             b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
-                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, o_n, m_n, u_hi, hi,
-                S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND,
-                UPCAST, DOT_PRECISION)
+                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
+                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
+                m_n, u_hi, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
+                BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
         if HAS_GATE:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)
