@@ -13,6 +13,7 @@ import csv
 import datetime
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 TOKENS = 16384
 HIDDEN = 2048
-PROVIDERS = ["flashop", "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
+PROVIDERS = ["flashop", "flashop-atomic", "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -30,7 +31,7 @@ SDPA_BACKENDS = {
 }
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "dtype", "D", "N", "B", "H", "causal",
               "pass", "ms", "tflops"]
-RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex")]
+RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex"), ("flashop", "sdpa-cudnn")]
 
 
 def import_flashop():
@@ -53,6 +54,13 @@ def make_inputs(B, N, H, D, layout):
 def provider_flashop(N, causal):
     flashop = import_flashop()
     return (lambda q, k, v: flashop.attention(q, k, v, causal=causal)), "bnhd"
+
+
+def provider_flashop_atomic(N, causal):
+    """flashop with its opt-in backward that adds dQ by atomics (FLASHOP_DQ_ATOMICS=1)."""
+    fn, layout = provider_flashop(N, causal)
+    fn.dq_atomics = True
+    return fn, layout
 
 
 def provider_sdpa(backend, causal):
@@ -88,6 +96,8 @@ def make_provider(name, N, causal):
     """Return (forward callable taking q, k, v, input layout) for a provider."""
     if name == "flashop":
         return provider_flashop(N, causal)
+    if name == "flashop-atomic":
+        return provider_flashop_atomic(N, causal)
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":
@@ -118,6 +128,15 @@ def _graphed(fn, q, k, v):
     return graph.replay
 
 
+def _busy(run, seconds=0.3):
+    """Run for a while before timing: after a compile the GPU has idled and its clocks
+    take longer to come back than do_bench's warm-up."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        run()
+    torch.cuda.synchronize()
+
+
 def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
     """Time fn(*inputs) forward and/or backward; returns {pass: median ms}. With
     ``cuda_graph`` the forward is replayed from a CUDA graph (no host overhead)."""
@@ -126,17 +145,24 @@ def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
     if "fwd" in passes:
         fn(q, k, v)  # warm-up (compiles / autotunes)
         torch.cuda.synchronize()
+        _busy(lambda: fn(q, k, v))
         run = _graphed(fn, q, k, v) if cuda_graph else (lambda: fn(q, k, v))
         out["fwd"] = triton.testing.do_bench(run, warmup=warmup, rep=rep,
                                              return_mode="median")
     if "bwd" in passes:
         o = fn(q, k, v)
         do = torch.randn_like(o)
-        o.backward(do, retain_graph=True)  # warm-up
-        torch.cuda.synchronize()
-        out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
-                                             warmup=warmup, rep=rep, grad_to_none=[q, k, v],
-                                             return_mode="median")
+        launch = import_flashop().launch
+        default = launch.DQ_ATOMICS
+        launch.DQ_ATOMICS = getattr(fn, "dq_atomics", False)
+        try:
+            o.backward(do, retain_graph=True)  # warm-up
+            torch.cuda.synchronize()
+            out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
+                                                 warmup=warmup, rep=rep,
+                                                 grad_to_none=[q, k, v], return_mode="median")
+        finally:
+            launch.DQ_ATOMICS = default
         del o, do
     return out
 

@@ -1,0 +1,197 @@
+"""Forward variants and ablations on a GPU: what limits the forward, and what moves it.
+
+A stripped plain forward (no modifiers, non-causal, lengths that are multiples of the tiles)
+with compile-time switches, timed side by side with flashop's forward in one process:
+
+- ``FMA``: the scale folded into the row max and the exponent's subtraction (one FMA per
+  score instead of a multiply and a subtract);
+- ``TMA``: K and V tiles (and Q, O) through tensor descriptors (Hopper's copy engine);
+- ``WS``: ``tl.range(..., warp_specialize=True)``;
+- ablations, which compute wrong results on purpose and only time what remains:
+  ``NO_EXP`` (p = s, no exp2), ``NO_RESCALE`` (the accumulator is not rescaled),
+  ``NO_SOFTMAX`` (no max, no exp2, no row sums: the two matmuls and the loads alone).
+
+Every correct variant is checked against flashop's output first (same rule as the tests).
+    python benchmarks/fwd_variants.py [--D 128] [--N 16384] [--out variants.csv]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+try:
+    import flashop
+except ImportError:
+    sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+    import flashop
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import write_csv  # noqa: E402
+
+
+@triton.jit
+def _variant_fwd_kernel(
+    q, k, v, o, S, H, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, NO_EXP: tl.constexpr, NO_RESCALE: tl.constexpr,
+    NO_SOFTMAX: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    row0 = i_b * S  # the tensors are read as 2-D (B * S, H * D)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D)
+    o_n0 = tl.arange(0, BLOCK_N)
+    stride = H * D
+    if TMA:
+        desc_q = tl.make_tensor_descriptor(q, [S * tl.num_programs(2), stride], [stride, 1],
+                                           [BLOCK_M, D])
+        desc_k = tl.make_tensor_descriptor(k, [S * tl.num_programs(2), stride], [stride, 1],
+                                           [BLOCK_N, D])
+        desc_v = tl.make_tensor_descriptor(v, [S * tl.num_programs(2), stride], [stride, 1],
+                                           [BLOCK_N, D])
+        b_q = desc_q.load([row0 + i_m * BLOCK_M, i_h * D])
+    else:
+        b_q = tl.load(q + (row0 + o_m)[:, None] * stride + i_h * D + o_d[None, :])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start_n in tl.range(0, S, BLOCK_N, warp_specialize=WS):
+        if TMA:
+            b_k = desc_k.load([row0 + start_n, i_h * D])
+            b_v = desc_v.load([row0 + start_n, i_h * D])
+            b_kt = tl.trans(b_k)
+        else:
+            o_n = start_n + o_n0
+            b_kt = tl.load(k + (row0 + o_n)[None, :] * stride + i_h * D + o_d[:, None])
+            b_v = tl.load(v + (row0 + o_n)[:, None] * stride + i_h * D + o_d[None, :])
+        b_s = tl.dot(b_q, b_kt)
+        if NO_SOFTMAX:
+            b_p = b_s
+        else:
+            if FMA:
+                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+                b_s = b_s * qk_scale - m_new[:, None]
+            else:
+                b_s = b_s * qk_scale
+                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                b_s = b_s - m_new[:, None]
+            if NO_EXP:
+                b_p = b_s
+            else:
+                b_p = tl.math.exp2(b_s)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            if not NO_RESCALE:
+                acc = acc * alpha[:, None]
+            m_i = m_new
+        acc = tl.dot(b_p.to(v.dtype.element_ty), b_v, acc)
+    if not NO_SOFTMAX:
+        acc = acc / l_i[:, None]
+    b_o = acc.to(o.dtype.element_ty)
+    if TMA:
+        desc_o = tl.make_tensor_descriptor(o, [S * tl.num_programs(2), stride], [stride, 1],
+                                           [BLOCK_M, D])
+        desc_o.store([row0 + i_m * BLOCK_M, i_h * D], b_o)
+    else:
+        tl.store(o + (row0 + o_m)[:, None] * stride + i_h * D + o_d[None, :], b_o)
+
+
+VARIANTS = {
+    # name: switches (defaults False)
+    "base": {},
+    "fma": dict(FMA=True),
+    "tma": dict(TMA=True),
+    "fma+tma": dict(FMA=True, TMA=True),
+    "fma+ws": dict(FMA=True, WS=True),
+    "fma+tma+ws": dict(FMA=True, TMA=True, WS=True),
+    "no-exp": dict(FMA=True, NO_EXP=True),
+    "no-rescale": dict(FMA=True, NO_RESCALE=True),
+    "no-softmax": dict(NO_SOFTMAX=True),
+    "no-softmax+tma": dict(NO_SOFTMAX=True, TMA=True),
+}
+ABLATIONS = {"no-exp", "no-rescale", "no-softmax", "no-softmax+tma"}
+TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
+
+
+def run_variant(q, k, v, name, tiles, scale):
+    B, S, H, D = q.shape
+    BM, BN, warps, stages = tiles
+    o = torch.empty_like(q)
+    flags = dict(FMA=False, TMA=False, WS=False, NO_EXP=False, NO_RESCALE=False,
+                 NO_SOFTMAX=False)
+    flags.update(VARIANTS[name])
+
+    def fn():
+        _variant_fwd_kernel[(S // BM, H, B)](
+            q, k, v, o, S, H, scale * 1.4426950408889634, D=D, BLOCK_M=BM, BLOCK_N=BN,
+            **flags, num_warps=warps, num_stages=stages)
+        return o
+    return fn
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--D", default="128,64")
+    parser.add_argument("--N", type=int, default=16384)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("fwd_variants.py needs a CUDA GPU")
+        return 2
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
+    rows = []
+    for D in (int(d) for d in args.D.split(",")):
+        N = args.N
+        B, H = 16384 // N, 2048 // D
+        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        flops = 4 * B * H * N * N * D
+        ref = flashop.attention(q, k, v)
+        ms = do_bench(lambda: flashop.attention(q, k, v), warmup=25, rep=100,
+                      return_mode="median")
+        rows.append(dict(D=D, N=N, variant="flashop", tiles="default", ms=round(ms, 4),
+                         tflops=round(flops / ms * 1e-9, 1), error=""))
+        print(f"D={D} N={N} flashop: {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
+        for name in args.variants.split(","):
+            for tiles in (TILES if name in ("base", "fma", "fma+tma") else TILES[1::2]):
+                fn = run_variant(q, k, v, name, tiles, D ** -0.5)
+                try:
+                    out = fn()
+                    torch.cuda.synchronize()
+                    err = ""
+                    if name not in ABLATIONS:
+                        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                        err = f"{rel:.1e}"
+                        if not rel < 1e-2:
+                            print(f"  {name} {tiles}: WRONG rel err {rel}", flush=True)
+                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                except Exception as e:  # noqa: BLE001 - a variant the compiler refuses
+                    print(f"  {name} {tiles}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                tflops = flops / ms * 1e-9
+                rows.append(dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)),
+                                 ms=round(ms, 4), tflops=round(tflops, 1), error=err))
+                print(f"  {name:>16} {tiles}: {tflops:.0f} TFLOP/s  err {err}", flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}; best tiles per variant (TFLOP/s):")
+    for D in sorted({r["D"] for r in rows}):
+        for name in ["flashop"] + args.variants.split(","):
+            rs = [r for r in rows if r["D"] == D and r["variant"] == name]
+            if rs:
+                best = max(rs, key=lambda r: r["tflops"])
+                print(f"  D={D:>3} {name:>16}: {best['tflops']:6.1f}  ({best['tiles']})")
+    if args.out:
+        write_csv(Path(args.out), rows, fieldnames=list(rows[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
