@@ -142,10 +142,12 @@ print("sanitized")
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
-def test_compute_sanitizer_memcheck_on_odd_shapes():
+@pytest.mark.parametrize("dq_atomics", ["0", "1"])
+def test_compute_sanitizer_memcheck_on_odd_shapes(dq_atomics):
     done = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1",
          sys.executable, "-c", SANITIZER_SCRIPT],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics})
     assert done.returncode == 0 and "sanitized" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in done.stdout, done.stdout[-3000:]
