@@ -30,6 +30,16 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interp
         if t.dim() != 4:
             raise ValueError(
                 f"{op}: {name} must be a 4-D tensor {_LAYOUT}, got shape {_shape(t)}")
+    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=False)
+    B, H = q.shape[0], q.shape[2]
+    if mods is not None and mods is not PLAIN[mods.causal]:
+        check_modifiers(q, mods, op, B, q.shape[1], k.shape[1], H)
+
+
+def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
+               packed: bool) -> None:
+    """The checks dense and packed inputs share: dtypes, devices, matching shapes (dims
+    named as the caller sees them: packed tensors have no batch dim), head dims, scale."""
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(
             f"{op}: q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, "
@@ -48,22 +58,25 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interp
             f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
             f"testing), or call flashop.attention_reference for a plain PyTorch computation")
     shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
-    B, _, H, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    s = 0 if packed else 1  # the tokens' dim; heads and head dim follow it
+    if not packed and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
         raise ValueError(f"{op}: q, k and v must have the same batch size (dim 0), got {shapes}")
-    if k.shape[1] != v.shape[1]:
+    if k.shape[s] != v.shape[s]:
+        what = "number of tokens" if packed else "sequence length"
+        raise ValueError(f"{op}: k and v must have the same {what} (dim {s}), got {shapes}")
+    H, D = q.shape[s + 1], q.shape[s + 2]
+    H_kv = k.shape[s + 1]
+    if v.shape[s + 1] != H_kv:
         raise ValueError(
-            f"{op}: k and v must have the same sequence length (dim 1), got {shapes}")
-    H_kv = k.shape[2]
-    if v.shape[2] != H_kv:
-        raise ValueError(f"{op}: k and v must have the same number of heads (dim 2), got {shapes}")
-    if k.shape[3] != D:
-        raise ValueError(f"{op}: q and k must have the same head dim (dim 3), got {shapes}")
+            f"{op}: k and v must have the same number of heads (dim {s + 1}), got {shapes}")
+    if k.shape[s + 2] != D:
+        raise ValueError(
+            f"{op}: q and k must have the same head dim (dim {s + 2}), got {shapes}")
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(
             f"{op}: the number of query heads ({H}) must be a multiple of the number of "
             f"key/value heads ({H_kv}) for grouped-query attention, got {shapes}")
-    DV = v.shape[3]
+    DV = v.shape[s + 2]
     if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
         raise ValueError(
             f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} for q and k "
@@ -71,8 +84,6 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interp
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
-    if mods is not None and mods is not PLAIN[mods.causal]:
-        check_modifiers(q, mods, op, B, q.shape[1], k.shape[1], H)
 
 
 def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] = None) -> None:
@@ -190,9 +201,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                 f"{op}: {name} must be a 3-D tensor {_PACKED} of packed sequences, got shape "
                 f"{_shape(t)}; for padded (batch, seqlen, heads, head_dim) tensors use "
                 f"flashop.attention, or flashop.unpad_input to pack them")
-    # the dense checks apply to the packing seen as one sequence
-    check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, None,
-                           interpreting=interpreting, op=op)
+    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=True)
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
                             ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         if cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype != torch.int32:

@@ -175,6 +175,12 @@ class TestVarlenErrors(TestCase):
         q = torch.randn(2, 6, 1, 16, device=DEVICE)
         self.assertExpectedInline(self.message(q=q), """flashop.attention_varlen: q must be a 3-D tensor (total_tokens, heads, head_dim) of packed sequences, got shape (2, 6, 1, 16); for padded (batch, seqlen, heads, head_dim) tensors use flashop.attention, or flashop.unpad_input to pack them""")  # noqa: B950
 
+    def test_shapes_named_as_packed(self):
+        v = torch.randn(9, 1, 16, device=DEVICE)
+        self.assertExpectedInline(self.message(v=v), """flashop.attention_varlen: k and v must have the same number of tokens (dim 0), got q (10, 1, 16), k (10, 1, 16), v (9, 1, 16)""")  # noqa: B950
+        k = torch.randn(10, 1, 8, device=DEVICE)
+        self.assertExpectedInline(self.message(k=k), """flashop.attention_varlen: q and k must have the same head dim (dim 2), got q (10, 1, 16), k (10, 1, 8), v (10, 1, 16)""")  # noqa: B950
+
     def test_offsets_dtype(self):
         cu = torch.tensor([0, 4, 10], device=DEVICE)
         self.assertExpectedInline(self.message(cu_seqlens_q=cu), """flashop.attention_varlen: cu_seqlens_q must be a 1-D int32 tensor of batch + 1 cumulative offsets (0, len_0, len_0 + len_1, ..., 10), got torch.int64 of shape (3,)""")  # noqa: B950
