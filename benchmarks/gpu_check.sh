@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the test suite on the real kernels (Hypothesis `gpu`
 # profile unless HYPOTHESIS_PROFILE says otherwise), the self-check, the benchmark grid and
-# the modifiers' and packed documents' benchmarks.
+# the modifiers' and packed documents' benchmarks, and the forward's variants and ablations.
 # Logs and the CSV go to $OUT (or ./gpu-check); a short summary is printed last.
 #   bash benchmarks/gpu_check.sh [--quick]     (--quick: ci profile, N = 1k and 4k)
 set -uo pipefail
@@ -24,7 +24,8 @@ echo "pytest rc=$?" >> "$out/pytest.log"
 timeout 200 python -m flashop > "$out/main.log" 2>&1
 echo "main rc=$?" >> "$out/main.log"
 timeout "${BENCH_SECONDS:-420}" python benchmarks/attention.py "${bench_args[@]}" \
-    --out "$out/$(date +%F)-$gpu.csv" > "$out/bench.log" 2>&1
+    --providers flashop,flashop-atomic,sdpa-flash,sdpa-cudnn,sdpa-mem,flex \
+    --out "$out/$(date +%F)-$gpu.csv" --plot "$out/$(date +%F)-$gpu.png" > "$out/bench.log" 2>&1
 echo "bench rc=$?" >> "$out/bench.log"
 timeout "${BENCH_SECONDS:-420}" python benchmarks/modifiers.py \
     --out "$out/$(date +%F)-$gpu-modifiers.csv" > "$out/modifiers.log" 2>&1
@@ -32,9 +33,13 @@ echo "modifiers rc=$?" >> "$out/modifiers.log"
 timeout "${BENCH_SECONDS:-420}" python benchmarks/varlen.py --cuda-graph \
     --out "$out/$(date +%F)-$gpu-varlen.csv" > "$out/varlen.log" 2>&1
 echo "varlen rc=$?" >> "$out/varlen.log"
+timeout 300 python benchmarks/fwd_variants.py --D 128,64 \
+    --out "$out/$(date +%F)-$gpu-fwd-variants.csv" > "$out/variants.log" 2>&1
+echo "variants rc=$?" >> "$out/variants.log"
 
 echo "== pytest"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$out/pytest.log" | tail -15
 echo "== python -m flashop"; grep -E "FAIL|self-check|rc=" "$out/main.log"
 echo "== benchmark"; sed -n '/^TFLOP/,$p' "$out/bench.log"; tail -1 "$out/bench.log"
 echo "== modifiers"; grep -E "^N=|rc=" "$out/modifiers.log"
 echo "== packed documents"; grep -E "^docs|rc=" "$out/varlen.log"
+echo "== forward variants"; sed -n '/best tiles/,$p' "$out/variants.log"; tail -1 "$out/variants.log"
