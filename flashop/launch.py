@@ -369,9 +369,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     """Launch the backward; returns (dq, dk, dv, dg, dattn_mask) (the last two as in
     attention_backward_outputs).
 
-    dQ comes from the dK/dV kernel's fp32 atomics (no second pass over S and dP) unless
-    ``deterministic`` (default: deterministic_backward()), a gate or
-    the mask's gradient asks for the dQ kernel, whose rows are summed in one program."""
+    dQ comes from the dQ kernel (each row summed in one program) unless ``deterministic``
+    is False (default: not deterministic_backward(), i.e. FLASHOP_DQ_ATOMICS=1) and there is
+    no gate and no mask gradient: then the dK/dV kernel adds it by fp32 atomics, with no
+    second pass over S and dP."""
     q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
