@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward: preprocess, dK/dV and dQ, deterministic (no atomics).
+"""FlashAttention-2 backward: preprocess, dK/dV and dQ, deterministic (no atomics) by default.
 
 Scores are recomputed from q, k and the forward's log-sum-exp; the N x N probabilities are
 never stored. ``lse`` and ``delta`` are contiguous (B, H, S_q) fp32.
@@ -6,7 +6,9 @@ never stored. ``lse`` and ``delta`` are contiguous (B, H, S_q) fp32.
 - ``attention_bwd_preprocess_kernel``: delta = rowsum(dO * O) - dlse.
 - ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
   over the G query heads of its group, so dK and dV are summed over the group in registers.
-- ``attention_bwd_dq_kernel``: one program per query tile of one query head.
+- ``attention_bwd_dq_kernel``: one program per query tile of one query head. With
+  ``DQ_ATOMIC`` (opt-in, see flashop/launch.py) it does not run: the dK/dV kernel adds dQ
+  into an fp32 buffer by atomics instead (not bitwise reproducible).
 
 With a softcap, dS is multiplied by its derivative ``1 - tanh^2`` before the dQ and dK
 products. The gate's gradient is split in two halves written by the kernels that own the
