@@ -1,5 +1,8 @@
 """Sweep the tile sizes of each attention kernel on this GPU and print the fastest.
 
+The candidates are the autotuner's (``flashop.launch.TILE_CANDIDATES``, pruned to the GPU's
+shared memory).
+
 Times bf16 B=4, N=4096, H=2048/D (non-causal): the forward alone for forward tiles; the
 whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a time (the
 deterministic backward for "dkdv" and "dq", the one with atomic dQ for "dkdv_atomic"). The chosen
@@ -9,7 +12,6 @@ tiles go into flashop/launch.py by hand; the full sweep is written to --out as C
 """
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -25,20 +27,13 @@ except ImportError:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import write_csv  # noqa: E402
 from flashop import launch
-from flashop.launch import Tiles
 
 
 def candidates(kind, D):
-    if kind == "fwd":
-        bm, bn = ([64, 128], [32, 64]) if D > 128 else ([128], [64, 128])
-        stages = [1, 2] if D > 128 else [2, 3]
-    elif kind in ("dkdv", "dkdv_atomic"):
-        bm, bn = ([16, 32, 64], [32, 64]) if D > 128 else ([32, 64], [64, 128])
-        stages = [1, 2] if D > 128 else [2, 3]
-    else:
-        bm, bn = ([32, 64], [16, 32]) if D > 128 else ([64, 128], [32, 64])
-        stages = [1, 2] if D > 128 else [2, 3]
-    return [Tiles(m, n, w, s) for m, n, w, s in itertools.product(bm, bn, [4, 8], stages)]
+    """The autotuner's candidates (flashop.launch.TILE_CANDIDATES) that fit this GPU."""
+    block = max(64, triton.next_power_of_2(D))
+    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    return launch.prune_tiles(kind, block, block, 2, props["max_shared_mem"])
 
 
 def main():

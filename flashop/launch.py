@@ -7,9 +7,10 @@ Every kernel is launched through ``torch.library.wrap_triton`` so that, inside a
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -91,6 +92,91 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
         t = Tiles(64, t.BLOCK_N, 4, 2)
     return t
+
+
+# Autotuning (FLASHOP_AUTOTUNE=1, read at import): instead of the table above, each kernel
+# times the candidates below that fit the GPU's shared memory on its first call per key
+# (head dims, modifier flags, dtypes and the lengths rounded up to a power of two, so a
+# new length re-tunes only when it crosses a power of two). Off by default: the table holds
+# the sweep's winners (benchmarks/tune.py times the same candidates) and a first call then
+# costs no tuning. fp32 inputs, the dQ-by-atomics backward (it accumulates, so repeated
+# runs would add up) and dQ with the attn_mask gradient keep their table tiles.
+AUTOTUNE = os.environ.get("FLASHOP_AUTOTUNE", "0") == "1"
+
+TILE_CANDIDATES = {
+    "fwd": [Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 2),
+            Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 2)],
+    "dkdv": [Tiles(64, 64, 4, 2), Tiles(32, 128, 4, 3), Tiles(64, 128, 8, 3),
+             Tiles(32, 64, 4, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1)],
+    "dkdv_atomic": [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 128, 4, 3),
+                    Tiles(64, 64, 4, 2)],
+    "dq": [Tiles(128, 64, 8, 3), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 2),
+           Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1)],
+}
+
+
+def shared_memory_bytes(kind: str, t: Tiles, block_d: int, block_dv: int,
+                        itemsize: int) -> int:
+    """Shared memory of a kernel's operand tiles: those it loads in its loop take
+    ``num_stages`` buffers (Triton's software pipelining), those it loads once take one."""
+    once, per_stage = {
+        "fwd": (t.BLOCK_M * block_d, t.BLOCK_N * (block_d + block_dv)),
+        "dq": (t.BLOCK_M * (block_d + block_dv), t.BLOCK_N * (block_d + block_dv)),
+    }.get(kind, (t.BLOCK_N * (block_d + block_dv), t.BLOCK_M * (block_d + block_dv)))
+    return itemsize * (once + t.num_stages * per_stage)
+
+
+def prune_tiles(kind: str, block_d: int, block_dv: int, itemsize: int,
+                shared_memory: int) -> list:
+    """The candidates of ``kind`` whose operand tiles fit ``shared_memory`` bytes (what
+    Triton adds for layout conversions is not counted: a candidate that still does not fit
+    fails to compile, and the autotuner skips it)."""
+    return [t for t in TILE_CANDIDATES[kind]
+            if shared_memory_bytes(kind, t, block_d, block_dv, itemsize) <= shared_memory]
+
+
+# The autotuner's key: every compile-time choice that moves the best tiles, and the lengths'
+# bucket (tensor dtypes are added by Triton)
+_AUTOTUNE_KEY = ["seq_bucket", "D", "DV", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP",
+                 "HAS_ALIBI", "HAS_GATE", "MASK_KIND", "IS_VARLEN"]
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
+               device_index: int):
+    """``kernel`` autotuned over the candidates of ``kind`` that fit this GPU."""
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    tiles = prune_tiles(kind, block_d, block_dv, itemsize, props["max_shared_mem"])
+    configs = [triton.Config({"BLOCK_M": t.BLOCK_M, "BLOCK_N": t.BLOCK_N},
+                             num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
+    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY)(kernel)
+
+
+def seq_bucket(*lengths) -> int:
+    """The autotuner's bucket of the lengths: the longest rounded up to a power of two (0
+    for symbolic lengths under torch.compile, where Inductor tunes the kernels itself)."""
+    if not all(isinstance(n, int) for n in lengths):
+        return 0
+    return triton.next_power_of_2(max(*lengths, 1))
+
+
+def _launch(kernel, kind: str, t: Tiles, grid: Callable, *args, autotune: bool = False,
+            **meta):
+    """Launch ``kernel`` on ``grid(BLOCK_M, BLOCK_N)`` with the tiles ``t``, or, where
+    ``autotune``, the autotuned kernel on the tiles it picks."""
+    if autotune:
+        tuned = _autotuned(kernel, kind, meta["BLOCK_D"], meta["BLOCK_DV"],
+                           args[0].element_size(), args[0].device.index)
+        wrap_triton(tuned)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+    else:
+        wrap_triton(kernel)[grid(t.BLOCK_M, t.BLOCK_N)](
+            *args, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, num_warps=t.num_warps,
+            num_stages=t.num_stages, **meta)
+
+
+def _autotunes(q: torch.Tensor) -> bool:
+    """Whether this call's kernels are autotuned (FLASHOP_AUTOTUNE=1, 16-bit, on a GPU)."""
+    return AUTOTUNE and not INTERPRETING and q.dtype != torch.float32
 
 
 def _block_dim(d: int) -> int:
@@ -302,15 +388,14 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
-    grid = (triton.cdiv(S_q, t.BLOCK_M), H, B)
-    wrap_triton(attention_fwd_kernel)[grid](
+    _launch(
+        attention_fwd_kernel, "fwd", t, lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
         q, k, v, out, lse, *tensors, cu_q, cu_k,
         *(st for x in (q, k, v, out) for st in _seq_strides(x, packing)), *mod_strides,
         *lse_strides,
-        S_q, S_k, H // H_kv, *mod_scalars,
-        D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, **flags, IS_VARLEN=packing is not None,
-        **_kernel_args(q), num_warps=t.num_warps, num_stages=t.num_stages,
+        S_q, S_k, H // H_kv, *mod_scalars, seq_bucket(S_q, S_k), autotune=_autotunes(q),
+        D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
+        IS_VARLEN=packing is not None, **_kernel_args(q),
     )
     return out, lse
 
@@ -420,23 +505,26 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, group size, scales
     strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
     scalars = (S_q, S_k, H // H_kv, sm_scale, *mod_scalars)
-    t = tiles_for("dkdv_atomic" if dq_atomic else "dkdv", max(D, DV), q.dtype, q.device)
-    wrap_triton(attention_bwd_dkdv_kernel)[(triton.cdiv(S_k, t.BLOCK_N), H_kv, B)](
+    bucket = seq_bucket(S_q, S_k)
+    kind = "dkdv_atomic" if dq_atomic else "dkdv"
+    _launch(
+        attention_bwd_dkdv_kernel, kind, tiles_for(kind, max(D, DV), q.dtype, q.device),
+        lambda bm, bn: (triton.cdiv(S_k, bn), H_kv, B),
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
-        *dgk_strides, *dqa_strides, *scalars,
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, DQ_ATOMIC=dq_atomic, **common,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        *dgk_strides, *dqa_strides, *scalars, bucket,
+        autotune=_autotunes(q) and not dq_atomic, DQ_ATOMIC=dq_atomic, **common,
     )
     if dq_atomic:
         dq.copy_(dq_acc.mul_(sm_scale))
         return dq, dk, dv, dg, dmask
-    t = tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad)
-    wrap_triton(attention_bwd_dq_kernel)[(triton.cdiv(S_q, t.BLOCK_M), H, B)](
+    _launch(
+        attention_bwd_dq_kernel, "dq",
+        tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad),
+        lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
-        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H,
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_GRAD=attn_mask_grad, **common,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H, bucket,
+        autotune=_autotunes(q) and not attn_mask_grad, MASK_GRAD=attn_mask_grad, **common,
     )
     # into the tensors attention_backward_outputs allocated (the fake's strides)
     if has_gate:

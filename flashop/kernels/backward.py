@@ -15,6 +15,9 @@ products. The gate's gradient is split in two halves written by the kernels that
 rows: dQ writes ``sum_j dS[i, j]`` per query, dK/dV writes ``-sum_i dS[i, j]`` per key
 (both (B, H, S) fp32); the launcher adds them and undoes the cumulative sum. An additive
 ``attn_mask`` that requires grad gets dS itself, written by dQ.
+
+The dK/dV and dQ kernels do not read their ``seq_bucket`` argument: it is the autotuner's
+key for the lengths (flashop/launch.py).
 """
 
 import triton
@@ -143,7 +146,7 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_dgkb, stride_dgkh,
     stride_dqab, stride_dqas, stride_dqah,
-    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right,
+    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -307,7 +310,7 @@ def attention_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
-    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, H,
+    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, H, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,

@@ -77,7 +77,7 @@ def attention_fwd_kernel(
     stride_gb, stride_gs, stride_gh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_lb, stride_lh,
-    S_q, S_k, G, qk_scale, softcap2, left, right,
+    S_q, S_k, G, qk_scale, softcap2, left, right, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -91,7 +91,8 @@ def attention_fwd_kernel(
     cu_seqlens_q[b + 1]`` (keys likewise; S_q, S_k are then the longest lengths) and the
     tensors' batch strides are 0.
     ``alibi`` (slopes), ``g`` (the cumulative gate, fp32, read through its (batch, seq,
-    head) strides) and ``mask`` are read only where their flag is set.
+    head) strides) and ``mask`` are read only where their flag is set. ``seq_bucket`` is
+    not read: it is the autotuner's key for the lengths (flashop/launch.py).
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap2 = tl.cast(softcap2, tl.float32)

@@ -1,0 +1,115 @@
+"""Autotuning (FLASHOP_AUTOTUNE=1): the candidates' shared-memory pruning and the lengths'
+buckets everywhere; the autotuned kernels themselves on a GPU (the interpreter runs one
+config only)."""
+
+import pytest
+import torch
+
+import flashop
+from flashop import launch
+from flashop.launch import Tiles
+from flashop.testing import check_attention
+from helpers import DEVICE, Case, check_case, make_inputs
+
+H200_SHARED_MEMORY = 232448  # bytes a program may take on an H100 / H200 (Triton's report)
+
+
+def test_shared_memory_counts_one_buffer_per_stage_of_loop_operands():
+    # forward at D=128, 128x128 tiles, 3 stages: Q once, K and V three times, 2-byte elements;
+    # Triton compiled this tile (229376 bytes) and refused one needing 262144
+    assert launch.shared_memory_bytes("fwd", Tiles(128, 128, 8, 3), 128, 128, 2) == \
+        2 * (128 * 128 + 3 * 128 * 256)
+    # dK/dV: K and V once, Q and dO per stage; dQ: Q and dO once, K and V per stage
+    assert launch.shared_memory_bytes("dkdv", Tiles(64, 32, 4, 2), 64, 128, 2) == \
+        2 * (32 * 192 + 2 * 64 * 192)
+    assert launch.shared_memory_bytes("dq", Tiles(64, 32, 4, 2), 64, 128, 2) == \
+        2 * (64 * 192 + 2 * 32 * 192)
+
+
+@pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
+@pytest.mark.parametrize("block", [64, 128, 256])
+def test_prune_keeps_exactly_the_candidates_that_fit(kind, block):
+    kept = launch.prune_tiles(kind, block, block, 2, H200_SHARED_MEMORY)
+    for t in launch.TILE_CANDIDATES[kind]:
+        fits = launch.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY
+        assert (t in kept) == fits, t
+    assert kept, f"no {kind} candidate fits head-dim block {block}"
+
+
+def test_prune_drops_big_tiles_at_head_dim_256():
+    kept = launch.prune_tiles("fwd", 256, 256, 2, H200_SHARED_MEMORY)
+    assert Tiles(128, 128, 8, 3) not in kept and Tiles(128, 64, 8, 2) in kept
+
+
+def test_seq_bucket_rounds_the_longest_length_up_to_a_power_of_two():
+    assert [launch.seq_bucket(s, 1) for s in (1, 2, 3, 1000, 1024, 1025)] == \
+        [1, 2, 4, 1024, 1024, 2048]
+    assert launch.seq_bucket(5, 300) == 512
+    assert launch.seq_bucket(0, 0) == 1
+
+
+needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def autotuning(monkeypatch):
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    launch._autotuned.cache_clear()
+    yield
+    launch._autotuned.cache_clear()
+
+
+@pytest.mark.parametrize("case", [
+    Case(B=2, S_q=300, S_k=300, H_kv=2, G=2, D=64, DV=64, dtype=torch.bfloat16, causal=True),
+    Case(B=1, S_q=77, S_k=513, H_kv=1, G=3, D=96, DV=96, dtype=torch.float16),
+    Case(B=1, S_q=200, S_k=200, H_kv=2, G=1, D=128, DV=128, dtype=torch.bfloat16,
+         window_size=(50, 0), softcap=20.0),
+])
+@pytest.mark.gpu
+@needs_gpu
+def test_autotuned_kernels_pass_the_accuracy_rule(autotuning, case):
+    check_case(case)
+    tuned = {kind: launch._autotuned(kernel, kind, launch._block_dim(case.D),
+                                     launch._block_dim(case.DV), 2, torch.cuda.current_device())
+             for kind, kernel in [("fwd", launch.attention_fwd_kernel),
+                                  ("dkdv", launch.attention_bwd_dkdv_kernel),
+                                  ("dq", launch.attention_bwd_dq_kernel)]}
+    for kind, kernel in tuned.items():
+        assert len(kernel.cache) == 1, f"{kind} tuned {len(kernel.cache)} keys"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_autotuning_is_keyed_by_the_lengths_bucket(autotuning):
+    tuned = launch._autotuned(launch.attention_fwd_kernel, "fwd", 64, 64, 2,
+                              torch.cuda.current_device())
+    for S in (520, 700, 1024, 1025):  # buckets 1024, 1024, 1024, 2048
+        q = torch.randn(1, S, 2, 64, device="cuda", dtype=torch.bfloat16)
+        flashop.attention(q, q, q)
+    assert sorted(key[0] for key in tuned.cache) == [1024, 2048]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_autotuned_kernels_compile_fullgraph(autotuning):
+    """Inductor sees into the autotuned kernels too, and the compiled op passes the rule."""
+    from torch._inductor.utils import run_and_get_code
+
+    case = Case(B=2, S_q=256, S_k=256, H_kv=2, G=2, D=64, DV=64, dtype=torch.bfloat16,
+                causal=True)
+    (q, k, v), dout, dlse = make_inputs(case)
+
+    compiled = torch.compile(lambda q, k, v: flashop.attention_with_lse(q, k, v, causal=True),
+                             fullgraph=True)
+
+    def step():
+        out, lse = compiled(q, k, v)
+        return out, lse, torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+
+    torch._dynamo.reset()
+    (out, lse, grads), code = run_and_get_code(step)
+    code = "\n".join(code)
+    for kernel in ("attention_fwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
+        assert kernel in code, f"{kernel} not in Inductor's code"
+    for result in check_attention(q, k, v, dout, dlse, out, lse, grads, causal=True):
+        assert result.ok, str(result)
