@@ -9,6 +9,7 @@ Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256] [--plo
 """
 
 import argparse
+import contextlib
 import csv
 import datetime
 import re
@@ -23,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 TOKENS = 16384
 HIDDEN = 2048
-PROVIDERS = ["flashop", "flashop-atomic", "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
+PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -59,7 +60,14 @@ def provider_flashop(N, causal):
 def provider_flashop_atomic(N, causal):
     """flashop with its opt-in backward that adds dQ by atomics (FLASHOP_DQ_ATOMICS=1)."""
     fn, layout = provider_flashop(N, causal)
-    fn.dq_atomics = True
+    fn.launch_options = {"DQ_ATOMICS": True}
+    return fn, layout
+
+
+def provider_flashop_autotune(N, causal):
+    """flashop with autotuned tiles (FLASHOP_AUTOTUNE=1) instead of its table."""
+    fn, layout = provider_flashop(N, causal)
+    fn.launch_options = {"AUTOTUNE": True}
     return fn, layout
 
 
@@ -98,6 +106,8 @@ def make_provider(name, N, causal):
         return provider_flashop(N, causal)
     if name == "flashop-atomic":
         return provider_flashop_atomic(N, causal)
+    if name == "flashop-autotune":
+        return provider_flashop_autotune(N, causal)
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":
@@ -137,33 +147,43 @@ def _busy(run, seconds=0.3):
     torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def _launch_options(fn):
+    """flashop's launch options (``fn.launch_options``, e.g. DQ_ATOMICS) set while timing."""
+    options = getattr(fn, "launch_options", {})
+    launch = import_flashop().launch if options else None
+    saved = {name: getattr(launch, name) for name in options}
+    for name, value in options.items():
+        setattr(launch, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(launch, name, value)
+
+
 def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
     """Time fn(*inputs) forward and/or backward; returns {pass: median ms}. With
     ``cuda_graph`` the forward is replayed from a CUDA graph (no host overhead)."""
     q, k, v = inputs
     out = {}
-    if "fwd" in passes:
-        fn(q, k, v)  # warm-up (compiles / autotunes)
-        torch.cuda.synchronize()
-        _busy(lambda: fn(q, k, v))
-        run = _graphed(fn, q, k, v) if cuda_graph else (lambda: fn(q, k, v))
-        out["fwd"] = triton.testing.do_bench(run, warmup=warmup, rep=rep,
-                                             return_mode="median")
-    if "bwd" in passes:
-        o = fn(q, k, v)
-        do = torch.randn_like(o)
-        launch = import_flashop().launch
-        default = launch.DQ_ATOMICS
-        launch.DQ_ATOMICS = getattr(fn, "dq_atomics", False)
-        try:
+    with _launch_options(fn):
+        if "fwd" in passes:
+            fn(q, k, v)  # warm-up (compiles / autotunes)
+            torch.cuda.synchronize()
+            _busy(lambda: fn(q, k, v))
+            run = _graphed(fn, q, k, v) if cuda_graph else (lambda: fn(q, k, v))
+            out["fwd"] = triton.testing.do_bench(run, warmup=warmup, rep=rep,
+                                                 return_mode="median")
+        if "bwd" in passes:
+            o = fn(q, k, v)
+            do = torch.randn_like(o)
             o.backward(do, retain_graph=True)  # warm-up
             torch.cuda.synchronize()
             out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
                                                  warmup=warmup, rep=rep,
                                                  grad_to_none=[q, k, v], return_mode="median")
-        finally:
-            launch.DQ_ATOMICS = default
-        del o, do
+            del o, do
     return out
 
 
@@ -299,9 +319,13 @@ def main(argv=None):
 
     shapes = [(D, N, c) for D in args.heads_dims for N in args.seqlens for c in args.causal]
     rows = []
+    start = time.perf_counter()
     for i, (D, N, causal) in enumerate(shapes, 1):
         B, H = TOKENS // N, HIDDEN // D
-        print(f"[{i}/{len(shapes)}] D={D} N={N} causal={causal} (B={B}, H={H})", flush=True)
+        elapsed = time.perf_counter() - start
+        left = f", about {elapsed / (i - 1) * (len(shapes) - i + 1):.0f} s left" if i > 1 else ""
+        print(f"[{i}/{len(shapes)}] D={D} N={N} causal={causal} (B={B}, H={H}); "
+              f"{elapsed:.0f} s so far{left}", flush=True)
         torch.manual_seed(0)
         for name in args.providers:
             inputs = None

@@ -7,6 +7,9 @@ with compile-time switches, timed side by side with flashop's forward in one pro
   score instead of a multiply and a subtract);
 - ``TMA``: K and V tiles (and Q, O) through tensor descriptors (Hopper's copy engine);
 - ``WS``: ``tl.range(..., warp_specialize=True)``;
+- ``PIPE``: the next tile's scores ``Q K^T`` issued before the current tile's softmax, so
+  that the tensor cores can run them while the softmax runs (FlashAttention-3's
+  intra-warpgroup overlap, written out by hand);
 - ablations, which compute wrong results on purpose and only time what remains:
   ``NO_EXP`` (p = s, no exp2), ``NO_RESCALE`` (the accumulator is not rescaled),
   ``NO_SOFTMAX`` (no max, no exp2, no row sums: the two matmuls and the loads alone).
@@ -34,11 +37,40 @@ from attention import write_csv  # noqa: E402
 
 
 @triton.jit
+def _softmax_pv(acc, l_i, m_i, b_s, b_v, qk_scale, FMA: tl.constexpr, NO_EXP: tl.constexpr,
+                NO_RESCALE: tl.constexpr, NO_SOFTMAX: tl.constexpr):
+    """Fold one tile of scores ``b_s`` [BLOCK_M, BLOCK_N] and its V tile into the running
+    (acc, l_i, m_i)."""
+    if NO_SOFTMAX:
+        b_p = b_s
+    else:
+        if FMA:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+            b_s = b_s * qk_scale - m_new[:, None]
+        else:
+            b_s = b_s * qk_scale
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            b_s = b_s - m_new[:, None]
+        if NO_EXP:
+            b_p = b_s
+        else:
+            b_p = tl.math.exp2(b_s)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        if not NO_RESCALE:
+            acc = acc * alpha[:, None]
+        m_i = m_new
+    # [BLOCK_M, D]
+    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _variant_fwd_kernel(
     q, k, v, o, S, H, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, NO_EXP: tl.constexpr, NO_RESCALE: tl.constexpr,
-    NO_SOFTMAX: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, PIPE: tl.constexpr, NO_EXP: tl.constexpr,
+    NO_RESCALE: tl.constexpr, NO_SOFTMAX: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -48,6 +80,8 @@ def _variant_fwd_kernel(
     o_d = tl.arange(0, D)
     o_n0 = tl.arange(0, BLOCK_N)
     stride = H * D
+    desc_k = k
+    desc_v = v
     if TMA:
         desc_q = tl.make_tensor_descriptor(q, [S * tl.num_programs(2), stride], [stride, 1],
                                            [BLOCK_M, D])
@@ -61,36 +95,27 @@ def _variant_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for start_n in tl.range(0, S, BLOCK_N, warp_specialize=WS):
-        if TMA:
-            b_k = desc_k.load([row0 + start_n, i_h * D])
-            b_v = desc_v.load([row0 + start_n, i_h * D])
-            b_kt = tl.trans(b_k)
-        else:
-            o_n = start_n + o_n0
-            b_kt = tl.load(k + (row0 + o_n)[None, :] * stride + i_h * D + o_d[:, None])
-            b_v = tl.load(v + (row0 + o_n)[:, None] * stride + i_h * D + o_d[None, :])
-        b_s = tl.dot(b_q, b_kt)
-        if NO_SOFTMAX:
-            b_p = b_s
-        else:
-            if FMA:
-                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-                b_s = b_s * qk_scale - m_new[:, None]
-            else:
-                b_s = b_s * qk_scale
-                m_new = tl.maximum(m_i, tl.max(b_s, 1))
-                b_s = b_s - m_new[:, None]
-            if NO_EXP:
-                b_p = b_s
-            else:
-                b_p = tl.math.exp2(b_s)
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            if not NO_RESCALE:
-                acc = acc * alpha[:, None]
-            m_i = m_new
-        acc = tl.dot(b_p.to(v.dtype.element_ty), b_v, acc)
+    if PIPE:
+        # S_{j+1} = Q K_{j+1}^T is issued before the softmax of S_j, so that the tensor
+        # cores work on it while the softmax runs (FlashAttention-3's intra-warpgroup overlap)
+        b_s = tl.dot(b_q, _variant_kt(k, desc_k, row0, 0, i_h, stride, o_d, o_n0, TMA))
+        for start_n in tl.range(BLOCK_N, S, BLOCK_N, warp_specialize=WS):
+            b_s_next = tl.dot(b_q, _variant_kt(k, desc_k, row0, start_n, i_h, stride, o_d,
+                                               o_n0, TMA))
+            b_v = _variant_v(v, desc_v, row0, start_n - BLOCK_N, i_h, stride, o_d, o_n0, TMA)
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, b_s, b_v, qk_scale, FMA, NO_EXP,
+                                        NO_RESCALE, NO_SOFTMAX)
+            b_s = b_s_next
+        b_v = _variant_v(v, desc_v, row0, S - BLOCK_N, i_h, stride, o_d, o_n0, TMA)
+        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, b_s, b_v, qk_scale, FMA, NO_EXP,
+                                    NO_RESCALE, NO_SOFTMAX)
+    else:
+        for start_n in tl.range(0, S, BLOCK_N, warp_specialize=WS):
+            b_s = tl.dot(b_q, _variant_kt(k, desc_k, row0, start_n, i_h, stride, o_d, o_n0,
+                                          TMA))
+            b_v = _variant_v(v, desc_v, row0, start_n, i_h, stride, o_d, o_n0, TMA)
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, b_s, b_v, qk_scale, FMA, NO_EXP,
+                                        NO_RESCALE, NO_SOFTMAX)
     if not NO_SOFTMAX:
         acc = acc / l_i[:, None]
     b_o = acc.to(o.dtype.element_ty)
@@ -102,6 +127,28 @@ def _variant_fwd_kernel(
         tl.store(o + (row0 + o_m)[:, None] * stride + i_h * D + o_d[None, :], b_o)
 
 
+@triton.jit
+def _variant_kt(k, desc_k, row0, start_n, i_h, stride, o_d, o_n0, TMA: tl.constexpr):
+    """K^T tile [D, BLOCK_N] at key start_n."""
+    if TMA:
+        b_kt = tl.trans(desc_k.load([row0 + start_n, i_h * o_d.shape[0]]))
+    else:
+        b_kt = tl.load(k + (row0 + start_n + o_n0)[None, :] * stride + i_h * o_d.shape[0]
+                       + o_d[:, None])
+    return b_kt
+
+
+@triton.jit
+def _variant_v(v, desc_v, row0, start_n, i_h, stride, o_d, o_n0, TMA: tl.constexpr):
+    """V tile [BLOCK_N, D] at key start_n."""
+    if TMA:
+        b_v = desc_v.load([row0 + start_n, i_h * o_d.shape[0]])
+    else:
+        b_v = tl.load(v + (row0 + start_n + o_n0)[:, None] * stride + i_h * o_d.shape[0]
+                      + o_d[None, :])
+    return b_v
+
+
 VARIANTS = {
     # name: switches (defaults False)
     "base": {},
@@ -110,11 +157,15 @@ VARIANTS = {
     "fma+tma": dict(FMA=True, TMA=True),
     "fma+ws": dict(FMA=True, WS=True),
     "fma+tma+ws": dict(FMA=True, TMA=True, WS=True),
+    "pipe": dict(PIPE=True),
+    "fma+pipe": dict(FMA=True, PIPE=True),
+    "fma+tma+pipe": dict(FMA=True, TMA=True, PIPE=True),
     "no-exp": dict(FMA=True, NO_EXP=True),
     "no-rescale": dict(FMA=True, NO_RESCALE=True),
     "no-softmax": dict(NO_SOFTMAX=True),
     "no-softmax+tma": dict(NO_SOFTMAX=True, TMA=True),
 }
+FULL_SWEEP = {"base", "fma", "fma+tma", "pipe", "fma+pipe", "fma+tma+pipe"}
 ABLATIONS = {"no-exp", "no-rescale", "no-softmax", "no-softmax+tma"}
 TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
 
@@ -123,7 +174,7 @@ def run_variant(q, k, v, name, tiles, scale):
     B, S, H, D = q.shape
     BM, BN, warps, stages = tiles
     o = torch.empty_like(q)
-    flags = dict(FMA=False, TMA=False, WS=False, NO_EXP=False, NO_RESCALE=False,
+    flags = dict(FMA=False, TMA=False, WS=False, PIPE=False, NO_EXP=False, NO_RESCALE=False,
                  NO_SOFTMAX=False)
     flags.update(VARIANTS[name])
 
@@ -161,7 +212,7 @@ def main():
                          tflops=round(flops / ms * 1e-9, 1), error=""))
         print(f"D={D} N={N} flashop: {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
         for name in args.variants.split(","):
-            for tiles in (TILES if name in ("base", "fma", "fma+tma") else TILES[1::2]):
+            for tiles in (TILES if name in FULL_SWEEP else TILES[1::2]):
                 fn = run_variant(q, k, v, name, tiles, D ** -0.5)
                 try:
                     out = fn()
