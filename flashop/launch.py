@@ -100,7 +100,8 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
 # new length re-tunes only when it crosses a power of two). Off by default: the table holds
 # the sweep's winners (benchmarks/tune.py times the same candidates) and a first call then
 # costs no tuning. fp32 inputs, the dQ-by-atomics backward (it accumulates, so repeated
-# runs would add up) and dQ with the attn_mask gradient keep their table tiles.
+# runs would add up; its candidates serve benchmarks/tune.py only) and dQ with the
+# attn_mask gradient keep their table tiles.
 AUTOTUNE = os.environ.get("FLASHOP_AUTOTUNE", "0") == "1"
 
 TILE_CANDIDATES = {
@@ -153,8 +154,8 @@ def _autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
 
 
 def seq_bucket(*lengths) -> int:
-    """The autotuner's bucket of the lengths: the longest rounded up to a power of two (0
-    for symbolic lengths under torch.compile, where Inductor tunes the kernels itself)."""
+    """The autotuner's bucket of the lengths: the longest rounded up to a power of two (0,
+    one key for every length, where they are symbolic under torch.compile)."""
     if not all(isinstance(n, int) for n in lengths):
         return 0
     return triton.next_power_of_2(max(*lengths, 1))
