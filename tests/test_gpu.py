@@ -108,34 +108,37 @@ def test_cuda_graph_capture_of_packed_batches_with_modifiers():
     _assert_replay_equals_eager(step)
 
 
+# odd shapes for compute-sanitizer: (B, S_q, S_k, H, H_kv, D, DV, causal)
+SANITIZER_SHAPES = [(1, 1, 1, 1, 1, 59, 59, True), (2, 77, 131, 6, 2, 111, 40, True),
+                    (1, 257, 65, 3, 3, 80, 80, True), (1, 129, 129, 2, 1, 256, 256, False),
+                    (2, 33, 1000, 4, 1, 96, 96, False)]
+
 SANITIZER_SCRIPT = """
-import torch, flashop
-for (B, S_q, S_k, H, H_kv, D, DV, causal) in [(1, 1, 1, 1, 1, 59, 59, True),
-        (2, 77, 131, 6, 2, 111, 40, True), (1, 257, 65, 3, 3, 80, 80, True),
-        (1, 129, 129, 2, 1, 256, 256, False), (2, 33, 1000, 4, 1, 96, 96, False)]:
-    for dtype in (torch.bfloat16, torch.float32):
-        q = torch.randn(B, S_q, H, D, device="cuda", dtype=dtype, requires_grad=True)
-        k = torch.randn(B, S_k, H_kv, D, device="cuda", dtype=dtype, requires_grad=True)
-        v = torch.randn(B, S_k, H_kv, DV, device="cuda", dtype=dtype, requires_grad=True)
-        out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
-        torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
-        # every modifier, the float mask with its gradient
-        g = torch.nn.functional.logsigmoid(torch.randn(B, S_k, H, device="cuda")).requires_grad_()
-        bias = torch.randn(1, H, S_q, S_k, device="cuda", requires_grad=True)
-        out, lse = flashop.attention_with_lse(q, k, v, bias, torch.rand(H, device="cuda"), g,
-                                              causal=True, window_size=(40, 0), softcap=5.0)
-        torch.autograd.grad((out, lse), (q, k, v, g, bias),
-                            (torch.randn_like(out), torch.randn_like(lse)))
-        # the same tokens packed (B sequences of S_q and S_k), a boolean mask dense
-        cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
-        cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
-        out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
-                                       cu_k, S_q, S_k, None, g.flatten(0, 1), causal=True,
-                                       window_size=(17, 0))
-        out.sum().backward()
-        out = flashop.attention(q, k, v, torch.rand(S_q, S_k, device="cuda") > 0.5,
-                                window_size=(9, 30))
-        out.sum().backward()
+import sys, torch, flashop
+B, S_q, S_k, H, H_kv, D, DV, causal = map(int, sys.argv[1:])
+for dtype in (torch.bfloat16, torch.float32):
+    q = torch.randn(B, S_q, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, S_k, H_kv, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, S_k, H_kv, DV, device="cuda", dtype=dtype, requires_grad=True)
+    out, lse = flashop.attention_with_lse(q, k, v, causal=bool(causal))
+    torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+    # every modifier, the float mask with its gradient
+    g = torch.nn.functional.logsigmoid(torch.randn(B, S_k, H, device="cuda")).requires_grad_()
+    bias = torch.randn(1, H, S_q, S_k, device="cuda", requires_grad=True)
+    out, lse = flashop.attention_with_lse(q, k, v, bias, torch.rand(H, device="cuda"), g,
+                                          causal=True, window_size=(40, 0), softcap=5.0)
+    torch.autograd.grad((out, lse), (q, k, v, g, bias),
+                        (torch.randn_like(out), torch.randn_like(lse)))
+    # the same tokens packed (B sequences of S_q and S_k), a boolean mask dense
+    cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
+    cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
+    out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
+                                   cu_k, S_q, S_k, None, g.flatten(0, 1), causal=True,
+                                   window_size=(17, 0))
+    out.sum().backward()
+    out = flashop.attention(q, k, v, torch.rand(S_q, S_k, device="cuda") > 0.5,
+                            window_size=(9, 30))
+    out.sum().backward()
 torch.cuda.synchronize()
 print("sanitized")
 """
@@ -143,10 +146,13 @@ print("sanitized")
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
 @pytest.mark.parametrize("dq_atomics", ["0", "1"])
-def test_compute_sanitizer_memcheck_on_odd_shapes(dq_atomics):
+@pytest.mark.parametrize("shape", SANITIZER_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_compute_sanitizer_memcheck_on_odd_shapes(shape, dq_atomics):
+    """One shape per run, so that each sanitized process stays short (under memcheck every
+    kernel variant compiles and runs many times slower)."""
     done = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1",
-         sys.executable, "-c", SANITIZER_SCRIPT],
+         sys.executable, "-c", SANITIZER_SCRIPT, *map(str, map(int, shape))],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
         env={**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics})
     assert done.returncode == 0 and "sanitized" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
