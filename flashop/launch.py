@@ -55,11 +55,10 @@ _FP32_TILES = {"fwd": Tiles(64, 32, 4, 1), "dkdv": Tiles(32, 32, 4, 1),
                "dkdv_atomic": Tiles(32, 32, 4, 1), "dq": Tiles(32, 32, 4, 1)}
 
 
-def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
+def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
     """Tiles of 16-bit inputs per kernel and head dim, the fastest of benchmarks/tune.py's
     sweep on an H200 (docs/performance.md). GPUs before Hopper have less shared memory:
     smaller tiles at head dims above 128 there."""
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
     if kind == "fwd":
         if head_dim <= 128:
             return Tiles(128, 64, 8, 3)
@@ -67,7 +66,9 @@ def _gpu_tiles(kind: str, head_dim: int, device: torch.device) -> Tiles:
     if kind == "dkdv_atomic":
         if head_dim <= 128:
             return Tiles(64, 128, 8, 3)
-        return Tiles(64, 64, 8, 2) if hopper else Tiles(32, 64, 8, 1)
+        # one stage: with two, the fp32 dQ tile staged for the atomics took the shared
+        # memory to 262656 bytes on an H200 (227 KiB there)
+        return Tiles(64, 64, 8, 1) if hopper else Tiles(32, 64, 8, 1)
     if kind == "dkdv":
         if head_dim <= 64:
             return Tiles(32, 128, 4, 3)
@@ -86,7 +87,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         return _INTERPRETER_TILES[kind]
     if dtype == torch.float32:
         return _FP32_TILES[kind]
-    t = _gpu_tiles(kind, head_dim, device)
+    t = _gpu_tiles(kind, head_dim, torch.cuda.get_device_capability(device)[0] >= 9)
     if mask_grad and t.BLOCK_M > 64:
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
@@ -110,7 +111,7 @@ TILE_CANDIDATES = {
     "dkdv": [Tiles(64, 64, 4, 2), Tiles(32, 128, 4, 3), Tiles(64, 128, 8, 3),
              Tiles(32, 64, 4, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1)],
     "dkdv_atomic": [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 128, 4, 3),
-                    Tiles(64, 64, 4, 2)],
+                    Tiles(64, 64, 4, 2), Tiles(64, 64, 8, 1)],
     "dq": [Tiles(128, 64, 8, 3), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 2),
            Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1)],
 }
@@ -119,12 +120,14 @@ TILE_CANDIDATES = {
 def shared_memory_bytes(kind: str, t: Tiles, block_d: int, block_dv: int,
                         itemsize: int) -> int:
     """Shared memory of a kernel's operand tiles: those it loads in its loop take
-    ``num_stages`` buffers (Triton's software pipelining), those it loads once take one."""
+    ``num_stages`` buffers (Triton's software pipelining), those it loads once take one;
+    the dK/dV kernel with dQ atomics also stages its fp32 dQ tile."""
     once, per_stage = {
         "fwd": (t.BLOCK_M * block_d, t.BLOCK_N * (block_d + block_dv)),
         "dq": (t.BLOCK_M * (block_d + block_dv), t.BLOCK_N * (block_d + block_dv)),
     }.get(kind, (t.BLOCK_N * (block_d + block_dv), t.BLOCK_M * (block_d + block_dv)))
-    return itemsize * (once + t.num_stages * per_stage)
+    dq_tile = 4 * t.BLOCK_M * block_d if kind == "dkdv_atomic" else 0
+    return itemsize * (once + t.num_stages * per_stage) + dq_tile
 
 
 def prune_tiles(kind: str, block_d: int, block_dv: int, itemsize: int,

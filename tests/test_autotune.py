@@ -26,6 +26,21 @@ def test_shared_memory_counts_one_buffer_per_stage_of_loop_operands():
         2 * (64 * 192 + 2 * 32 * 192)
 
 
+def test_shared_memory_counts_the_staged_fp32_dq_tile_of_the_atomic_backward():
+    # Triton needed 262656 bytes for this tile at D=256 on an H200, over its 232448
+    t = Tiles(64, 64, 8, 2)
+    assert launch.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) == \
+        2 * (64 * 512 + 2 * 64 * 512) + 4 * 64 * 256
+    assert launch.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) > H200_SHARED_MEMORY
+
+
+@pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
+@pytest.mark.parametrize("block", [64, 128, 256])
+def test_the_tables_tiles_fit_a_hopper_gpu(kind, block):
+    t = launch._gpu_tiles(kind, block, hopper=True)
+    assert launch.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY, t
+
+
 @pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
 @pytest.mark.parametrize("block", [64, 128, 256])
 def test_prune_keeps_exactly_the_candidates_that_fit(kind, block):
