@@ -24,7 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 TOKENS = 16384
 HIDDEN = 2048
-PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
+PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "sdpa-flash", "sdpa-cudnn",
+             "sdpa-mem", "flex"]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
