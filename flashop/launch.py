@@ -164,17 +164,20 @@ def seq_bucket(*lengths) -> int:
     return triton.next_power_of_2(max(*lengths, 1))
 
 
-def _launch(kernel, kind: str, t: Tiles, grid: Callable, *args, autotune: bool = False,
-            **meta):
+def _launch(kernel, kind: str, t: Tiles, grid: Callable, *args, lengths: tuple,
+            autotune: bool = False, **meta):
     """Launch ``kernel`` on ``grid(BLOCK_M, BLOCK_N)`` with the tiles ``t``, or, where
-    ``autotune``, the autotuned kernel on the tiles it picks."""
+    ``autotune``, the autotuned kernel on the tiles it picks; the kernel's last positional
+    argument, ``seq_bucket``, is the bucket of ``lengths`` then, else 0 (a constant, so that
+    Triton's integer specialisation compiles no extra variants of the plain kernels)."""
     if autotune:
         tuned = _autotuned(kernel, kind, meta["BLOCK_D"], meta["BLOCK_DV"],
                            args[0].element_size(), args[0].device.index)
-        wrap_triton(tuned)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+        wrap_triton(tuned)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](
+            *args, seq_bucket(*lengths), **meta)
     else:
         wrap_triton(kernel)[grid(t.BLOCK_M, t.BLOCK_N)](
-            *args, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, num_warps=t.num_warps,
+            *args, 0, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, num_warps=t.num_warps,
             num_stages=t.num_stages, **meta)
 
 
@@ -397,7 +400,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         q, k, v, out, lse, *tensors, cu_q, cu_k,
         *(st for x in (q, k, v, out) for st in _seq_strides(x, packing)), *mod_strides,
         *lse_strides,
-        S_q, S_k, H // H_kv, *mod_scalars, seq_bucket(S_q, S_k), autotune=_autotunes(q),
+        S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
         IS_VARLEN=packing is not None, **_kernel_args(q),
     )
@@ -509,14 +512,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, group size, scales
     strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
     scalars = (S_q, S_k, H // H_kv, sm_scale, *mod_scalars)
-    bucket = seq_bucket(S_q, S_k)
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
         attention_bwd_dkdv_kernel, kind, tiles_for(kind, max(D, DV), q.dtype, q.device),
         lambda bm, bn: (triton.cdiv(S_k, bn), H_kv, B),
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
-        *dgk_strides, *dqa_strides, *scalars, bucket,
+        *dgk_strides, *dqa_strides, *scalars, lengths=(S_q, S_k),
         autotune=_autotunes(q) and not dq_atomic, DQ_ATOMIC=dq_atomic, **common,
     )
     if dq_atomic:
@@ -527,7 +529,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
         tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad),
         lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
         q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
-        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H, bucket,
+        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H, lengths=(S_q, S_k),
         autotune=_autotunes(q) and not attn_mask_grad, MASK_GRAD=attn_mask_grad, **common,
     )
     # into the tensors attention_backward_outputs allocated (the fake's strides)
