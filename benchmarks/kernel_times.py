@@ -54,7 +54,6 @@ def main():
             for causal in causals:
                 B, H = TOKENS // N, HIDDEN // D
                 for name in args.providers.split(","):
-                    torch._dynamo.reset()
                     fn, layout = make_provider(name, N, causal)
                     shape = (B, N, H, D) if layout == "bnhd" else (B, H, N, D)
                     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16,

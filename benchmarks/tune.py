@@ -31,7 +31,7 @@ from flashop import launch
 
 def candidates(kind, D):
     """The autotuner's candidates (flashop.launch.TILE_CANDIDATES) that fit this GPU."""
-    block = max(64, triton.next_power_of_2(D))
+    block = launch._block_dim(D)
     props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
     return launch.prune_tiles(kind, block, block, 2, props["max_shared_mem"])
 
