@@ -330,17 +330,17 @@ def _packed_cumsum(g: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
 
 def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               packed: bool = False):
-    """Allocate (out, lse) for the forward, both contiguous: out (B, S_q, H, DV) in q's dtype
-    and lse (B, H, S_q) fp32; packed, out (total_q, H, DV) and lse (H, total_q). The real ops
-    and their fakes both allocate here."""
+    """Allocate (out, lse, lse_log2) for the forward, all contiguous: out (B, S_q, H, DV) in
+    q's dtype, lse and lse_log2 (B, H, S_q) fp32; packed, out (total_q, H, DV) and the lses
+    (H, total_q). The real ops and their fakes both allocate here."""
     if packed:
         total_q, H, _ = q.shape
-        return q.new_empty((total_q, H, v.shape[-1])), q.new_empty((H, total_q),
-                                                                   dtype=torch.float32)
-    B, S_q, H, _ = q.shape
-    out = q.new_empty((B, S_q, H, v.shape[-1]))
-    lse = q.new_empty((B, H, S_q), dtype=torch.float32)
-    return out, lse
+        out, rows = q.new_empty((total_q, H, v.shape[-1])), (H, total_q)
+    else:
+        B, S_q, H, _ = q.shape
+        out, rows = q.new_empty((B, S_q, H, v.shape[-1])), (B, H, S_q)
+    return (out, q.new_empty(rows, dtype=torch.float32),
+            q.new_empty(rows, dtype=torch.float32))
 
 
 def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -380,14 +380,15 @@ def _row_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
 
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None):
-    """Launch the forward; returns (out, lse) (see attention_forward_outputs)."""
+    """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
+    lse in natural-log units, and in base 2 for the backward."""
     q, k, v = (_unit_stride_last(x) for x in (q, k, v))
-    out, lse = attention_forward_outputs(q, k, v, packed=packing is not None)
+    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None)
     if out.numel() == 0:
-        return out, lse
+        return out, lse, lse_log2
     B, S_q, S_k, cu_q, cu_k = _problem(q, k, packing)
     if packing is not None and B == 0:  # no sequences: no token attends anything
-        return out.zero_(), lse.fill_(float("-inf"))
+        return out.zero_(), lse.fill_(float("-inf")), lse_log2.fill_(float("-inf"))
     lse_strides = _row_strides(lse, packing)
     _check_offsets(q, k, v, out, rows=(S_q, S_k, S_k, S_q), packing=packing)
     H, D = q.shape[-2], q.shape[-1]
@@ -397,14 +398,14 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
     _launch(
         attention_fwd_kernel, "fwd", t, lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
-        q, k, v, out, lse, *tensors, cu_q, cu_k,
+        q, k, v, out, lse, lse_log2, *tensors, cu_q, cu_k,
         *(st for x in (q, k, v, out) for st in _seq_strides(x, packing)), *mod_strides,
         *lse_strides,
         S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
         IS_VARLEN=packing is not None, **_kernel_args(q),
     )
-    return out, lse
+    return out, lse, lse_log2
 
 
 # dQ by fp32 atomics in the dK/dV kernel (one pass over S and dP instead of two) measured
@@ -455,42 +456,42 @@ def _packed_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, packing: Packing) ->
     return (R - R0[:, end]).t()
 
 
-def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mods: Modifiers,
-                       attn_mask_grad: bool, packing: Optional[Packing] = None,
+def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float],
+                       mods: Modifiers, attn_mask_grad: bool, packing: Optional[Packing] = None,
                        deterministic: Optional[bool] = None):
-    """Launch the backward; returns (dq, dk, dv, dg, dattn_mask) (the last two as in
-    attention_backward_outputs).
+    """Launch the backward from the forward's ``out`` and base-2 ``lse_log2``; returns (dq,
+    dk, dv, dg, dattn_mask) (the last two as in attention_backward_outputs).
 
     dQ comes from the dQ kernel (each row summed in one program) unless ``deterministic``
     is False (default: not deterministic_backward(), i.e. FLASHOP_DQ_ATOMICS=1) and there is
     no gate and no mask gradient: then the dK/dV kernel adds it by fp32 atomics, with no
     second pass over S and dP."""
     q, k, v, out, dout = (_unit_stride_last(x) for x in (q, k, v, out, dout))
-    lse = lse.contiguous()  # fp32 rows: the kernels index them with a unit stride
+    lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
                                                        attn_mask_grad)
     B, S_q, S_k, cu_q, cu_k = _problem(q, k, packing)
     if B == 0 or q.numel() == 0 or k.numel() == 0:
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
-    lse_strides = _row_strides(lse, packing)
+    lse_strides = _row_strides(lse_log2, packing)
     _check_offsets(q, k, v, dout, rows=(S_q, S_k, S_k, S_q), packing=packing)
     H, D = q.shape[-2], q.shape[-1]
     H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
-    delta = torch.empty_like(lse)
+    delta = torch.empty_like(lse_log2)
     has_gate = mods.g is not None
-    dgq = torch.empty_like(lse) if has_gate else delta  # rows of the queries, as lse
+    dgq = torch.empty_like(lse_log2) if has_gate else delta  # rows of the queries, as lse
     if not has_gate:
         dgk = delta
     elif packing is None:
-        dgk = lse.new_empty((B, H, S_k))
+        dgk = lse_log2.new_empty((B, H, S_k))
     else:
-        dgk = lse.new_empty((H, k.shape[0]))
+        dgk = lse_log2.new_empty((H, k.shape[0]))
     dgk_strides = _row_strides(dgk, packing) if has_gate else (0, 0)
     # dS of every (query, key) pair; pairs outside the window are never visited: zeros
-    dS = lse.new_zeros((B, H, S_q, S_k)) if attn_mask_grad else delta
+    dS = lse_log2.new_zeros((B, H, S_q, S_k)) if attn_mask_grad else delta
     if deterministic is None:
         deterministic = deterministic_backward()
     dq_atomic = not (deterministic or has_gate or attn_mask_grad)
@@ -516,7 +517,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
     _launch(
         attention_bwd_dkdv_kernel, kind, tiles_for(kind, max(D, DV), q.dtype, q.device),
         lambda bm, bn: (triton.cdiv(S_k, bn), H_kv, B),
-        q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
+        q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
         *dgk_strides, *dqa_strides, *scalars, lengths=(S_q, S_k),
         autotune=_autotunes(q) and not dq_atomic, DQ_ATOMIC=dq_atomic, **common,
@@ -528,7 +529,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, scale: Optional[float], mo
         attention_bwd_dq_kernel, "dq",
         tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad),
         lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
-        q, k, v, dout, lse, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
+        q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
         *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H, lengths=(S_q, S_k),
         autotune=_autotunes(q) and not attn_mask_grad, MASK_GRAD=attn_mask_grad, **common,
     )

@@ -1,22 +1,27 @@
 """Registration of the ``torch.ops.flashop`` operators.
 
-- ``flashop::attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, *, causal, scale,
-  window_size, softcap) -> (out, lse)``: the forward, with autograd through
-  ``flashop::attention_backward``.
-- ``flashop::attention_backward(dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, g,
-  *, ..., attn_mask_grad) -> (dq, dk, dv, dg, dattn_mask)``: the backward, reusing the
-  forward's lse; ``dg`` / ``dattn_mask`` are empty where there is no gate / no mask gradient.
-- ``flashop::attention(...) -> out``: CompositeImplicitAutograd over ``attention_with_lse``,
-  so it traces into the same forward and backward.
-- ``flashop::attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, alibi_slopes, g, *, causal, scale, window_size, softcap) -> (out, lse)``,
-  its backward ``flashop::attention_varlen_backward`` and ``flashop::attention_varlen``
+- ``flashop::attention_forward(q, k, v, attn_mask, alibi_slopes, g, *, causal, scale,
+  window_size, softcap) -> (out, lse, lse_log2)``: the forward kernel, with autograd through
+  ``flashop::attention_backward``. ``lse_log2`` is lse in base 2 as the kernel computed it,
+  kept for the backward (not differentiable): converting the natural-log lse back would cost
+  the recomputed probabilities about 1e-5 of relative accuracy at scores of a few hundred.
+- ``flashop::attention_backward(dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes,
+  g, *, ..., attn_mask_grad) -> (dq, dk, dv, dg, dattn_mask)``: the backward kernels,
+  reusing the forward's ``lse_log2``; ``dg`` / ``dattn_mask`` are empty where there is no
+  gate / no mask gradient.
+- ``flashop::attention_with_lse(...) -> (out, lse)`` and ``flashop::attention(...) -> out``:
+  CompositeImplicitAutograd over ``attention_forward``, so they trace into the same forward
+  and backward.
+- ``flashop::attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, alibi_slopes, g, *, causal, scale, window_size, softcap) -> (out, lse,
+  lse_log2)``, its backward ``flashop::attention_varlen_backward`` and the composites
+  ``flashop::attention_varlen_with_lse`` (-> (out, lse)) and ``flashop::attention_varlen``
   (-> out): the same for packed sequences (flash_attn_varlen's layout).
 
 The optional tensors are positional-or-keyword: custom ops take no keyword-only tensors.
 ``window_size=None`` means ``(-1, -1)`` (no window).
 
-On a GPU the two kernel ops are ``torch.library.triton_op``s, so Inductor sees into their
+On a GPU the kernel ops are ``torch.library.triton_op``s, so Inductor sees into their
 Triton kernels. Under Triton's CPU interpreter (TRITON_INTERPRET=1) a ``triton_op`` cannot
 be traced (its kernels would run on fake tensors), so they are registered as opaque
 ``torch.library.custom_op``s; both registrations share the bodies, fakes and autograd below.
@@ -47,20 +52,20 @@ def _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap) -> laun
 
 
 # window_size=None is (-1, -1): torch.library infers schemas only with None/scalar defaults
-@_register("flashop::attention_with_lse", mutates_args=())
-def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                       alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
-                       causal: bool = False, scale: Optional[float] = None,
-                       window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
-                       ) -> tuple[Tensor, Tensor]:
+@_register("flashop::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                      alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                      causal: bool = False, scale: Optional[float] = None,
+                      window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                      ) -> tuple[Tensor, Tensor, Tensor]:
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
     check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
     return launch.attention_forward(q, k, v, scale, mods)
 
 
-@attention_with_lse.register_fake
-def _attention_with_lse_fake(q, k, v, attn_mask=None, alibi_slopes=None, g=None, *,
-                             causal=False, scale=None, window_size=None, softcap=0.0):
+@attention_forward.register_fake
+def _attention_forward_fake(q, k, v, attn_mask=None, alibi_slopes=None, g=None, *,
+                            causal=False, scale=None, window_size=None, softcap=0.0):
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
     check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
     return launch.attention_forward_outputs(q, k, v)
@@ -68,37 +73,39 @@ def _attention_with_lse_fake(q, k, v, attn_mask=None, alibi_slopes=None, g=None,
 
 @_register("flashop::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                       out: Tensor, lse: Tensor, attn_mask: Optional[Tensor] = None,
+                       out: Tensor, lse_log2: Tensor, attn_mask: Optional[Tensor] = None,
                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
                        causal: bool = False, scale: Optional[float] = None,
                        window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
                        attn_mask_grad: bool = False
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
-    check_backward_inputs(dout, dlse, q, k, v, out, lse, scale, mods, attn_mask_grad,
+    check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
                           interpreting=launch.INTERPRETING)
-    return launch.attention_backward(dout, dlse, q, k, v, out, lse, scale, mods, attn_mask_grad)
+    return launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, scale, mods,
+                                     attn_mask_grad)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, dlse, q, k, v, out, lse, attn_mask=None, alibi_slopes=None,
-                             g=None, *, causal=False, scale=None, window_size=None,
-                             softcap=0.0, attn_mask_grad=False):
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse_log2, attn_mask=None,
+                             alibi_slopes=None, g=None, *, causal=False, scale=None,
+                             window_size=None, softcap=0.0, attn_mask_grad=False):
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
-    check_backward_inputs(dout, dlse, q, k, v, out, lse, scale, mods, attn_mask_grad,
+    check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
                           interpreting=launch.INTERPRETING)
     return launch.attention_backward_outputs(q, k, v, g, attn_mask, attn_mask_grad)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, attn_mask, alibi_slopes, g = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, g)
+    out, _, lse_log2 = output
+    ctx.mark_non_differentiable(lse_log2)
+    ctx.save_for_backward(q, k, v, out, lse_log2, attn_mask, alibi_slopes, g)
     ctx.kwargs = dict(keyword_only_inputs)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, attn_mask, alibi_slopes, g = ctx.saved_tensors
+def _backward(ctx, dout, dlse, _):
+    q, k, v, out, lse_log2, attn_mask, alibi_slopes, g = ctx.saved_tensors
     # the dispatcher drops trailing arguments left at their defaults (None)
     given = len(ctx.needs_input_grad)
     needs = ctx.needs_input_grad + (False,) * (6 - given)
@@ -107,29 +114,43 @@ def _backward(ctx, dout, dlse):
             "flashop.attention: alibi_slopes get no gradient (as in FlashAttention); detach "
             "them, or pass the ALiBi bias as a float attn_mask, whose gradient is computed")
     dq, dk, dv, dg, dmask = torch.ops.flashop.attention_backward(
-        dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, g,
+        dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes, g,
         attn_mask_grad=needs[3], **ctx.kwargs)
     grads = (dq, dk, dv, dmask if needs[3] else None, None, dg if needs[5] else None)
     return grads[:given]
 
 
-attention_with_lse.register_autograd(_backward, setup_context=_setup_context)
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 _lib = torch.library.Library("flashop", "FRAGMENT")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
-            "Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, "
-            "float? scale=None, SymInt[]? window_size=None, float softcap=0.0) -> Tensor")
+_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, "
+         "Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, "
+         "float softcap=0.0)")
+_lib.define("attention_with_lse" + _ARGS + " -> (Tensor, Tensor)")
+_lib.define("attention" + _ARGS + " -> Tensor")
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                       alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
+                       causal: bool = False, scale: Optional[float] = None,
+                       window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                       ) -> tuple[Tensor, Tensor]:
+    out, lse, _ = torch.ops.flashop.attention_forward(
+        q, k, v, attn_mask, alibi_slopes, g, causal=causal, scale=scale,
+        window_size=window_size, softcap=softcap)
+    return out, lse
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
               causal: bool = False, scale: Optional[float] = None,
               window_size: Optional[Sequence[int]] = None, softcap: float = 0.0) -> Tensor:
-    return torch.ops.flashop.attention_with_lse(
+    return torch.ops.flashop.attention_forward(
         q, k, v, attn_mask, alibi_slopes, g, causal=causal, scale=scale,
         window_size=window_size, softcap=softcap)[0]
 
 
+_lib.impl("attention_with_lse", attention_with_lse, "CompositeImplicitAutograd")
 _lib.impl("attention", attention, "CompositeImplicitAutograd")
 
 
@@ -140,13 +161,13 @@ def _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> launch.P
     return launch.Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
-@_register("flashop::attention_varlen_with_lse", mutates_args=())
-def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
-                              *, causal: bool = False, scale: Optional[float] = None,
-                              window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
-                              ) -> tuple[Tensor, Tensor]:
+@_register("flashop::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                             cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                             alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                             *, causal: bool = False, scale: Optional[float] = None,
+                             window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                         mods, interpreting=launch.INTERPRETING)
@@ -154,10 +175,10 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
         q, k, v, scale, mods, _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
-@attention_varlen_with_lse.register_fake
-def _attention_varlen_with_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, alibi_slopes=None, g=None, *, causal=False,
-                                    scale=None, window_size=None, softcap=0.0):
+@attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, alibi_slopes=None, g=None, *, causal=False,
+                                   scale=None, window_size=None, softcap=0.0):
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                         mods, interpreting=launch.INTERPRETING)
@@ -166,43 +187,45 @@ def _attention_varlen_with_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
 
 @_register("flashop::attention_varlen_backward", mutates_args=())
 def attention_varlen_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                              out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                              out: Tensor, lse_log2: Tensor, cu_seqlens_q: Tensor,
                               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                               *, causal: bool = False, scale: Optional[float] = None,
                               window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
-    check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                 max_seqlen_q, max_seqlen_k, scale, mods,
+    check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mods,
                                  interpreting=launch.INTERPRETING)
     packing = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv, dg, _ = launch.attention_backward(dout, dlse, q, k, v, out, lse, scale, mods,
-                                                  False, packing)
+    dq, dk, dv, dg, _ = launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, scale,
+                                                  mods, False, packing)
     return dq, dk, dv, dg
 
 
 @attention_varlen_backward.register_fake
-def _attention_varlen_backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, alibi_slopes=None, g=None, *,
-                                    causal=False, scale=None, window_size=None, softcap=0.0):
+def _attention_varlen_backward_fake(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes=None,
+                                    g=None, *, causal=False, scale=None, window_size=None,
+                                    softcap=0.0):
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
-    check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                 max_seqlen_q, max_seqlen_k, scale, mods,
+    check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mods,
                                  interpreting=launch.INTERPRETING)
     return launch.attention_backward_outputs(q, k, v, g, None, False)[:4]
 
 
 def _varlen_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g)
+    out, _, lse_log2 = output
+    ctx.mark_non_differentiable(lse_log2)
+    ctx.save_for_backward(q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.kwargs = dict(keyword_only_inputs)
 
 
-def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g = ctx.saved_tensors
+def _varlen_backward(ctx, dout, dlse, _):
+    q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g = ctx.saved_tensors
     given = len(ctx.needs_input_grad)  # trailing arguments left at None are dropped
     needs = ctx.needs_input_grad + (False,) * (9 - given)
     if needs[7]:
@@ -210,19 +233,33 @@ def _varlen_backward(ctx, dout, dlse):
             "flashop.attention_varlen: alibi_slopes get no gradient (as in FlashAttention); "
             "detach them")
     dq, dk, dv, dg = torch.ops.flashop.attention_varlen_backward(
-        dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+        dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
         alibi_slopes, g, **ctx.kwargs)
     grads = (dq, dk, dv, None, None, None, None, None, dg if needs[8] else None)
     return grads[:given]
 
 
-attention_varlen_with_lse.register_autograd(_varlen_backward,
-                                            setup_context=_varlen_setup_context)
+attention_varlen_forward.register_autograd(_varlen_backward,
+                                           setup_context=_varlen_setup_context)
 
-_lib.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-            "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-            "Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, "
-            "float? scale=None, SymInt[]? window_size=None, float softcap=0.0) -> Tensor")
+_VARLEN_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, "
+                "Tensor? g=None, *, bool causal=False, float? scale=None, "
+                "SymInt[]? window_size=None, float softcap=0.0)")
+_lib.define("attention_varlen_with_lse" + _VARLEN_ARGS + " -> (Tensor, Tensor)")
+_lib.define("attention_varlen" + _VARLEN_ARGS + " -> Tensor")
+
+
+def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                              *, causal: bool = False, scale: Optional[float] = None,
+                              window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
+                              ) -> tuple[Tensor, Tensor]:
+    out, lse, _ = torch.ops.flashop.attention_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
+        causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+    return out, lse
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -230,9 +267,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
                      causal: bool = False, scale: Optional[float] = None,
                      window_size: Optional[Sequence[int]] = None, softcap: float = 0.0) -> Tensor:
-    return torch.ops.flashop.attention_varlen_with_lse(
+    return torch.ops.flashop.attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
         causal=causal, scale=scale, window_size=window_size, softcap=softcap)[0]
 
 
+_lib.impl("attention_varlen_with_lse", attention_varlen_with_lse, "CompositeImplicitAutograd")
 _lib.impl("attention_varlen", attention_varlen, "CompositeImplicitAutograd")

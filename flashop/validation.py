@@ -155,7 +155,7 @@ def _check_tensor(op, name, t, dtypes, device) -> None:
         raise ValueError(f"{op}: {name} must be on {device} like q, got {t.device}")
 
 
-def check_backward_inputs(dout, dlse, q, k, v, out, lse, scale: Optional[float], mods,
+def check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float], mods,
                           attn_mask_grad: bool, *, interpreting: bool) -> None:
     """Validate the backward's inputs against the forward's shapes."""
     op = "flashop.attention_backward"
@@ -163,19 +163,20 @@ def check_backward_inputs(dout, dlse, q, k, v, out, lse, scale: Optional[float],
     if attn_mask_grad and (mods.attn_mask is None or mods.attn_mask.dtype == torch.bool):
         raise ValueError(f"{op}: attn_mask_grad=True needs a float attn_mask")
     B, S_q, H, _ = q.shape
-    _check_forward_results(op, q, out, dout, lse, dlse, (B, S_q, H, v.shape[3]), (B, H, S_q))
+    _check_forward_results(op, q, out, dout, lse_log2, dlse, (B, S_q, H, v.shape[3]),
+                           (B, H, S_q))
 
 
-def _check_forward_results(op, q, out, dout, lse, dlse, out_shape, lse_shape) -> None:
-    """out and dout of ``out_shape`` in q's dtype, lse and dlse of ``lse_shape`` in fp32, all
-    on q's device."""
+def _check_forward_results(op, q, out, dout, lse_log2, dlse, out_shape, lse_shape) -> None:
+    """out and dout of ``out_shape`` in q's dtype, lse_log2 and dlse of ``lse_shape`` in fp32,
+    all on q's device."""
     for name, t in (("out", out), ("dout", dout)):
         if _shape(t) != out_shape:
             raise ValueError(f"{op}: {name} must have shape {out_shape}, got {_shape(t)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{op}: {name} must be {q.dtype} on {q.device} like q, "
                              f"got {t.dtype} on {t.device}")
-    for name, t in (("lse", lse), ("dlse", dlse)):
+    for name, t in (("lse_log2", lse_log2), ("dlse", dlse)):
         if _shape(t) != lse_shape:
             raise ValueError(f"{op}: {name} must have shape {lse_shape}, got {_shape(t)}")
         if t.dtype != torch.float32 or t.device != q.device:
@@ -230,12 +231,13 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                     g_shape=(k.shape[0], q.shape[1]))
 
 
-def check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                 max_seqlen_q, max_seqlen_k, scale: Optional[float], mods, *,
-                                 interpreting: bool) -> None:
+def check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 scale: Optional[float], mods, *, interpreting: bool) -> None:
     """Validate the packed backward's inputs against the forward's shapes."""
     op = "flashop.attention_varlen_backward"
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                         mods, interpreting=interpreting, op=op)
     total_q, H, _ = q.shape
-    _check_forward_results(op, q, out, dout, lse, dlse, (total_q, H, v.shape[2]), (H, total_q))
+    _check_forward_results(op, q, out, dout, lse_log2, dlse, (total_q, H, v.shape[2]),
+                           (H, total_q))

@@ -31,18 +31,19 @@ def _args(case):
 
 class TestSchemas(TestCase):
     def test_schemas(self):
-        schemas = "\n".join(str(op.default._schema) for op in (
-            torch.ops.flashop.attention, torch.ops.flashop.attention_with_lse,
-            torch.ops.flashop.attention_backward, torch.ops.flashop.attention_varlen,
-            torch.ops.flashop.attention_varlen_with_lse,
-            torch.ops.flashop.attention_varlen_backward))
+        schemas = "\n".join(str(getattr(torch.ops.flashop, op).default._schema) for op in (
+            "attention", "attention_with_lse", "attention_forward", "attention_backward",
+            "attention_varlen", "attention_varlen_with_lse", "attention_varlen_forward",
+            "attention_varlen_backward"))
         self.assertExpectedInline(schemas, """\
 flashop::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> Tensor
 flashop::attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor)
-flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+flashop::attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor, Tensor)
+flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse_log2, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
 flashop::attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> Tensor
 flashop::attention_varlen_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor)
-flashop::attention_varlen_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor, Tensor, Tensor)""")  # noqa: B950
+flashop::attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor, Tensor)
+flashop::attention_varlen_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse_log2, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0.) -> (Tensor, Tensor, Tensor, Tensor)""")  # noqa: B950
 
     def test_python_functions_have_the_ops_names(self):
         for fn in (flashop.attention, flashop.attention_with_lse, flashop.attention_varlen,
@@ -51,7 +52,7 @@ flashop::attention_varlen_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k,
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
-@pytest.mark.parametrize("op", ["attention", "attention_with_lse"])
+@pytest.mark.parametrize("op", ["attention_forward", "attention_with_lse", "attention"])
 def test_opcheck_forward(case, op):
     args, options = _args(case)
     opcheck(getattr(torch.ops.flashop, op).default, args, options)
@@ -61,8 +62,8 @@ def test_opcheck_forward(case, op):
 def test_opcheck_backward(case):
     args, options = _args(case)
     _, dout, dlse = make_inputs(case)
-    out, lse = flashop.attention_with_lse(*args, **options)
     args = [None if t is None else t.detach() for t in args]
+    out, _, lse_log2 = torch.ops.flashop.attention_forward(*args, **options)
     opcheck(torch.ops.flashop.attention_backward.default,
-            (dout, dlse, *args[:3], out.detach(), lse.detach(), *args[3:]),
+            (dout, dlse, *args[:3], out, lse_log2, *args[3:]),
             dict(options, attn_mask_grad=case.mask_grad))

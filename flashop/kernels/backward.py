@@ -1,7 +1,8 @@
 """FlashAttention-2 backward: preprocess, dK/dV and dQ, deterministic (no atomics) by default.
 
-Scores are recomputed from q, k and the forward's log-sum-exp; the N x N probabilities are
-never stored. ``lse`` and ``delta`` are contiguous (B, H, S_q) fp32.
+Scores are recomputed from q, k and the forward's base-2 log-sum-exp (``lse_log2``); the
+N x N probabilities are never stored. ``lse_log2`` and ``delta`` are contiguous (B, H, S_q)
+fp32.
 
 - ``attention_bwd_preprocess_kernel``: delta = rowsum(dO * O) - dlse.
 - ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
@@ -59,15 +60,15 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _lse_base2(lse):
-    """Natural-log lse to base-2 units; a row that attended nothing (-inf) becomes +inf, so
-    its recomputed probabilities exp2(s - lse) are exactly 0."""
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+def _lse_rows(lse_log2):
+    """The forward's base-2 lse of a tile of rows; a row that attended nothing (-inf)
+    becomes +inf, so its recomputed probabilities exp2(s - lse) are exactly 0."""
+    return tl.where(lse_log2 == float("-inf"), float("inf"), lse_log2)
 
 
 @triton.jit
 def _dkdv_query_tiles(
-    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse, delta, g, mask, dq_acc,
+    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, g, mask, dq_acc,
     stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n, m_n, lo, hi,
     S_q, S_k, qk_scale, softcap2, alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -92,7 +93,7 @@ def _dkdv_query_tiles(
         # Q^T tile [BLOCK_D, BLOCK_M]
         b_qt = load_tile(q + o_m[None, :] * stride_qs + o_d[:, None], m_m[None, :],
                          o_d[:, None] < D, True, BLOCK_D != D)
-        b_lse = _lse_base2(tl.load(lse + o_m, mask=m_m, other=float("inf")))
+        b_lse = _lse_rows(tl.load(lse_log2 + o_m, mask=m_m, other=float("inf")))
         if HAS_GATE:
             # the forward added the queries' gate G_i to lse (attention_scores)
             o_gq = o_m + (S_k - S_q)
@@ -134,7 +135,7 @@ def _dkdv_query_tiles(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dk, dv, dgk, dq_acc,
+    q, k, v, do, lse_log2, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dk, dv, dgk, dq_acc,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -200,7 +201,7 @@ def attention_bwd_dkdv_kernel(
         p_q = q + i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
         p_do = do + i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
         row = i_b * stride_lb + i_h * stride_lh + q_start  # lse, delta: rows of this head
-        p_lse = lse + row
+        p_lse = lse_log2 + row
         p_delta = delta + row
         p_dqa = dq_acc + i_b * stride_dqab + q_start * stride_dqas + i_h * stride_dqah
         alibi2 = 0.0
@@ -300,7 +301,7 @@ def _dq_key_tiles(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    q, k, v, do, lse, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dq, dgq, dmask,
+    q, k, v, do, lse_log2, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dq, dgq, dmask,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -356,7 +357,7 @@ def attention_bwd_dq_kernel(
     b_do = dot_operand(load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                                  o_dv[None, :] < DV, True, BLOCK_DV != DV), UPCAST)
     row = i_b * stride_lb + i_h * stride_lh + q_start + o_m  # lse, delta, dgq
-    b_lse = _lse_base2(tl.load(lse + row, mask=m_m, other=float("inf")))
+    b_lse = _lse_rows(tl.load(lse_log2 + row, mask=m_m, other=float("inf")))
     b_delta = tl.load(delta + row, mask=m_m, other=0.0)
 
     alibi2 = 0.0
