@@ -53,13 +53,13 @@ def main():
         B, H = 16384 // N, 2048 // D
         q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
-        out, lse = flashop.attention_with_lse(q, k, v)
+        out, lse, lse_log2 = torch.ops.flashop.attention_forward(q, k, v)
         dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
-        fwd = lambda: torch.ops.flashop.attention_with_lse(q, k, v)  # noqa: E731
+        fwd = lambda: torch.ops.flashop.attention_forward(q, k, v)  # noqa: E731
 
         def bwd(deterministic):
             return lambda: launch.attention_backward(
-                dout, dlse, q, k, v, out, lse, None, launch.PLAIN[False], False,
+                dout, dlse, q, k, v, out, lse_log2, None, launch.PLAIN[False], False,
                 deterministic=deterministic)
         flops = 4 * B * H * N * N * D
         kinds = (("fwd", fwd, 1.0), ("dkdv", bwd(True), 2.5), ("dq", bwd(True), 2.5),
