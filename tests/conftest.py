@@ -21,6 +21,11 @@ settings.register_profile(
 settings.register_profile(
     "gpu", max_examples=100, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# a quarter of the gpu profile's examples, for spreading them over processes that each take
+# another --hypothesis-seed (one gpu-profile example of the slowest tests takes seconds)
+settings.register_profile(
+    "gpu-shard", max_examples=25, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
 
