@@ -117,44 +117,52 @@ SANITIZER_SHAPES = [(1, 1, 1, 1, 1, 59, 59, True), (2, 77, 131, 6, 2, 111, 40, T
 
 SANITIZER_SCRIPT = """
 import sys, torch, flashop
-B, S_q, S_k, H, H_kv, D, DV, causal = map(int, sys.argv[1:])
+part = sys.argv[1]
+B, S_q, S_k, H, H_kv, D, DV, causal = map(int, sys.argv[2:])
 for dtype in (torch.bfloat16, torch.float32):
     q = torch.randn(B, S_q, H, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, S_k, H_kv, D, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(B, S_k, H_kv, DV, device="cuda", dtype=dtype, requires_grad=True)
-    out, lse = flashop.attention_with_lse(q, k, v, causal=bool(causal))
-    torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
-    # every modifier, the float mask with its gradient
     g = torch.nn.functional.logsigmoid(torch.randn(B, S_k, H, device="cuda")).requires_grad_()
-    bias = torch.randn(1, H, S_q, S_k, device="cuda", requires_grad=True)
-    out, lse = flashop.attention_with_lse(q, k, v, bias, torch.rand(H, device="cuda"), g,
-                                          causal=True, window_size=(40, 0), softcap=5.0)
-    torch.autograd.grad((out, lse), (q, k, v, g, bias),
-                        (torch.randn_like(out), torch.randn_like(lse)))
-    # the same tokens packed (B sequences of S_q and S_k), a boolean mask dense
-    cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
-    cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
-    out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
-                                   cu_k, S_q, S_k, None, g.flatten(0, 1), causal=True,
-                                   window_size=(17, 0))
-    out.sum().backward()
-    out = flashop.attention(q, k, v, torch.rand(S_q, S_k, device="cuda") > 0.5,
-                            window_size=(9, 30))
-    out.sum().backward()
+    if part == "plain":
+        out, lse = flashop.attention_with_lse(q, k, v, causal=bool(causal))
+        torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
+    elif part == "modifiers":  # every modifier, the float mask with its gradient
+        bias = torch.randn(1, H, S_q, S_k, device="cuda", requires_grad=True)
+        out, lse = flashop.attention_with_lse(q, k, v, bias, torch.rand(H, device="cuda"), g,
+                                              causal=True, window_size=(40, 0), softcap=5.0)
+        torch.autograd.grad((out, lse), (q, k, v, g, bias),
+                            (torch.randn_like(out), torch.randn_like(lse)))
+    else:  # the same tokens packed (B sequences of S_q and S_k); a boolean mask dense
+        cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
+        cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
+        out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
+                                       cu_k, S_q, S_k, None, g.flatten(0, 1), causal=True,
+                                       window_size=(17, 0))
+        out.sum().backward()
+        out = flashop.attention(q, k, v, torch.rand(S_q, S_k, device="cuda") > 0.5,
+                                window_size=(9, 30))
+        out.sum().backward()
 torch.cuda.synchronize()
 print("sanitized")
 """
 
+# (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
+# gradient, where dQ never goes by atomics
+SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
+                   ("packed", "1")]
+
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
-@pytest.mark.parametrize("dq_atomics", ["0", "1"])
+@pytest.mark.parametrize("part", SANITIZER_PARTS, ids="-atomics".join)
 @pytest.mark.parametrize("shape", SANITIZER_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_compute_sanitizer_memcheck_on_odd_shapes(shape, dq_atomics):
-    """One shape per run, so that each sanitized process stays short (under memcheck every
-    kernel variant compiles and runs many times slower). A plain run first fills Triton's
-    kernel cache, so that the sanitized run does not compile."""
+def test_compute_sanitizer_memcheck_on_odd_shapes(shape, part):
+    """One shape and one part of the script per run, so that each sanitized process stays
+    short (under memcheck every kernel variant compiles and runs many times slower). A plain
+    run first fills Triton's kernel cache, so that the sanitized run does not compile."""
+    name, dq_atomics = part
     env = {**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics}
-    args = [sys.executable, "-c", SANITIZER_SCRIPT, *map(str, map(int, shape))]
+    args = [sys.executable, "-c", SANITIZER_SCRIPT, name, *map(str, map(int, shape))]
     plain = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert plain.returncode == 0, plain.stderr[-3000:]
     done = subprocess.run(
