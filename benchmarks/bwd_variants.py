@@ -56,6 +56,7 @@ except ImportError:
     import flashop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import write_csv  # noqa: E402
+from variants import print_best, rel_err, time_variant  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -225,10 +226,6 @@ def host_rows(q, out, lse, do):
     return lse2, delta
 
 
-def rel_err(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def parse_tiles(text):
     """'64x64x4x2,64x128x8x3' -> [(64, 64, 4, 2), (64, 128, 8, 3)]."""
     return [tuple(int(x) for x in t.split("x")) for t in text.split(",")]
@@ -345,32 +342,14 @@ def main():
         lse2, delta = host_rows(q, out, lse, do)
         for name in names:
             for tiles in (args.tiles or (TILES if name in FULL_SWEEP else TILES[::2])):
-                fn = run_variant(q, k, v, do, lse2, delta, name, tiles, scale)
-                try:
-                    dk, dv = fn()
-                    torch.cuda.synchronize()
-                    err = ""
-                    if name not in ABLATIONS:
-                        rel = max(rel_err(dk, dk_ref), rel_err(dv, dv_ref))
-                        err = f"{rel:.1e}"
-                        if not rel < 1e-2:
-                            print(f"  {name} {tiles}: WRONG rel err {rel}", flush=True)
-                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                except Exception as e:  # noqa: BLE001 - a variant the compiler refuses
-                    print(f"  {name} {tiles}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                tflops = flops / ms * 1e-9
-                rows.append(dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)),
-                                 ms=round(ms, 4), tflops=round(tflops, 1), error=err))
-                print(f"  {name:>26} {tiles}: {tflops:.0f} TFLOP/s  err {err}", flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}; best tiles per variant (TFLOP/s):")
-    for D in sorted({r["D"] for r in rows}):
-        for name in ["flashop-bwd", "flashop-dkdv", "flashop-dq"] + names:
-            rs = [r for r in rows if r["D"] == D and r["variant"] == name]
-            if rs:
-                best = max(rs, key=lambda r: r["tflops"])
-                print(f"  D={D:>3} {name:>26}: {best['tflops']:6.1f}  ({best['tiles']})")
+                row = dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)))
+                check = None if name in ABLATIONS else (
+                    lambda out: max(rel_err(out[0], dk_ref), rel_err(out[1], dv_ref)))
+                row = time_variant(run_variant(q, k, v, do, lse2, delta, name, tiles, scale),
+                                   row, flops, check, width=26)
+                if row:
+                    rows.append(row)
+    print_best(rows, ["flashop-bwd", "flashop-dkdv", "flashop-dq"] + names, width=26)
     if args.out:
         write_csv(Path(args.out), rows, fieldnames=list(rows[0]))
     return 0

@@ -34,6 +34,7 @@ except ImportError:
     import flashop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import write_csv  # noqa: E402
+from variants import print_best, rel_err, time_variant  # noqa: E402
 
 
 @triton.jit
@@ -213,32 +214,13 @@ def main():
         print(f"D={D} N={N} flashop: {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
         for name in args.variants.split(","):
             for tiles in (TILES if name in FULL_SWEEP else TILES[1::2]):
-                fn = run_variant(q, k, v, name, tiles, D ** -0.5)
-                try:
-                    out = fn()
-                    torch.cuda.synchronize()
-                    err = ""
-                    if name not in ABLATIONS:
-                        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                        err = f"{rel:.1e}"
-                        if not rel < 1e-2:
-                            print(f"  {name} {tiles}: WRONG rel err {rel}", flush=True)
-                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                except Exception as e:  # noqa: BLE001 - a variant the compiler refuses
-                    print(f"  {name} {tiles}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                tflops = flops / ms * 1e-9
-                rows.append(dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)),
-                                 ms=round(ms, 4), tflops=round(tflops, 1), error=err))
-                print(f"  {name:>16} {tiles}: {tflops:.0f} TFLOP/s  err {err}", flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}; best tiles per variant (TFLOP/s):")
-    for D in sorted({r["D"] for r in rows}):
-        for name in ["flashop"] + args.variants.split(","):
-            rs = [r for r in rows if r["D"] == D and r["variant"] == name]
-            if rs:
-                best = max(rs, key=lambda r: r["tflops"])
-                print(f"  D={D:>3} {name:>16}: {best['tflops']:6.1f}  ({best['tiles']})")
+                row = dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)))
+                check = None if name in ABLATIONS else (lambda out: rel_err(out, ref))
+                row = time_variant(run_variant(q, k, v, name, tiles, D ** -0.5), row, flops,
+                                   check)
+                if row:
+                    rows.append(row)
+    print_best(rows, ["flashop"] + args.variants.split(","))
     if args.out:
         write_csv(Path(args.out), rows, fieldnames=list(rows[0]))
     return 0

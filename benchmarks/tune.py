@@ -20,10 +20,10 @@ import triton
 from triton.testing import do_bench
 
 try:
-    import flashop
+    import flashop  # noqa: F401 - registers torch.ops.flashop
 except ImportError:
     sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-    import flashop
+    import flashop  # noqa: F401
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import write_csv  # noqa: E402
 from flashop import launch
