@@ -8,8 +8,8 @@ loaded once, then for each query tile
     S^T = K Q^T;  P^T = exp2(S^T * qk_scale - lse2);  dV += P^T dO;  dP^T = V dO^T;
     dS^T = P^T * (dP^T - delta);  dK += dS^T Q
 
-and dK is scaled at the end. lse2 (lse in base 2) and delta (rowsum(dO * O)) are computed
-once on the host. The switches:
+and dK is scaled at the end. lse2 (the base-2 lse flashop's forward saves for its backward)
+and delta (rowsum(dO * O), on the host) are computed once. The switches:
 
 - ``MASKED``: Q^T, dO, lse and delta loaded with row masks, as flashop does ("base" mirrors
   flashop's kernel); without it the loads are unmasked;
@@ -56,7 +56,7 @@ except ImportError:
     import flashop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import write_csv  # noqa: E402
-from variants import print_best, rel_err, time_variant  # noqa: E402
+from variants import print_best, rel_err, time_variant, use_torch_allocator  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -218,12 +218,10 @@ def run_variant(q, k, v, do, lse2, delta, name, tiles, scale):
     return fn
 
 
-def host_rows(q, out, lse, do):
-    """(lse2, delta): the forward's lse in base 2 and rowsum(dO * O), both (B, H, S) fp32
-    contiguous, as the kernel reads them (no lse gradient, so delta has no dlse term)."""
-    lse2 = (lse.float() * LOG2E).contiguous()
-    delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-    return lse2, delta
+def delta_rows(out, do):
+    """rowsum(dO * O), (B, H, S) fp32 contiguous, as the kernel reads it (no lse gradient,
+    so delta has no dlse term)."""
+    return (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
 
 def parse_tiles(text):
@@ -243,8 +241,9 @@ def interpret_check(names):
     s = torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
     out = torch.einsum("bhij,bjhd->bihd", torch.softmax(s, -1), v64)
     dk_ref, dv_ref = torch.autograd.grad(out, (k64, v64), do.double())
-    lse2, delta = host_rows(q, out.detach(), torch.logsumexp(s.detach(), -1), do)
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    lse2 = (torch.logsumexp(s.detach(), -1) * LOG2E).float().contiguous()
+    delta = delta_rows(out.detach(), do)
+    use_torch_allocator("cpu")
     failed = 0
     for name in names:
         for tiles in ((32, 32, 4, 1), (16, 32, 4, 1)):
@@ -325,9 +324,7 @@ def main():
     if not torch.cuda.is_available():
         print("bwd_variants.py needs a CUDA GPU")
         return 2
-    # device-side tensor descriptors (TMA) take their scratch memory from this allocator
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device="cuda"))
+    use_torch_allocator()
     rows = []
     for D in (int(d) for d in args.D.split(",")):
         N = args.N
@@ -338,8 +335,9 @@ def main():
         flops = 8 * B * H * N * N * D  # the dK/dV kernel's four matmuls
         ref_rows, out, dk_ref, dv_ref = flashop_rows(q, k, v, do, D, N)
         rows += ref_rows
-        _, lse = flashop.attention_with_lse(q, k, v)
-        lse2, delta = host_rows(q, out, lse, do)
+        # the base-2 lse as flashop's forward saves it for its own backward
+        lse2 = torch.ops.flashop.attention_forward(q, k, v)[2]
+        delta = delta_rows(out, do)
         for name in names:
             for tiles in (args.tiles or (TILES if name in FULL_SWEEP else TILES[::2])):
                 row = dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)))

@@ -34,7 +34,7 @@ except ImportError:
     import flashop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import write_csv  # noqa: E402
-from variants import print_best, rel_err, time_variant  # noqa: E402
+from variants import print_best, rel_err, time_variant, use_torch_allocator  # noqa: E402
 
 
 @triton.jit
@@ -197,8 +197,7 @@ def main():
     if not torch.cuda.is_available():
         print("fwd_variants.py needs a CUDA GPU")
         return 2
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device="cuda"))
+    use_torch_allocator()
     rows = []
     for D in (int(d) for d in args.D.split(",")):
         N = args.N

@@ -6,6 +6,13 @@ import triton
 from triton.testing import do_bench
 
 
+def use_torch_allocator(device="cuda"):
+    """Device-side tensor descriptors (TMA) take their scratch memory from Triton's global
+    allocator: hand it PyTorch's (these scripts own their process)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device=device))
+
+
 def rel_err(x, ref):
     """Relative error ||x - ref|| / ||ref||, in float64."""
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
