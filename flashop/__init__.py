@@ -1,9 +1,10 @@
 """flashop: FlashAttention-2 in Triton, registered as PyTorch operators.
 
-Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_lse``,
-``attention_backward`` and their packed-batch versions ``attention_varlen``,
-``attention_varlen_with_lse``, ``attention_varlen_backward``. See README.md and docs/
-for the API and its conventions.
+Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_lse``, the
+``attention_forward`` and ``attention_backward`` operators they are built on, and their
+packed-batch versions (``attention_varlen``, ``attention_varlen_with_lse``,
+``attention_varlen_forward``, ``attention_varlen_backward``). See README.md and docs/ for
+the API and its conventions.
 """
 
 from flashop.api import (

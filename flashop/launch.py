@@ -81,13 +81,20 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
     return Tiles(64, 32, 4, 1)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is Hopper or newer (looked up once per device: a call's host time
+    counts at short sequences)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
               mask_grad: bool = False) -> Tiles:
     if INTERPRETING:
         return _INTERPRETER_TILES[kind]
     if dtype == torch.float32:
         return _FP32_TILES[kind]
-    t = _gpu_tiles(kind, head_dim, torch.cuda.get_device_capability(device)[0] >= 9)
+    t = _gpu_tiles(kind, head_dim, _is_hopper(device))
     if mask_grad and t.BLOCK_M > 64:
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
@@ -197,14 +204,18 @@ def resolve_scale(scale: Optional[float], head_dim: int) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
 
 
+# Compile-time options that follow from the inputs' dtype
+_KERNEL_ARGS = {dtype: dict(
+    # bf16 tl.dot is wrong under the interpreter: compute it on exact fp32 copies there
+    UPCAST=INTERPRETING and dtype == torch.bfloat16,
+    # fp32 inputs get full fp32 products, as torch.matmul's default (no TF32)
+    DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+
+
 def _kernel_args(q: torch.Tensor) -> dict:
     """Compile-time options that follow from the inputs' dtype."""
-    return dict(
-        # bf16 tl.dot is wrong under the interpreter: compute it on exact fp32 copies there
-        UPCAST=INTERPRETING and q.dtype == torch.bfloat16,
-        # fp32 inputs get full fp32 products, as torch.matmul's default (no TF32)
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    return _KERNEL_ARGS[q.dtype]
 
 
 def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
@@ -215,13 +226,12 @@ def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_offsets(*tensors: torch.Tensor, rows: Optional[tuple] = None,
-                   packing: Optional["Packing"] = None) -> None:
+def _check_offsets(tensors: tuple, seq_strides: tuple, rows: tuple) -> None:
     """The kernels offset rows within one (batch, head) slice, or within one packed
-    sequence of at most ``rows`` tokens, in 32-bit integers."""
-    for i, x in enumerate(tensors):
-        n = x.shape[1] if rows is None else rows[i]
-        if n * _seq_strides(x, packing)[1] >= 2**31:
+    sequence, in 32-bit integers: ``rows[i]`` rows of ``tensors[i]``, whose (batch, seq,
+    head) strides are ``seq_strides[i]``."""
+    for x, strides, n in zip(tensors, seq_strides, rows):
+        if n * strides[1] >= 2**31:
             raise ValueError(
                 f"flashop.attention: a tensor of shape {tuple(x.shape)} and strides "
                 f"{x.stride()} spans 2**31 elements or more along its sequence dimension, past "
@@ -368,9 +378,8 @@ def _seq_strides(x: torch.Tensor, packing: Optional["Packing"]) -> tuple:
     stride 0 (each program offsets its sequence's start instead). The tensors themselves are
     passed as they are: a broadcast view of an output would hide the kernel's writes from
     functionalization under torch.compile."""
-    if packing is None:
-        return x.stride(0), x.stride(1), x.stride(2)
-    return 0, x.stride(0), x.stride(1)
+    strides = x.stride()
+    return strides[:3] if packing is None else (0, *strides[:2])
 
 
 def _row_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
@@ -382,7 +391,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None):
     """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
     lse in natural-log units, and in base 2 for the backward."""
-    q, k, v = (_unit_stride_last(x) for x in (q, k, v))
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
     out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None)
     if out.numel() == 0:
         return out, lse, lse_log2
@@ -390,7 +399,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     if packing is not None and B == 0:  # no sequences: no token attends anything
         return out.zero_(), lse.fill_(float("-inf")), lse_log2.fill_(float("-inf"))
     lse_strides = _row_strides(lse, packing)
-    _check_offsets(q, k, v, out, rows=(S_q, S_k, S_k, S_q), packing=packing)
+    seq_strides = tuple(_seq_strides(x, packing) for x in (q, k, v, out))
+    _check_offsets((q, k, v, out), seq_strides, rows=(S_q, S_k, S_k, S_q))
     H, D = q.shape[-2], q.shape[-1]
     H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
@@ -399,7 +409,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     _launch(
         attention_fwd_kernel, "fwd", t, lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
         q, k, v, out, lse, lse_log2, *tensors, cu_q, cu_k,
-        *(st for x in (q, k, v, out) for st in _seq_strides(x, packing)), *mod_strides,
+        *seq_strides[0], *seq_strides[1], *seq_strides[2], *seq_strides[3], *mod_strides,
         *lse_strides,
         S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
@@ -475,7 +485,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
     lse_strides = _row_strides(lse_log2, packing)
-    _check_offsets(q, k, v, dout, rows=(S_q, S_k, S_k, S_q), packing=packing)
+    seq_strides = tuple(_seq_strides(x, packing) for x in (q, k, v, dout))
+    _check_offsets((q, k, v, dout), seq_strides, rows=(S_q, S_k, S_k, S_q))
     H, D = q.shape[-2], q.shape[-1]
     H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
@@ -507,11 +518,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dlse_strides = dlse.stride() if packing is None else (0, *dlse.stride())
     pre_block = 64 if not INTERPRETING else 32
     wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(rows_pre, pre_block), H, B_pre)](
-        out, dout, dlse, delta, *_seq_strides(out, packing), *_seq_strides(dout, packing),
+        out, dout, dlse, delta, *_seq_strides(out, packing), *seq_strides[3],
         *dlse_strides, rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
     )
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, group size, scales
-    strides = (*(st for x in (q, k, v, dout) for st in _seq_strides(x, packing)), *mod_strides)
+    strides = (*seq_strides[0], *seq_strides[1], *seq_strides[2], *seq_strides[3],
+               *mod_strides)
     scalars = (S_q, S_k, H // H_kv, sm_scale, *mod_scalars)
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(

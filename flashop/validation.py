@@ -22,6 +22,10 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _shapes(q, k, v) -> str:
+    return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+
+
 def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interpreting: bool,
                            op: str = "flashop.attention") -> None:
     """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV), scale and the
@@ -57,30 +61,33 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
             f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
             f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
             f"testing), or call flashop.attention_reference for a plain PyTorch computation")
-    shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
     s = 0 if packed else 1  # the tokens' dim; heads and head dim follow it
     if not packed and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
-        raise ValueError(f"{op}: q, k and v must have the same batch size (dim 0), got {shapes}")
+        raise ValueError(f"{op}: q, k and v must have the same batch size (dim 0), got "
+                         f"{_shapes(q, k, v)}")
     if k.shape[s] != v.shape[s]:
         what = "number of tokens" if packed else "sequence length"
-        raise ValueError(f"{op}: k and v must have the same {what} (dim {s}), got {shapes}")
+        raise ValueError(
+            f"{op}: k and v must have the same {what} (dim {s}), got {_shapes(q, k, v)}")
     H, D = q.shape[s + 1], q.shape[s + 2]
     H_kv = k.shape[s + 1]
     if v.shape[s + 1] != H_kv:
         raise ValueError(
-            f"{op}: k and v must have the same number of heads (dim {s + 1}), got {shapes}")
+            f"{op}: k and v must have the same number of heads (dim {s + 1}), got "
+            f"{_shapes(q, k, v)}")
     if k.shape[s + 2] != D:
         raise ValueError(
-            f"{op}: q and k must have the same head dim (dim {s + 2}), got {shapes}")
+            f"{op}: q and k must have the same head dim (dim {s + 2}), got "
+            f"{_shapes(q, k, v)}")
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(
             f"{op}: the number of query heads ({H}) must be a multiple of the number of "
-            f"key/value heads ({H_kv}) for grouped-query attention, got {shapes}")
+            f"key/value heads ({H_kv}) for grouped-query attention, got {_shapes(q, k, v)}")
     DV = v.shape[s + 2]
     if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
         raise ValueError(
             f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} for q and k "
-            f"and {DV} for v ({shapes})")
+            f"and {DV} for v ({_shapes(q, k, v)})")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")

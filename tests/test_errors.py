@@ -157,7 +157,10 @@ def test_sequences_past_32_bit_offsets_are_refused():
     (checked on meta tensors, so nothing large is allocated)."""
     from flashop import launch
 
+    def check(x):
+        launch._check_offsets((x,), (launch._seq_strides(x, None),), rows=(x.shape[1],))
+
     big = torch.empty(1, 2**27, 1, 16, device="meta")
     with pytest.raises(ValueError, match="32-bit row offsets"):
-        launch._check_offsets(big)
-    launch._check_offsets(big[:, : 2**27 - 1])
+        check(big)
+    check(big[:, : 2**27 - 1])
