@@ -513,18 +513,33 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
                   IS_VARLEN=packing is not None, **_kernel_args(q))
 
-    # delta is row-wise: a packed batch is one sequence of total_q rows here
-    B_pre, rows_pre = (B, S_q) if packing is None else (1, q.shape[0])
-    dlse_strides = dlse.stride() if packing is None else (0, *dlse.stride())
-    pre_block = 64 if not INTERPRETING else 32
-    wrap_triton(attention_bwd_preprocess_kernel)[(triton.cdiv(rows_pre, pre_block), H, B_pre)](
-        out, dout, dlse, delta, *_seq_strides(out, packing), *seq_strides[3],
-        *dlse_strides, rows_pre, H, DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
-    )
     # arguments the dK/dV and dQ kernels share: input strides, then lengths, group size, scales
     strides = (*seq_strides[0], *seq_strides[1], *seq_strides[2], *seq_strides[3],
                *mod_strides)
     scalars = (S_q, S_k, H // H_kv, sm_scale, *mod_scalars)
+    o_strides = _seq_strides(out, packing)
+    dlse_strides = dlse.stride() if packing is None else (0, *dlse.stride())
+    if dq_atomic:
+        # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
+        # rows here, delta being row-wise
+        B_pre, rows_pre = (B, S_q) if packing is None else (1, q.shape[0])
+        pre_block = 64 if not INTERPRETING else 32
+        wrap_triton(attention_bwd_preprocess_kernel)[
+            (triton.cdiv(rows_pre, pre_block), H, B_pre)](
+            out, dout, dlse, delta, *o_strides, *seq_strides[3], *dlse_strides, rows_pre, H,
+            DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
+        )
+    else:
+        # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
+        _launch(
+            attention_bwd_dq_kernel, "dq",
+            tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad),
+            lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
+            q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS, out, dlse,
+            *strides, *_seq_strides(dq, packing), *lse_strides, *o_strides, *dlse_strides,
+            *scalars, H, lengths=(S_q, S_k), autotune=_autotunes(q) and not attn_mask_grad,
+            MASK_GRAD=attn_mask_grad, **common,
+        )
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
         attention_bwd_dkdv_kernel, kind, tiles_for(kind, max(D, DV), q.dtype, q.device),
@@ -537,14 +552,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     if dq_atomic:
         dq.copy_(dq_acc.mul_(sm_scale))
         return dq, dk, dv, dg, dmask
-    _launch(
-        attention_bwd_dq_kernel, "dq",
-        tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad),
-        lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
-        q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS,
-        *strides, *_seq_strides(dq, packing), *lse_strides, *scalars, H, lengths=(S_q, S_k),
-        autotune=_autotunes(q) and not attn_mask_grad, MASK_GRAD=attn_mask_grad, **common,
-    )
     # into the tensors attention_backward_outputs allocated (the fake's strides)
     if has_gate:
         dg.copy_(_gate_grad(dgq, dgk) if packing is None else

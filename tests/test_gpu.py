@@ -39,18 +39,23 @@ def test_inductor_sees_the_triton_kernels():
     assert len(graphs) == 2, graphs  # forward and backward
     assert all("triton_kernel_wrapper_functional" in g for g in graphs), graphs
     assert "flashop.attention" not in code and "flashop::" not in code
-    for kernel in ("attention_fwd_kernel", "attention_bwd_preprocess_kernel",
-                   "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
+    for kernel in ("attention_fwd_kernel", "attention_bwd_dkdv_kernel",
+                   "attention_bwd_dq_kernel"):
         assert kernel in code, f"{kernel} not in Inductor's code"
+    # the dQ kernel computes delta for the dK/dV kernel: no preprocess kernel
+    assert "attention_bwd_preprocess_kernel" not in code
     assert q.grad is not None and torch.isfinite(q.grad).all()
-    # opted into dQ by atomics: the dK/dV kernel adds dQ, no dQ kernel runs
+    # opted into dQ by atomics: the dK/dV kernel adds dQ, no dQ kernel runs, delta comes
+    # from the preprocess kernel
     dq = q.grad
     q.grad = None
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(flashop.launch, "DQ_ATOMICS", True)
         _, code = run_and_get_code(lambda: loss(q, k).backward())
-    assert "attention_bwd_dq_kernel" not in "\n".join(code)
+    code = "\n".join(code)
+    assert "attention_bwd_dq_kernel" not in code
+    assert "attention_bwd_preprocess_kernel" in code
     torch.testing.assert_close(q.grad, dq)
 
 

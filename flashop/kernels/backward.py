@@ -4,12 +4,14 @@ Scores are recomputed from q, k and the forward's base-2 log-sum-exp (``lse_log2
 N x N probabilities are never stored. ``lse_log2`` and ``delta`` are contiguous (B, H, S_q)
 fp32.
 
-- ``attention_bwd_preprocess_kernel``: delta = rowsum(dO * O) - dlse.
+- ``attention_bwd_dq_kernel``: one program per query tile of one query head. It runs first:
+  it also computes delta = rowsum(dO * O) - dlse for its rows and stores it for the dK/dV
+  kernel.
 - ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
   over the G query heads of its group, so dK and dV are summed over the group in registers.
-- ``attention_bwd_dq_kernel``: one program per query tile of one query head. With
-  ``DQ_ATOMIC`` (opt-in, see flashop/launch.py) it does not run: the dK/dV kernel adds dQ
-  into an fp32 buffer by atomics instead (not bitwise reproducible).
+- ``attention_bwd_preprocess_kernel``: delta alone, where the dQ kernel does not run: with
+  ``DQ_ATOMIC`` (opt-in, see flashop/launch.py) the dK/dV kernel adds dQ into an fp32 buffer
+  by atomics instead (not bitwise reproducible).
 
 With a softcap, dS is multiplied by its derivative ``1 - tanh^2`` before the dQ and dK
 products. The gate's gradient is split in two halves written by the kernels that own the
@@ -320,6 +322,7 @@ def _dq_key_tiles(
 @triton.jit
 def attention_bwd_dq_kernel(
     q, k, v, do, lse_log2, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dq, dgq, dmask,
+    o, dlse,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -329,6 +332,8 @@ def attention_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
+    stride_ob, stride_os, stride_oh,
+    stride_dlb, stride_dlh, stride_dls,
     S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, H, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -336,9 +341,10 @@ def attention_bwd_dq_kernel(
     HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
     IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ of one query tile of query head i_h; with a gate, also dgq[b, h, i] =
-    sum_j dS[i, j]; where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask``
-    (``H``, the query heads, is read only for its offsets)."""
+    """dQ of one query tile of query head i_h, and the tile's rows of delta (stored for the
+    dK/dV kernel, launched after this one); with a gate, also dgq[b, h, i] = sum_j dS[i, j];
+    where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask`` (``H``, the query
+    heads, is read only for its offsets)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap2 = tl.cast(softcap2, tl.float32)
@@ -363,6 +369,7 @@ def attention_bwd_dq_kernel(
     k += i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
     v += i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
     do += i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
+    o += i_b * stride_ob + q_start * stride_os + i_h * stride_oh
     dq += i_b * stride_dqb + q_start * stride_dqs + i_h * stride_dqh
 
     o_m = start_m + tl.arange(0, BLOCK_M)
@@ -376,7 +383,13 @@ def attention_bwd_dq_kernel(
                                  o_dv[None, :] < DV, True, BLOCK_DV != DV), UPCAST)
     row = i_b * stride_lb + i_h * stride_lh + q_start + o_m  # lse, delta, dgq
     b_lse = _lse_rows(tl.load(lse_log2 + row, mask=m_m, other=float("inf")))
-    b_delta = tl.load(delta + row, mask=m_m, other=0.0)
+    # delta = rowsum(dO * O) - dlse, in fp32 (the preprocess kernel's formula)
+    b_o = load_tile(o + o_m[:, None] * stride_os + o_dv[None, :], m_m[:, None],
+                    o_dv[None, :] < DV, True, BLOCK_DV != DV)
+    b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + (q_start + o_m) * stride_dls,
+                     mask=m_m, other=0.0)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1) - b_dlse
+    tl.store(delta + row, b_delta, mask=m_m)
 
     alibi2 = 0.0
     if HAS_ALIBI:
