@@ -51,14 +51,18 @@ def attention_bwd_preprocess_kernel(
     m_dv = o_dv < DV
     # [BLOCK_M, BLOCK_DV]
     b_o = tl.load(o + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_os + o_dv[None, :],
-                  mask=m_m[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+                  mask=m_m[:, None] & m_dv[None, :], other=0.0)
     b_do = tl.load(do + i_b * stride_dob + i_h * stride_doh + o_m[:, None] * stride_dos
-                   + o_dv[None, :], mask=m_m[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+                   + o_dv[None, :], mask=m_m[:, None] & m_dv[None, :], other=0.0)
     b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + o_m * stride_dls, mask=m_m,
                      other=0.0)
-    # [BLOCK_M]
-    b_delta = tl.sum(b_o * b_do, 1) - b_dlse
-    tl.store(delta + (i_b * H + i_h) * S_q + o_m, b_delta, mask=m_m)
+    tl.store(delta + (i_b * H + i_h) * S_q + o_m, _delta_rows(b_o, b_do, b_dlse), mask=m_m)
+
+
+@triton.jit
+def _delta_rows(b_o, b_do, b_dlse):
+    """delta = rowsum(dO * O) - dlse of a [BLOCK_M, BLOCK_DV] tile, in fp32."""
+    return tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1) - b_dlse
 
 
 @triton.jit
@@ -383,12 +387,11 @@ def attention_bwd_dq_kernel(
                                  o_dv[None, :] < DV, True, BLOCK_DV != DV), UPCAST)
     row = i_b * stride_lb + i_h * stride_lh + q_start + o_m  # lse, delta, dgq
     b_lse = _lse_rows(tl.load(lse_log2 + row, mask=m_m, other=float("inf")))
-    # delta = rowsum(dO * O) - dlse, in fp32 (the preprocess kernel's formula)
     b_o = load_tile(o + o_m[:, None] * stride_os + o_dv[None, :], m_m[:, None],
                     o_dv[None, :] < DV, True, BLOCK_DV != DV)
     b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + (q_start + o_m) * stride_dls,
                      mask=m_m, other=0.0)
-    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1) - b_dlse
+    b_delta = _delta_rows(b_o, b_do, b_dlse)
     tl.store(delta + row, b_delta, mask=m_m)
 
     alibi2 = 0.0
