@@ -3,10 +3,11 @@
 The candidates are the autotuner's (``flashop.launch.TILE_CANDIDATES``, pruned to the GPU's
 shared memory).
 
-Times bf16 B=4, N=4096, H=2048/D (non-causal): the forward alone for forward tiles; the
-whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a time (the
-deterministic backward for "dkdv" and "dq", the one with atomic dQ for "dkdv_atomic"). The chosen
-tiles go into flashop/launch.py by hand; the full sweep is written to --out as CSV.
+Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal): the forward alone for
+forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a
+time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ for
+"dkdv_atomic"). The chosen tiles go into flashop/launch.py by hand; the full sweep is
+written to --out as CSV.
 
     python benchmarks/tune.py --heads-dims 64,128,256 --out tune.csv
 """
@@ -86,7 +87,7 @@ def main():
             if results:
                 best[(D, kind)] = min(results, key=lambda r: r[0])
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{triton.__version__}; best tiles (B=4, N={args.seqlen}, bf16, non-causal):")
+          f"{triton.__version__}; best tiles (B={16384 // args.seqlen}, N={args.seqlen}, bf16, non-causal):")
     for (D, kind), (ms, t) in sorted(best.items()):
         cur = default_tiles(kind, D, torch.bfloat16, torch.device("cuda"))
         print(f"  D={D:>3} {kind:>4}: {t}  {ms:.3f} ms   (current {cur})")

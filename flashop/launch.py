@@ -78,7 +78,8 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
     # dq
     if head_dim <= 128:
         return Tiles(128, 64, 8, 3)
-    return Tiles(64, 32, 4, 1)
+    # three stages take 160 KiB of shared memory at D=256
+    return Tiles(64, 32, 4, 3) if hopper else Tiles(64, 32, 4, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +121,7 @@ TILE_CANDIDATES = {
     "dkdv_atomic": [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 128, 4, 3),
                     Tiles(64, 64, 4, 2), Tiles(64, 64, 8, 1)],
     "dq": [Tiles(128, 64, 8, 3), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 2),
-           Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1)],
+           Tiles(64, 32, 4, 3), Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1)],
 }
 
 
