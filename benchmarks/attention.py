@@ -269,7 +269,7 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", type=int_list, default=None,
                    help="sequence lengths N, comma-separated (default 1024,4096,16384)")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    p.add_argument("--providers", default=",".join(PROVIDERS),
+    p.add_argument("--providers", default=None,
                    help=f"comma-separated subset of {','.join(PROVIDERS)}")
     p.add_argument("--passes", default="fwd,bwd", help="comma-separated subset of fwd,bwd")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time (ms)")
@@ -283,12 +283,18 @@ def parse_args(argv=None):
                         "overhead; short sequences are otherwise launch-bound)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: D=64,128 and N=1024,4096 unless given explicitly")
+    p.add_argument("--from-csv", nargs="+", default=None, metavar="PATH.csv",
+                   help="no timing: print the table (and --plot) of results files written "
+                        "before, e.g. a grid run in parts; --heads-dims, --seqlens, --causal "
+                        "and --providers select rows where given")
     args = p.parse_args(argv)
+    if args.from_csv:
+        return args
     if args.heads_dims is None:
         args.heads_dims = [64, 128]
     if args.seqlens is None:
         args.seqlens = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    args.providers = [x for x in args.providers.split(",") if x]
+    args.providers = [x for x in (args.providers or ",".join(PROVIDERS)).split(",") if x]
     args.passes = [x for x in args.passes.split(",") if x]
     for name in args.providers:
         if name not in PROVIDERS:
@@ -306,8 +312,46 @@ def parse_args(argv=None):
     return args
 
 
+def read_results(paths, heads_dims=None, seqlens=None, causal="both", providers=None):
+    """The rows of results CSVs (CSV_HEADER's columns) with their numbers parsed, those
+    selected where a filter is given, in file order."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                r.update(D=int(r["D"]), N=int(r["N"]), B=int(r["B"]), H=int(r["H"]),
+                         causal=r["causal"] == "True", ms=float(r["ms"]),
+                         tflops=float(r["tflops"]))
+                rows.append(r)
+    providers = providers.split(",") if providers else None
+    return [r for r in rows
+            if (heads_dims is None or r["D"] in heads_dims)
+            and (seqlens is None or r["N"] in seqlens)
+            and causal in ("both", str(r["causal"]).lower())
+            and (providers is None or r["provider"] in providers)]
+
+
+def show_results(args):
+    """--from-csv: the table and plot of results files, without a GPU."""
+    rows = read_results(args.from_csv, args.heads_dims, args.seqlens, args.causal,
+                        args.providers)
+    if not rows:
+        print("no rows selected from " + ", ".join(args.from_csv), file=sys.stderr)
+        return 1
+    versions = sorted({(r["gpu"], r["torch"], r["triton"]) for r in rows})
+    for gpu, torch_version, triton_version in versions:
+        print(f"GPU: {gpu} | torch {torch_version} | triton {triton_version}", flush=True)
+    present = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    print_table(rows, present)
+    if args.plot:
+        plot(rows, present, args.plot)
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.from_csv:
+        return show_results(args)
     if not torch.cuda.is_available():
         print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -359,4 +403,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
