@@ -24,8 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 TOKENS = 16384
 HIDDEN = 2048
-PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "sdpa-flash", "sdpa-cudnn",
-             "sdpa-mem", "flex"]
+PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "flashop-tma", "sdpa-flash",
+             "sdpa-cudnn", "sdpa-mem", "flex"]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -62,6 +62,14 @@ def provider_flashop_atomic(N, causal):
     """flashop with its opt-in backward that adds dQ by atomics (FLASHOP_DQ_ATOMICS=1)."""
     fn, layout = provider_flashop(N, causal)
     fn.launch_options = {"DQ_ATOMICS": True}
+    return fn, layout
+
+
+def provider_flashop_tma(N, causal):
+    """flashop with its forward's key and value tiles through tensor descriptors
+    (FLASHOP_TMA=1)."""
+    fn, layout = provider_flashop(N, causal)
+    fn.launch_options = {"TMA": True}
     return fn, layout
 
 
@@ -109,6 +117,8 @@ def make_provider(name, N, causal):
         return provider_flashop_atomic(N, causal)
     if name == "flashop-autotune":
         return provider_flashop_autotune(N, causal)
+    if name == "flashop-tma":
+        return provider_flashop_tma(N, causal)
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":

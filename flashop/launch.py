@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import triton
 from torch.library import wrap_triton
+from triton.runtime import _allocation
 from triton.runtime.interpreter import InterpretedFunction
 
 from flashop.kernels.backward import (
@@ -150,7 +151,7 @@ def prune_tiles(kind: str, block_d: int, block_dv: int, itemsize: int,
 # The autotuner's key: every compile-time choice that moves the best tiles, and the lengths'
 # bucket (tensor dtypes are added by Triton)
 _AUTOTUNE_KEY = ["seq_bucket", "D", "DV", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP",
-                 "HAS_ALIBI", "HAS_GATE", "MASK_KIND", "IS_VARLEN"]
+                 "HAS_ALIBI", "HAS_GATE", "MASK_KIND", "IS_VARLEN", "TMA"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,6 +389,43 @@ def _row_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
     return (0, x.stride(0)) if packing is not None else (x.stride(0), x.stride(1))
 
 
+# Tensor descriptors (Hopper's copy engine, TMA) for the forward's key and value tiles,
+# opt-in: FLASHOP_TMA=1, read at import (and at tracing time under torch.compile). The
+# stripped forward gained 8-14% with them on an H200, flashop's forward did not (-5% to +2%
+# at D=256, slower at D=128: docs/performance-notes.md, entries 3 and 21).
+TMA = os.environ.get("FLASHOP_TMA", "0") == "1"
+
+
+def _tma_aligned(x: torch.Tensor) -> bool:
+    """Whether a descriptor can address ``x``'s rows: 16-byte aligned start and strides."""
+    size = x.element_size()
+    if any(s * size % 16 for s in x.stride()[:-1]):
+        return False
+    try:
+        return x.data_ptr() % 16 == 0
+    except RuntimeError:  # a fake or functional tensor (tracing): its storage is aligned
+        return x.storage_offset() * size % 16 == 0
+
+
+def _uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward reads k and v through tensor descriptors (see TMA): 16-bit inputs
+    that meet their alignment."""
+    return TMA and q.dtype != torch.float32 and _tma_aligned(k) and _tma_aligned(v)
+
+
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_triton_allocator() -> None:
+    """Descriptors made in a kernel take scratch memory from Triton's allocator. Where the
+    caller set none (Triton's default raises), PyTorch's caching allocator serves it; an
+    allocator the caller set is left as it is. (Inductor sets its own before its launches.)"""
+    current = getattr(_allocation, "_allocator", None)
+    if current is not None and isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None):
     """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
@@ -407,6 +445,9 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
+    tma = _uses_tma(q, k, v)
+    if tma and not INTERPRETING:
+        _ensure_triton_allocator()
     _launch(
         attention_fwd_kernel, "fwd", t, lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
         q, k, v, out, lse, lse_log2, *tensors, cu_q, cu_k,
@@ -414,7 +455,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         *lse_strides,
         S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
-        IS_VARLEN=packing is not None, **_kernel_args(q),
+        IS_VARLEN=packing is not None, TMA=tma, **_kernel_args(q),
     )
     return out, lse, lse_log2
 

@@ -52,6 +52,40 @@ def test_tile_boundaries(dtype, causal):
     check_case(Case(B=1, S_q=129, S_k=31, H_kv=1, G=3, D=40, DV=24, dtype=dtype, causal=causal))
 
 
+TMA_CASES = [
+    Case(B=2, S_q=33, S_k=70, H_kv=2, G=2, D=40, DV=24, dtype=torch.float16, causal=True),
+    Case(B=1, S_q=50, S_k=37, H_kv=1, G=3, D=64, DV=64, dtype=torch.bfloat16,
+         window_size=(9, 4), softcap=5.0, alibi=(3,)),
+    Case(B=1, S_q=20, S_k=45, H_kv=1, G=1, D=16, DV=16, dtype=torch.float16, layout="bhsd",
+         causal=True, gate=torch.float32),
+]
+if ON_GPU:
+    TMA_CASES.append(Case(B=1, S_q=300, S_k=513, H_kv=1, G=2, D=160, DV=160,
+                          dtype=torch.bfloat16, causal=True))
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
+def test_forward_through_tensor_descriptors(case, monkeypatch):
+    """The forward's key and value tiles through tensor descriptors (FLASHOP_TMA=1): rows past
+    S_k and columns past D read as 0, GQA, a head-major layout, modifiers."""
+    monkeypatch.setattr(flashop.launch, "TMA", True)
+    q, k, v = make_inputs(case)[0]
+    assert flashop.launch._uses_tma(q, k, v)  # the inputs meet the alignment
+    check_case(case)
+
+
+def test_tensor_descriptors_need_aligned_rows(monkeypatch):
+    monkeypatch.setattr(flashop.launch, "TMA", True)
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16)[..., :12]  # 40-byte rows
+    assert flashop.launch._uses_tma(q, q, q)
+    assert not flashop.launch._uses_tma(q, k, q)
+    assert not flashop.launch._uses_tma(q, q[..., 4:], q)  # an 8-byte offset start
+    assert not flashop.launch._uses_tma(q.float(), q.float(), q.float())
+    monkeypatch.setattr(flashop.launch, "TMA", False)
+    assert not flashop.launch._uses_tma(q, q, q)
+
+
 @pytest.mark.parametrize("D", [192, 256])
 def test_large_head_dims(D):
     check_case(Case(B=1, S_q=20, S_k=37, H_kv=1, G=2, D=D, DV=D, dtype=torch.float16,

@@ -21,12 +21,15 @@ def _fwd_key_tiles(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i).
 
     ``MASK`` tiles may cross the window (causal) bounds or the end of the keys; the others
-    are inside for every row of the query tile and skip that masking.
+    are inside for every row of the query tile and skip that masking. Where ``TMA``, ``k``
+    and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
+    read rows past S_k and columns past D as 0.
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -35,8 +38,11 @@ def _fwd_key_tiles(
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < S_k
         # K^T tile [BLOCK_D, BLOCK_N]
-        b_kt = load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
-                         o_d[:, None] < D, MASK, BLOCK_D != D)
+        if TMA:
+            b_kt = tl.trans(k.load([start_n, 0]))
+        else:
+            b_kt = load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
+                             o_d[:, None] < D, MASK, BLOCK_D != D)
         # [BLOCK_M, BLOCK_N]
         b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
         b_gk = 0.0
@@ -57,10 +63,13 @@ def _fwd_key_tiles(
         alpha = tl.math.exp2(m_i - m_sub)
         # [BLOCK_M]
         l_i = l_i * alpha + tl.sum(b_p, 1)
-        b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
-                        o_dv[None, :] < DV, MASK, BLOCK_DV != DV)
+        if TMA:
+            b_v = v.load([start_n, 0])
+        else:
+            b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
+                            o_dv[None, :] < DV, MASK, BLOCK_DV != DV)
         # [BLOCK_M, BLOCK_DV]
-        acc = tl.dot(dot_operand(b_p.to(v.dtype.element_ty), UPCAST), dot_operand(b_v, UPCAST),
+        acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                      acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -82,7 +91,7 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
@@ -96,6 +105,9 @@ def attention_fwd_kernel(
     ``alibi`` (slopes), ``g`` (the cumulative gate, fp32, read through its (batch, seq,
     head) strides) and ``mask`` are read only where their flag is set. ``seq_bucket`` is
     not read: it is the autotuner's key for the lengths (flashop/launch.py).
+    Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
+    copy engine) made per program; the launcher sets it only where k and v meet the
+    descriptors' alignment (16-byte base and row strides).
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap2 = tl.cast(softcap2, tl.float32)
@@ -122,6 +134,13 @@ def attention_fwd_kernel(
     o += i_b * stride_ob + q_start * stride_os + i_h * stride_oh
     lse += i_b * stride_lb + i_h * stride_lh + q_start
     lse_log2 += i_b * stride_lb + i_h * stride_lh + q_start
+    if TMA:
+        # (a sequence without keys loads no tile; its descriptors keep one row)
+        n_rows = tl.maximum(S_k, 1)
+        k = tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
+        v = tl.make_tensor_descriptor(v, shape=[n_rows, DV], strides=[stride_vs, 1],
+                                      block_shape=[BLOCK_N, BLOCK_DV])
 
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
@@ -154,17 +173,17 @@ def attention_fwd_kernel(
             acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
             stride_mk, o_m, m_m, lo, u_lo, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
+            HAS_GATE, MASK_KIND, TMA, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
         stride_mk, o_m, m_m, u_lo, u_hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
+        HAS_GATE, MASK_KIND, TMA, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
         stride_mk, o_m, m_m, u_hi, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
+        HAS_GATE, MASK_KIND, TMA, UPCAST, DOT_PRECISION)
 
     # rows that attend no key (outside the window, masked out, or S_k == 0): output 0, lse -inf
     m_empty = l_i == 0.0
