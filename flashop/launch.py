@@ -154,6 +154,12 @@ _AUTOTUNE_KEY = ["seq_bucket", "D", "DV", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP"
                  "HAS_ALIBI", "HAS_GATE", "MASK_KIND", "IS_VARLEN", "TMA"]
 
 
+def autotune_key(kernel) -> list:
+    """The names of _AUTOTUNE_KEY that are ``kernel``'s arguments (newer Tritons refuse a
+    key that names something else; only the forward has TMA)."""
+    return [name for name in _AUTOTUNE_KEY if name in kernel.arg_names]
+
+
 @functools.lru_cache(maxsize=None)
 def _autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
                device_index: int):
@@ -162,7 +168,7 @@ def _autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
     tiles = prune_tiles(kind, block_d, block_dv, itemsize, props["max_shared_mem"])
     configs = [triton.Config({"BLOCK_M": t.BLOCK_M, "BLOCK_N": t.BLOCK_N},
                              num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
-    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY)(kernel)
+    return triton.autotune(configs=configs, key=autotune_key(kernel))(kernel)
 
 
 def seq_bucket(*lengths) -> int:

@@ -4,6 +4,7 @@ config only)."""
 
 import pytest
 import torch
+import triton
 
 import flashop
 from flashop import launch
@@ -61,6 +62,19 @@ def test_seq_bucket_rounds_the_longest_length_up_to_a_power_of_two():
         [1, 2, 4, 1024, 1024, 2048]
     assert launch.seq_bucket(5, 300) == 512
     assert launch.seq_bucket(0, 0) == 1
+
+
+def test_each_kernels_autotuning_key_names_its_arguments():
+    """The key starts with the lengths' bucket and holds only the kernel's own arguments
+    (triton.autotune refuses other names in newer Tritons)."""
+    kernels = {"fwd": launch.attention_fwd_kernel, "dkdv": launch.attention_bwd_dkdv_kernel,
+               "dq": launch.attention_bwd_dq_kernel}
+    for kind, kernel in kernels.items():
+        key = launch.autotune_key(kernel)
+        assert key[0] == "seq_bucket" and set(key) <= set(kernel.arg_names), (kind, key)
+        assert ("TMA" in key) == (kind == "fwd"), (kind, key)
+        triton.autotune(configs=[triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)(kernel)
+    assert len(launch.autotune_key(kernels["fwd"])) == len(launch._AUTOTUNE_KEY)
 
 
 needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
