@@ -87,7 +87,8 @@ def main():
             if results:
                 best[(D, kind)] = min(results, key=lambda r: r[0])
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{triton.__version__}; best tiles (B={16384 // args.seqlen}, N={args.seqlen}, bf16, non-causal):")
+          f"{triton.__version__}; best tiles (B={16384 // args.seqlen}, N={args.seqlen}, "
+          "bf16, non-causal):")
     for (D, kind), (ms, t) in sorted(best.items()):
         cur = default_tiles(kind, D, torch.bfloat16, torch.device("cuda"))
         print(f"  D={D:>3} {kind:>4}: {t}  {ms:.3f} ms   (current {cur})")
