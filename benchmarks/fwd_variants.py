@@ -10,6 +10,10 @@ with compile-time switches, timed side by side with flashop's forward in one pro
 - ``PIPE``: the next tile's scores ``Q K^T`` issued before the current tile's softmax, so
   that the tensor cores can run them while the softmax runs (FlashAttention-3's
   intra-warpgroup overlap, written out by hand);
+- ``SPLIT``: each program takes two query tiles of BLOCK_M / 2 rows, A and B, over the same
+  key tiles, in the order S_A, S_B, softmax A, P_A V, softmax B, P_B V: Triton waits for a
+  scores matmul right after issuing it but lets the accumulating P V matmul run on until
+  the end of the iteration, so P_A V can run while the softmax of B does;
 - ablations, which compute wrong results on purpose and only time what remains:
   ``NO_EXP`` (p = s, no exp2), ``NO_RESCALE`` (the accumulator is not rescaled),
   ``NO_SOFTMAX`` (no max, no exp2, no row sums: the two matmuls and the loads alone).
@@ -84,12 +88,9 @@ def _variant_fwd_kernel(
     desc_k = k
     desc_v = v
     if TMA:
-        desc_q = tl.make_tensor_descriptor(q, [S * tl.num_programs(2), stride], [stride, 1],
-                                           [BLOCK_M, D])
-        desc_k = tl.make_tensor_descriptor(k, [S * tl.num_programs(2), stride], [stride, 1],
-                                           [BLOCK_N, D])
-        desc_v = tl.make_tensor_descriptor(v, [S * tl.num_programs(2), stride], [stride, 1],
-                                           [BLOCK_N, D])
+        desc_q = _variant_desc(q, S, stride, BLOCK_M, D)
+        desc_k = _variant_desc(k, S, stride, BLOCK_N, D)
+        desc_v = _variant_desc(v, S, stride, BLOCK_N, D)
         b_q = desc_q.load([row0 + i_m * BLOCK_M, i_h * D])
     else:
         b_q = tl.load(q + (row0 + o_m)[:, None] * stride + i_h * D + o_d[None, :])
@@ -121,11 +122,60 @@ def _variant_fwd_kernel(
         acc = acc / l_i[:, None]
     b_o = acc.to(o.dtype.element_ty)
     if TMA:
-        desc_o = tl.make_tensor_descriptor(o, [S * tl.num_programs(2), stride], [stride, 1],
-                                           [BLOCK_M, D])
+        desc_o = _variant_desc(o, S, stride, BLOCK_M, D)
         desc_o.store([row0 + i_m * BLOCK_M, i_h * D], b_o)
     else:
         tl.store(o + (row0 + o_m)[:, None] * stride + i_h * D + o_d[None, :], b_o)
+
+
+@triton.jit
+def _split_fwd_kernel(
+    q, k, v, o, S, H, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The stripped forward with two query tiles of BLOCK_M / 2 rows per program (SPLIT)."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    row0 = i_b * S
+    o_a = i_m * BLOCK_M + tl.arange(0, HALF)
+    o_d = tl.arange(0, D)
+    o_n0 = tl.arange(0, BLOCK_N)
+    stride = H * D
+    desc_k = k
+    desc_v = v
+    if TMA:
+        desc_k = _variant_desc(k, S, stride, BLOCK_N, D)
+        desc_v = _variant_desc(v, S, stride, BLOCK_N, D)
+    b_qa = tl.load(q + (row0 + o_a)[:, None] * stride + i_h * D + o_d[None, :])
+    b_qb = tl.load(q + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_d[None, :])
+    m_a = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    l_a = tl.zeros([HALF], dtype=tl.float32)
+    l_b = tl.zeros([HALF], dtype=tl.float32)
+    acc_a = tl.zeros([HALF, D], dtype=tl.float32)
+    acc_b = tl.zeros([HALF, D], dtype=tl.float32)
+    for start_n in range(0, S, BLOCK_N):
+        b_kt = _variant_kt(k, desc_k, row0, start_n, i_h, stride, o_d, o_n0, TMA)
+        b_sa = tl.dot(b_qa, b_kt)
+        b_sb = tl.dot(b_qb, b_kt)
+        b_v = _variant_v(v, desc_v, row0, start_n, i_h, stride, o_d, o_n0, TMA)
+        acc_a, l_a, m_a = _softmax_pv(acc_a, l_a, m_a, b_sa, b_v, qk_scale, FMA, False, False,
+                                      False)
+        acc_b, l_b, m_b = _softmax_pv(acc_b, l_b, m_b, b_sb, b_v, qk_scale, FMA, False, False,
+                                      False)
+    tl.store(o + (row0 + o_a)[:, None] * stride + i_h * D + o_d[None, :],
+             (acc_a / l_a[:, None]).to(o.dtype.element_ty))
+    tl.store(o + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_d[None, :],
+             (acc_b / l_b[:, None]).to(o.dtype.element_ty))
+
+
+@triton.jit
+def _variant_desc(x, S, stride, ROWS: tl.constexpr, D: tl.constexpr):
+    """Tensor descriptor of [ROWS, D] tiles over x read as 2-D (B * S, H * D)."""
+    return tl.make_tensor_descriptor(x, [S * tl.num_programs(2), stride], [stride, 1], [ROWS, D])
 
 
 @triton.jit
@@ -161,6 +211,9 @@ VARIANTS = {
     "pipe": dict(PIPE=True),
     "fma+pipe": dict(FMA=True, PIPE=True),
     "fma+tma+pipe": dict(FMA=True, TMA=True, PIPE=True),
+    "split": dict(SPLIT=True),
+    "fma+split": dict(FMA=True, SPLIT=True),
+    "fma+tma+split": dict(FMA=True, TMA=True, SPLIT=True),
     "no-exp": dict(FMA=True, NO_EXP=True),
     "no-rescale": dict(FMA=True, NO_RESCALE=True),
     "no-softmax": dict(NO_SOFTMAX=True),
@@ -172,6 +225,9 @@ TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (1
 # head dims above 128: the tiles that fit the shared memory of a Hopper GPU (flashop's
 # table has the first); each is timed for every variant
 WIDE_TILES = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]
+# SPLIT: BLOCK_M counts both query tiles; 256 x 128 spills its registers
+SPLIT_TILES = [(256, 64, 8, 2), (256, 64, 8, 3), (256, 32, 8, 3), (256, 32, 8, 4),
+               (128, 32, 4, 3), (128, 64, 4, 2)]
 
 
 def run_variant(q, k, v, name, tiles, scale):
@@ -181,9 +237,13 @@ def run_variant(q, k, v, name, tiles, scale):
     flags = dict(FMA=False, TMA=False, WS=False, PIPE=False, NO_EXP=False, NO_RESCALE=False,
                  NO_SOFTMAX=False)
     flags.update(VARIANTS[name])
+    kernel = _variant_fwd_kernel
+    if flags.pop("SPLIT", False):
+        kernel = _split_fwd_kernel
+        flags = dict(FMA=flags["FMA"], TMA=flags["TMA"])
 
     def fn():
-        _variant_fwd_kernel[(S // BM, H, B)](
+        kernel[(S // BM, H, B)](
             q, k, v, o, S, H, scale * 1.4426950408889634, D=D, BLOCK_M=BM, BLOCK_N=BN,
             **flags, num_warps=warps, num_stages=stages)
         return o
@@ -216,7 +276,11 @@ def main():
         print(f"D={D} N={N} flashop: {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
         for name in args.variants.split(","):
             tile_list = TILES if name in FULL_SWEEP else TILES[1::2]
-            for tiles in (tile_list if D <= 128 else WIDE_TILES):
+            if D > 128:
+                tile_list = WIDE_TILES
+            if "split" in name:
+                tile_list = SPLIT_TILES if D <= 128 else [(128, 32, 4, 2), (128, 32, 8, 2)]
+            for tiles in tile_list:
                 row = dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)))
                 check = None if name in ABLATIONS else (lambda out: rel_err(out, ref))
                 row = time_variant(run_variant(q, k, v, name, tiles, D ** -0.5), row, flops,
