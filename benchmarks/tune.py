@@ -81,7 +81,8 @@ def main():
                 tflops = mult * flops / ms * 1e-9
                 results.append((ms, t))
                 rows.append(dict(D=D, kind=kind, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
-                                 num_warps=t.num_warps, num_stages=t.num_stages,
+                                 split_m=t.split_m, num_warps=t.num_warps,
+                                 num_stages=t.num_stages,
                                  ms=round(ms, 4), tflops=round(tflops, 1)))
                 print(f"  D={D} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s", flush=True)
             if results:

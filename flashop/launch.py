@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -32,12 +32,22 @@ INTERPRETING = isinstance(attention_fwd_kernel, InterpretedFunction)
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes and launch options of one kernel."""
+    """Tile sizes and launch options of one kernel. ``split_m`` (the forward only): the
+    program's BLOCK_M rows are two query tiles of BLOCK_M / 2 whose softmax and matmuls
+    interleave (flashop/kernels/forward.py)."""
 
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int = 4
     num_stages: int = 1
+    split_m: bool = False
+
+    def constexprs(self, kind: str) -> dict:
+        """The kernel's compile-time tile arguments."""
+        args = {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N}
+        if kind == "fwd":
+            args["SPLIT_M"] = self.split_m
+        return args
 
 
 # Under the interpreter every program runs one after another in numpy: small tiles keep the
@@ -61,8 +71,12 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
     sweep on an H200 (docs/performance.md). GPUs before Hopper have less shared memory:
     smaller tiles at head dims above 128 there."""
     if kind == "fwd":
-        if head_dim <= 128:
+        if head_dim <= 64:
             return Tiles(128, 64, 8, 3)
+        if head_dim <= 128:
+            # two query tiles of 128 rows per program on Hopper: +14% on an H200 at D=128
+            # (docs/performance-notes.md, entry 22); slower at D=64
+            return Tiles(256, 64, 8, 3, split_m=True) if hopper else Tiles(128, 64, 8, 3)
         return Tiles(128, 64, 8, 2) if hopper else Tiles(64, 32, 4, 2)
     if kind == "dkdv_atomic":
         if head_dim <= 128:
@@ -93,7 +107,11 @@ def _is_hopper(device: torch.device) -> bool:
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
               mask_grad: bool = False) -> Tiles:
     if INTERPRETING:
-        return _INTERPRETER_TILES[kind]
+        t = _INTERPRETER_TILES[kind]
+        if kind == "fwd" and 64 < head_dim <= 128:
+            # two query tiles per program where Hopper GPUs take them (below)
+            t = replace(t, split_m=True)
+        return t
     if dtype == torch.float32:
         return _FP32_TILES[kind]
     t = _gpu_tiles(kind, head_dim, _is_hopper(device))
@@ -101,6 +119,27 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
         t = Tiles(64, t.BLOCK_N, 4, 2)
+    return t
+
+
+# Causal-like forwards with fewer keys take one query tile per program: split, their
+# programs were 2-11% slower at S_k = 512-2048 on an H200 (docs/performance-notes.md, 22)
+SPLIT_MIN_CAUSAL_KEYS = 4096
+
+
+def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags: dict,
+                  S_k) -> Tiles:
+    """The forward's tiles for its modifier flags: tiles_for's, with one query tile of
+    BLOCK_M / 2 rows instead of two where two measured slower or spill registers:
+    - an attn_mask (its loads in both tiles spill 1.3 KB at D=128 with triton 3.6);
+    - a window's left bound (short programs whose masked bands double: -10-12% at N=16k);
+    - causal-like with fewer than SPLIT_MIN_CAUSAL_KEYS keys, where S_k is known (under
+      torch.compile with dynamic shapes it is symbolic: no guard on it, two tiles)."""
+    t = tiles_for("fwd", head_dim, dtype, device)
+    short_causal = (flags["HAS_RIGHT"] and isinstance(S_k, int)
+                    and S_k < SPLIT_MIN_CAUSAL_KEYS)
+    if t.split_m and (flags["MASK_KIND"] != 0 or flags["HAS_LEFT"] or short_causal):
+        t = replace(t, BLOCK_M=t.BLOCK_M // 2, split_m=False)
     return t
 
 
@@ -115,8 +154,8 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
 AUTOTUNE = os.environ.get("FLASHOP_AUTOTUNE", "0") == "1"
 
 TILE_CANDIDATES = {
-    "fwd": [Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 2),
-            Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 2)],
+    "fwd": [Tiles(256, 64, 8, 3, split_m=True), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3),
+            Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 2)],
     "dkdv": [Tiles(64, 64, 4, 2), Tiles(32, 128, 4, 3), Tiles(64, 128, 8, 3),
              Tiles(32, 64, 4, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1)],
     "dkdv_atomic": [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 128, 4, 3),
@@ -166,8 +205,8 @@ def _autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
     """``kernel`` autotuned over the candidates of ``kind`` that fit this GPU."""
     props = triton.runtime.driver.active.utils.get_device_properties(device_index)
     tiles = prune_tiles(kind, block_d, block_dv, itemsize, props["max_shared_mem"])
-    configs = [triton.Config({"BLOCK_M": t.BLOCK_M, "BLOCK_N": t.BLOCK_N},
-                             num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
+    configs = [triton.Config(t.constexprs(kind), num_warps=t.num_warps,
+                             num_stages=t.num_stages) for t in tiles]
     return triton.autotune(configs=configs, key=autotune_key(kernel))(kernel)
 
 
@@ -192,8 +231,8 @@ def _launch(kernel, kind: str, t: Tiles, grid: Callable, *args, lengths: tuple,
             *args, seq_bucket(*lengths), **meta)
     else:
         wrap_triton(kernel)[grid(t.BLOCK_M, t.BLOCK_N)](
-            *args, 0, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, num_warps=t.num_warps,
-            num_stages=t.num_stages, **meta)
+            *args, 0, **t.constexprs(kind), num_warps=t.num_warps, num_stages=t.num_stages,
+            **meta)
 
 
 def _autotunes(q: torch.Tensor) -> bool:
@@ -450,7 +489,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
-    t = tiles_for("fwd", max(D, DV), q.dtype, q.device)
+    t = forward_tiles(max(D, DV), q.dtype, q.device, flags, S_k)
     tma = _uses_tma(q, k, v)
     if tma and not INTERPRETING:
         _ensure_triton_allocator()

@@ -86,6 +86,34 @@ def test_tensor_descriptors_need_aligned_rows(monkeypatch):
     assert not flashop.launch._uses_tma(q, q, q)
 
 
+SPLIT_CASES = [
+    # the second query tile wholly or partly past S_q, S_q > S_k with fully masked rows
+    Case(B=2, S_q=45, S_k=70, H_kv=2, G=2, D=40, DV=24, dtype=torch.float16, causal=True),
+    Case(B=1, S_q=50, S_k=20, H_kv=1, G=3, D=64, DV=64, dtype=torch.bfloat16, causal=True,
+         layout="bhsd"),
+    Case(B=1, S_q=70, S_k=37, H_kv=1, G=2, D=16, DV=32, dtype=torch.bfloat16,
+         window_size=(9, 4), softcap=5.0, alibi=(1, 2)),
+    Case(B=1, S_q=37, S_k=70, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16, causal=True,
+         window_size=(20, 0), gate=torch.float32),
+    Case(B=2, S_q=40, S_k=33, H_kv=1, G=1, D=24, DV=24, dtype=torch.float32,
+         mask=torch.float32, mask_shape=(2, 1, 40, 33), mask_grad=True),
+    Case(B=1, S_q=33, S_k=48, H_kv=1, G=2, D=96, DV=96, dtype=torch.float16, layout="padded",
+         mask=torch.bool, mask_shape=(1, 1, 33, 48)),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
+def test_forward_with_two_query_tiles_per_program(case, monkeypatch):
+    """The forward's split query tile (Tiles.split_m: launch.forward_tiles's choice at
+    64 < D <= 128 on Hopper, and an autotuning candidate) at any head dim, with every
+    modifier, masks, GQA, layouts, rows past S_q."""
+    # 2 x 16 rows under the interpreter; on a GPU 2 x 64 (fits shared memory at every head dim)
+    split = flashop.launch.Tiles(128, 32, 4, 2, split_m=True) if ON_GPU else \
+        flashop.launch.Tiles(32, 16, split_m=True)
+    monkeypatch.setattr(flashop.launch, "forward_tiles", lambda *args: split)
+    check_case(case)
+
+
 @pytest.mark.parametrize("D", [192, 256])
 def test_large_head_dims(D):
     check_case(Case(B=1, S_q=20, S_k=37, H_kv=1, G=2, D=D, DV=D, dtype=torch.float16,

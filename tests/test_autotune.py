@@ -142,3 +142,30 @@ def test_autotuned_kernels_compile_fullgraph(autotuning):
         assert kernel in code, f"{kernel} not in Inductor's code"
     for result in check_attention(q, k, v, dout, dlse, out, lse, grads, causal=True):
         assert result.ok, str(result)
+
+
+def test_the_forward_splits_its_query_tile_only_where_it_measured_faster():
+    """Two query tiles per program at 64 < D <= 128 on Hopper (docs/performance-notes.md,
+    entry 22), but one of half the rows with an attn_mask, a window's left bound, or a
+    causal bound over fewer than 4096 keys (known ones: symbolic lengths keep two)."""
+    assert [launch._gpu_tiles("fwd", d, hopper=True).split_m for d in (64, 96, 128, 256)] == \
+        [False, True, True, False]
+    assert not launch._gpu_tiles("fwd", 128, hopper=False).split_m
+    if not launch.INTERPRETING:
+        return
+    cpu = torch.device("cpu")
+    flags = dict(launch._PLAIN_FLAGS[False])
+    t = launch.forward_tiles(128, torch.float16, cpu, flags, 100)
+    assert t.split_m and t.constexprs("fwd") == dict(BLOCK_M=32, BLOCK_N=16, SPLIT_M=True)
+    assert launch.forward_tiles(64, torch.float16, cpu, flags, 100) == Tiles(32, 16)
+    one = Tiles(16, 16)
+    for change, S_k in ((dict(MASK_KIND=1), 10**5), (dict(MASK_KIND=2), 10**5),
+                        (dict(HAS_LEFT=True), 10**5), (dict(HAS_RIGHT=True), 4095)):
+        assert launch.forward_tiles(128, torch.float16, cpu, dict(flags, **change), S_k) == one
+    causal = launch._PLAIN_FLAGS[True]
+    assert launch.forward_tiles(128, torch.float16, cpu, causal, 4096).split_m
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    assert launch.forward_tiles(128, torch.float16, cpu, causal,
+                                ShapeEnv().create_unbacked_symint()).split_m
+    assert launch.tiles_for("dq", 128, torch.float16, cpu).constexprs("dq") == \
+        dict(BLOCK_M=32, BLOCK_N=16)

@@ -15,24 +15,71 @@ from flashop.kernels.common import (
 
 
 @triton.jit
-def _fwd_key_tiles(
-    acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
-    stride_mk, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    MASK_KIND: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+def _fwd_scores(
+    b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k, qk_scale,
+    softcap2, alibi2, left, right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i).
+    """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2."""
+    b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
+    b_s, _ = attention_scores(
+        b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
+        softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
+        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+    return b_s
+
+
+@triton.jit
+def _fwd_fold(acc, l_i, m_i, b_s, b_v, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores and its value tile into the running (acc, l_i, m_i): the
+    online softmax. ``MASKED``: some scores may be -inf."""
+    # [rows]
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    if MASKED:
+        # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    b_p = tl.math.exp2(b_s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    # [rows, BLOCK_DV]
+    acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
+                 acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_key_tiles(
+    acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks, stride_vs,
+    stride_gs, stride_mq, stride_mk, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2,
+    left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
+    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
+    ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the next TILE_M rows as well.
 
     ``MASK`` tiles may cross the window (causal) bounds or the end of the keys; the others
-    are inside for every row of the query tile and skip that masking. Where ``TMA``, ``k``
+    are inside for every row of the program and skip that masking. Where ``TMA``, ``k``
     and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
     read rows past S_k and columns past D as 0.
+
+    With two query tiles the order is: both tiles' scores, then each tile's softmax and P V
+    product. Triton waits for a scores product where it is issued but lets a P V product,
+    which accumulates, run until the end of the iteration: the tensor cores work on the
+    first tile's P V while the second tile's softmax runs (docs/performance-notes.md).
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
+    o_m2 = o_m + TILE_M
+    m_m2 = o_m2 < S_q
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + tl.arange(0, BLOCK_N)
@@ -43,36 +90,52 @@ def _fwd_key_tiles(
         else:
             b_kt = load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
                              o_d[:, None] < D, MASK, BLOCK_D != D)
-        # [BLOCK_M, BLOCK_N]
-        b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
         b_gk = 0.0
         if HAS_GATE:
             b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
-        b_s, _ = attention_scores(
-            b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
-            softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
-        # [BLOCK_M]
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        if MASK or MASK_KIND != 0:
-            # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
-        b_p = tl.math.exp2(b_s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(b_p, 1)
+        # [TILE_M, BLOCK_N]
+        b_s = _fwd_scores(
+            b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
+            qk_scale, softcap2, alibi2, left, right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
+        if SPLIT_M:
+            b_s2 = _fwd_scores(
+                b_q2, b_kt, b_gk, o_m2, m_m2, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
+                qk_scale, softcap2, alibi2, left, right, MASK, HAS_LEFT, HAS_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
         if TMA:
             b_v = v.load([start_n, 0])
         else:
             b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
                             o_dv[None, :] < DV, MASK, BLOCK_DV != DV)
-        # [BLOCK_M, BLOCK_DV]
-        acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
-                     acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
+        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, MASK or MASK_KIND != 0, UPCAST,
+                                  DOT_PRECISION)
+        if SPLIT_M:
+            acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, MASK or MASK_KIND != 0,
+                                         UPCAST, DOT_PRECISION)
+    return acc, l_i, m_i, acc2, l_i2, m_i2
+
+
+@triton.jit
+def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os,
+                  stride_gs, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Store the output rows ``o_m`` (acc / l) and their log-sum-exp, natural and base 2."""
+    o_dv = tl.arange(0, BLOCK_DV)
+    # rows that attend no key (outside the window, masked out, or S_k == 0): output 0, lse -inf
+    m_empty = l_i == 0.0
+    l_safe = tl.where(m_empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_m[:, None] & (o_dv[None, :] < DV))
+    b_lse2 = m_i + tl.math.log2(l_safe)
+    if HAS_GATE:
+        # the queries' gate G_i, constant along each row, only shifts the log-sum-exp;
+        # query i sits at key position i + S_k - S_q
+        o_gq = o_m + (S_k - S_q)
+        b_lse2 += tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
+    b_lse2 = tl.where(m_empty, float("-inf"), b_lse2)
+    tl.store(lse_log2 + o_m, b_lse2, mask=m_m)
+    tl.store(lse + o_m, b_lse2 * LN2, mask=m_m)
 
 
 @triton.jit
@@ -91,7 +154,8 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr,
-    TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
@@ -105,15 +169,31 @@ def attention_fwd_kernel(
     ``alibi`` (slopes), ``g`` (the cumulative gate, fp32, read through its (batch, seq,
     head) strides) and ``mask`` are read only where their flag is set. ``seq_bucket`` is
     not read: it is the autotuner's key for the lengths (flashop/launch.py).
+    Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
+    softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
     descriptors' alignment (16-byte base and row strides).
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap2 = tl.cast(softcap2, tl.float32)
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
+    if HAS_RIGHT and SPLIT_M:
+        # causal-like: later query tiles attend more keys. With two query tiles per program
+        # (one program per SM at D=128), the grid's last programs ran alone: here programs
+        # take the query tiles of every (head, batch) heaviest first, in launch order, so
+        # that short ones come last (+8-11% at N=16k on an H200; with one query tile this
+        # order was slower, docs/performance-notes.md entry 22)
+        n_m = tl.num_programs(0)
+        n_h = tl.num_programs(1)
+        n_hb = n_h * tl.num_programs(2)
+        pid = tl.program_id(0) + n_m * (tl.program_id(1) + n_h * tl.program_id(2))
+        i_m = n_m - 1 - pid // n_hb
+        i_h = (pid % n_hb % n_h).to(tl.int64)
+        i_b = (pid % n_hb // n_h).to(tl.int64)
+    else:
+        i_m = tl.program_id(0)
+        i_h = tl.program_id(1).to(tl.int64)
+        i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
     # the sequence's offsets and lengths where packed (not through a helper's return
     # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
@@ -142,56 +222,63 @@ def attention_fwd_kernel(
         v = tl.make_tensor_descriptor(v, shape=[n_rows, DV], strides=[stride_vs, 1],
                                       block_shape=[BLOCK_N, BLOCK_DV])
 
-    o_m = start_m + tl.arange(0, BLOCK_M)
+    if SPLIT_M:
+        TILE_M: tl.constexpr = BLOCK_M // 2
+    else:
+        TILE_M: tl.constexpr = BLOCK_M
+    # the (first) query tile's rows; the second tile's are o_m + TILE_M
+    o_m = start_m + tl.arange(0, TILE_M)
     o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
     m_m = o_m < S_q
-    # [BLOCK_M, BLOCK_D]
+    # [TILE_M, BLOCK_D]
     b_q = load_tile(q + o_m[:, None] * stride_qs + o_d[None, :], m_m[:, None], o_d[None, :] < D,
                     True, BLOCK_D != D)
     b_q = dot_operand(b_q, UPCAST)
+    m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([TILE_M], dtype=tl.float32)
+    acc = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
+    # the second tile's (placeholders without SPLIT_M)
+    b_q2 = b_q
+    m_i2 = 0.0
+    l_i2 = 0.0
+    acc2 = 0.0
+    if SPLIT_M:
+        b_q2 = load_tile(q + (o_m + TILE_M)[:, None] * stride_qs + o_d[None, :],
+                         (o_m + TILE_M)[:, None] < S_q, o_d[None, :] < D, True, BLOCK_D != D)
+        b_q2 = dot_operand(b_q2, UPCAST)
+        m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
+        l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
+        acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
 
     alibi2 = 0.0
     if HAS_ALIBI:
         alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
-    b_gq = 0.0
     if HAS_GATE:
         g += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
-        # query i sits at key position i + S_k - S_q
-        o_gq = o_m + (S_k - S_q)
-        b_gq = tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
     if MASK_KIND != 0:
         mask += i_b * stride_mb + i_h * stride_mh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # the key tiles of all BLOCK_M rows
     lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
                                         BLOCK_M, BLOCK_N)
-    if HAS_LEFT:
-        acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
-            stride_mk, o_m, m_m, lo, u_lo, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_GATE, MASK_KIND, TMA, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
-        stride_mk, o_m, m_m, u_lo, u_hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        HAS_GATE, MASK_KIND, TMA, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, b_q, k, v, g, mask, stride_ks, stride_vs, stride_gs, stride_mq,
-        stride_mk, o_m, m_m, u_hi, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        HAS_GATE, MASK_KIND, TMA, UPCAST, DOT_PRECISION)
+    # [lo, u_lo) masked (a window's left bound), [u_lo, u_hi) unmasked, [u_hi, hi) masked
+    for part in tl.static_range(3):
+        if part != 0 or HAS_LEFT:
+            if part == 0:
+                start_n, end_n = lo, u_lo
+            elif part == 1:
+                start_n, end_n = u_lo, u_hi
+            else:
+                start_n, end_n = u_hi, hi
+            acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
+                acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks,
+                stride_vs, stride_gs, stride_mq, stride_mk, o_m, m_m, start_n, end_n, S_q, S_k,
+                qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, TILE_M,
+                BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+                MASK_KIND, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
 
-    # rows that attend no key (outside the window, masked out, or S_k == 0): output 0, lse -inf
-    m_empty = l_i == 0.0
-    l_safe = tl.where(m_empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_m[:, None] & (o_dv[None, :] < DV))
-    # the queries' gate G_i, constant along each row, only shifts the log-sum-exp
-    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe) + b_gq)
-    tl.store(lse_log2 + o_m, b_lse2, mask=m_m)
-    tl.store(lse + o_m, b_lse2 * LN2, mask=m_m)
+    _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os, stride_gs,
+                  DV, BLOCK_DV, HAS_GATE)
+    if SPLIT_M:
+        _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g, o_m + TILE_M, (o_m + TILE_M) < S_q,
+                      S_q, S_k, stride_os, stride_gs, DV, BLOCK_DV, HAS_GATE)
