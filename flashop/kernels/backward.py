@@ -232,35 +232,28 @@ def attention_bwd_dkdv_kernel(
             p_mask = mask + i_b * stride_mb + i_h * stride_mh
         # [BLOCK_N]
         b_dgk = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if HAS_RIGHT:
-            b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
-                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
-                m_n, lo, u_lo, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
-        # the unmasked tiles: those wholly inside S_q load without row masks, the last
-        # (partial) one with them
-        u_full = tl.maximum(u_lo, tl.minimum(u_hi, (S_q // BLOCK_M) * BLOCK_M))
-        b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
-            stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
-            m_n, u_lo, u_full, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
-            BLOCK_D, BLOCK_DV, BLOCK_M, False, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
-        b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
-            stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
-            m_n, u_full, u_hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
-            BLOCK_D, BLOCK_DV, BLOCK_M, False, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
-        if HAS_LEFT:
-            b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-                b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask, p_dqa,
-                stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n,
-                m_n, u_hi, hi, S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV,
-                BLOCK_D, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION)
+        # [lo, u_lo) masked (causal bound), [u_lo, u_full) unmasked without row masks,
+        # [u_full, u_hi) unmasked, [u_hi, hi) masked (a window's left bound)
+        for part in tl.static_range(4):
+            if (part != 0 or HAS_RIGHT) and (part != 3 or HAS_LEFT):
+                if part == 0:
+                    start_m, end_m = lo, u_lo
+                elif part == 1:
+                    # the unmasked tiles wholly inside S_q load without row masks, the last
+                    # (partial) one with them
+                    u_full = tl.maximum(u_lo, tl.minimum(u_hi, (S_q // BLOCK_M) * BLOCK_M))
+                    start_m, end_m = u_lo, u_full
+                elif part == 2:
+                    start_m, end_m = u_full, u_hi
+                else:
+                    start_m, end_m = u_hi, hi
+                b_dk, b_dv, b_dgk = _dkdv_query_tiles(
+                    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
+                    p_dqa, stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas,
+                    o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
+                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, part == 0 or part == 3, part != 1,
+                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC,
+                    UPCAST, DOT_PRECISION)
         if HAS_GATE:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)
