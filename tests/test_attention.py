@@ -114,6 +114,23 @@ def test_forward_with_two_query_tiles_per_program(case, monkeypatch):
     check_case(case)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="4k keys: minutes under the interpreter")
+@pytest.mark.parametrize("case", [
+    Case(B=1, S_q=4100, S_k=4100, H_kv=2, G=2, D=128, DV=128, dtype=torch.bfloat16,
+         causal=True),
+    Case(B=2, S_q=1000, S_k=4500, H_kv=1, G=3, D=96, DV=80, dtype=torch.float16, causal=True,
+         softcap=20.0, alibi=(3,), gate=torch.float32),
+], ids=["D128", "D96-modifiers"])
+def test_long_causal_with_the_tables_split_tiles(case):
+    """Causal over >= 4096 keys at 64 < D <= 128: on Hopper the table's two query tiles per
+    program, ordered heaviest first across heads (launch.forward_tiles)."""
+    if torch.cuda.get_device_capability()[0] >= 9:
+        flags = dict(flashop.launch._PLAIN_FLAGS[True])
+        assert flashop.launch.forward_tiles(case.D, case.dtype, torch.device(DEVICE), flags,
+                                            case.S_k).split_m
+    check_case(case)
+
+
 @pytest.mark.parametrize("D", [192, 256])
 def test_large_head_dims(D):
     check_case(Case(B=1, S_q=20, S_k=37, H_kv=1, G=2, D=D, DV=D, dtype=torch.float16,
