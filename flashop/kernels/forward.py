@@ -55,16 +55,16 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, MASKED: tl.constexpr, UPCAST: tl.constexp
 @triton.jit
 def _fwd_key_tiles(
     acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks, stride_vs,
-    stride_gs, stride_mq, stride_mk, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2, alibi2,
-    left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    stride_gs, stride_mq, stride_mk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale, softcap2,
+    alibi2, left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
     SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
-    ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the next TILE_M rows as well.
+    ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
 
     ``MASK`` tiles may cross the window (causal) bounds or the end of the keys; the others
     are inside for every row of the program and skip that masking. Where ``TMA``, ``k``
@@ -78,8 +78,6 @@ def _fwd_key_tiles(
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    o_m2 = o_m + TILE_M
-    m_m2 = o_m2 < S_q
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + tl.arange(0, BLOCK_N)
@@ -238,13 +236,15 @@ def attention_fwd_kernel(
     l_i = tl.zeros([TILE_M], dtype=tl.float32)
     acc = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
     # the second tile's (placeholders without SPLIT_M)
+    o_m2 = o_m + TILE_M
+    m_m2 = o_m2 < S_q
     b_q2 = b_q
     m_i2 = 0.0
     l_i2 = 0.0
     acc2 = 0.0
     if SPLIT_M:
-        b_q2 = load_tile(q + (o_m + TILE_M)[:, None] * stride_qs + o_d[None, :],
-                         (o_m + TILE_M)[:, None] < S_q, o_d[None, :] < D, True, BLOCK_D != D)
+        b_q2 = load_tile(q + o_m2[:, None] * stride_qs + o_d[None, :], m_m2[:, None],
+                         o_d[None, :] < D, True, BLOCK_D != D)
         b_q2 = dot_operand(b_q2, UPCAST)
         m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
         l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
@@ -272,13 +272,13 @@ def attention_fwd_kernel(
                 start_n, end_n = u_hi, hi
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
                 acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks,
-                stride_vs, stride_gs, stride_mq, stride_mk, o_m, m_m, start_n, end_n, S_q, S_k,
-                qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, TILE_M,
+                stride_vs, stride_gs, stride_mq, stride_mk, o_m, m_m, o_m2, m_m2, start_n, end_n,
+                S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
                 MASK_KIND, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
 
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE)
     if SPLIT_M:
-        _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g, o_m + TILE_M, (o_m + TILE_M) < S_q,
-                      S_q, S_k, stride_os, stride_gs, DV, BLOCK_DV, HAS_GATE)
+        _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g, o_m2, m_m2, S_q, S_k, stride_os,
+                      stride_gs, DV, BLOCK_DV, HAS_GATE)
