@@ -85,12 +85,9 @@ def _variant_fwd_kernel(
     o_d = tl.arange(0, D)
     o_n0 = tl.arange(0, BLOCK_N)
     stride = H * D
-    desc_k = k
-    desc_v = v
+    desc_k, desc_v = _variant_kv(k, v, S, stride, BLOCK_N, D, TMA)
     if TMA:
         desc_q = _variant_desc(q, S, stride, BLOCK_M, D)
-        desc_k = _variant_desc(k, S, stride, BLOCK_N, D)
-        desc_v = _variant_desc(v, S, stride, BLOCK_N, D)
         b_q = desc_q.load([row0 + i_m * BLOCK_M, i_h * D])
     else:
         b_q = tl.load(q + (row0 + o_m)[:, None] * stride + i_h * D + o_d[None, :])
@@ -144,11 +141,7 @@ def _split_fwd_kernel(
     o_d = tl.arange(0, D)
     o_n0 = tl.arange(0, BLOCK_N)
     stride = H * D
-    desc_k = k
-    desc_v = v
-    if TMA:
-        desc_k = _variant_desc(k, S, stride, BLOCK_N, D)
-        desc_v = _variant_desc(v, S, stride, BLOCK_N, D)
+    desc_k, desc_v = _variant_kv(k, v, S, stride, BLOCK_N, D, TMA)
     b_qa = tl.load(q + (row0 + o_a)[:, None] * stride + i_h * D + o_d[None, :])
     b_qb = tl.load(q + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_d[None, :])
     m_a = tl.full([HALF], float("-inf"), dtype=tl.float32)
@@ -176,6 +169,18 @@ def _split_fwd_kernel(
 def _variant_desc(x, S, stride, ROWS: tl.constexpr, D: tl.constexpr):
     """Tensor descriptor of [ROWS, D] tiles over x read as 2-D (B * S, H * D)."""
     return tl.make_tensor_descriptor(x, [S * tl.num_programs(2), stride], [stride, 1], [ROWS, D])
+
+
+@triton.jit
+def _variant_kv(k, v, S, stride, BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """K and V as the loops read them: descriptors of [BLOCK_N, D] tiles where TMA, else the
+    pointers."""
+    desc_k = k
+    desc_v = v
+    if TMA:
+        desc_k = _variant_desc(k, S, stride, BLOCK_N, D)
+        desc_v = _variant_desc(v, S, stride, BLOCK_N, D)
+    return desc_k, desc_v
 
 
 @triton.jit
