@@ -66,17 +66,22 @@ _FP32_TILES = {"fwd": Tiles(64, 32, 4, 1), "dkdv": Tiles(32, 32, 4, 1),
                "dkdv_atomic": Tiles(32, 32, 4, 1), "dq": Tiles(32, 32, 4, 1)}
 
 
+def _two_query_tiles(head_dim: int) -> bool:
+    """Head dims whose forward takes two query tiles per program (Tiles.split_m) on Hopper:
+    +14% on an H200 at D=128 (docs/performance-notes.md, entry 22); slower at D=64, and the
+    registers do not hold two tiles above 128."""
+    return 64 < head_dim <= 128
+
+
 def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
     """Tiles of 16-bit inputs per kernel and head dim, the fastest of benchmarks/tune.py's
     sweep on an H200 (docs/performance.md). GPUs before Hopper have less shared memory:
     smaller tiles at head dims above 128 there."""
     if kind == "fwd":
-        if head_dim <= 64:
-            return Tiles(128, 64, 8, 3)
+        if hopper and _two_query_tiles(head_dim):
+            return Tiles(256, 64, 8, 3, split_m=True)
         if head_dim <= 128:
-            # two query tiles of 128 rows per program on Hopper: +14% on an H200 at D=128
-            # (docs/performance-notes.md, entry 22); slower at D=64
-            return Tiles(256, 64, 8, 3, split_m=True) if hopper else Tiles(128, 64, 8, 3)
+            return Tiles(128, 64, 8, 3)
         return Tiles(128, 64, 8, 2) if hopper else Tiles(64, 32, 4, 2)
     if kind == "dkdv_atomic":
         if head_dim <= 128:
@@ -108,8 +113,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
               mask_grad: bool = False) -> Tiles:
     if INTERPRETING:
         t = _INTERPRETER_TILES[kind]
-        if kind == "fwd" and 64 < head_dim <= 128:
-            # two query tiles per program where Hopper GPUs take them (below)
+        if kind == "fwd" and _two_query_tiles(head_dim):  # as on Hopper GPUs
             t = replace(t, split_m=True)
         return t
     if dtype == torch.float32:
