@@ -475,6 +475,21 @@ def _ensure_triton_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
+def _folds_scale(qk_scale: float, flags: dict, t: Tiles, head_dim: int) -> bool:
+    """Whether the forward folds ``qk_scale`` into its exponent (FOLD_SCALE, see
+    flashop/kernels/forward.py's _fwd_fold): the scale is positive, so that the row max of
+    the unscaled scores scales to the scaled scores' max, and no modifier adds to the scores
+    between the product and the softmax (softcap, ALiBi, gate, a float attn_mask).
+
+    Only where it measured faster on an H200 (docs/performance-notes.md, entry 24): at head
+    dims up to 128, and not with two query tiles under a causal-like bound (that kernel ran
+    4-9% slower with it, even folding only its unmasked tiles; D=256 0.7-2.7% slower). ``t``:
+    the table's tiles (the autotuner's choice may differ, which changes speed, not results)."""
+    return (qk_scale > 0 and head_dim <= 128
+            and not (flags["HAS_SOFTCAP"] or flags["HAS_ALIBI"] or flags["HAS_GATE"]
+                     or flags["MASK_KIND"] == 1 or (t.split_m and flags["HAS_RIGHT"])))
+
+
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None):
     """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
@@ -504,7 +519,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         *lse_strides,
         S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
-        IS_VARLEN=packing is not None, TMA=tma, **_kernel_args(q),
+        FOLD_SCALE=_folds_scale(mod_scalars[0], flags, t, max(D, DV)), IS_VARLEN=packing is not None,
+        TMA=tma, **_kernel_args(q),
     )
     return out, lse, lse_log2
 

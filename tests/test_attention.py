@@ -131,6 +131,32 @@ def test_long_causal_with_the_tables_split_tiles(case):
     check_case(case)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_positive_scales(scale, causal):
+    """A scale <= 0 (the forward folds only a positive one into its exponent: the row max of
+    unscaled scores is the scaled scores' max only then), with a window's masked tiles and
+    rows past the tiles; 0 gives each row a uniform average of its keys."""
+    flags, t = flashop.launch._PLAIN_FLAGS[causal], flashop.launch.Tiles(32, 16)
+    assert flashop.launch._folds_scale(0.3, flags, t, 96)
+    assert not flashop.launch._folds_scale(scale, flags, t, 96)
+    check_case(Case(B=1, S_q=45, S_k=70, H_kv=1, G=2, D=96, DV=96, dtype=torch.float16,
+                    causal=causal, scale=scale, window_size=(30, -1)))
+
+
+def test_where_the_forward_folds_the_scale():
+    flags, t = dict(flashop.launch._PLAIN_FLAGS[False]), flashop.launch.Tiles(32, 16)
+    split = flashop.launch.Tiles(32, 16, split_m=True)
+    folds = flashop.launch._folds_scale
+    assert folds(0.1, {**flags, "MASK_KIND": 2, "HAS_LEFT": True}, t, 64)
+    for modifier in (dict(HAS_SOFTCAP=True), dict(HAS_ALIBI=True), dict(HAS_GATE=True),
+                     dict(MASK_KIND=1)):
+        assert not folds(0.1, {**flags, **modifier}, t, 64)
+    assert folds(0.1, flags, split, 128) and folds(0.1, {**flags, "HAS_RIGHT": True}, t, 128)
+    assert not folds(0.1, {**flags, "HAS_RIGHT": True}, split, 128)
+    assert not folds(0.1, flags, t, 129)
+
+
 @pytest.mark.parametrize("D", [192, 256])
 def test_large_head_dims(D):
     check_case(Case(B=1, S_q=20, S_k=37, H_kv=1, G=2, D=D, DV=D, dtype=torch.float16,

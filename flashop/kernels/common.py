@@ -52,6 +52,24 @@ def tanh(x):
 
 
 @triton.jit
+def heaviest_tiles_first():
+    """This program's (query tile, head, batch) on a grid (query tiles, heads, batch) whose
+    programs take the query tiles of every (head, batch) heaviest first under a causal-like
+    bound, in launch order: the last query tile of all heads and batches, then the one
+    before.
+
+    Where few programs fit an SM, the grid's last programs otherwise run alone at the end.
+    It paid in the forward with two query tiles per program, not elsewhere (the one-tile
+    forward, the dQ and dK/dV kernels: docs/performance-notes.md, entries 22 and 24)."""
+    n_t = tl.num_programs(0)
+    n_h = tl.num_programs(1)
+    n_hb = n_h * tl.num_programs(2)
+    pid = tl.program_id(0) + n_t * (tl.program_id(1) + n_h * tl.program_id(2))
+    i_t = n_t - 1 - pid // n_hb
+    return i_t, (pid % n_hb % n_h).to(tl.int64), (pid % n_hb // n_h).to(tl.int64)
+
+
+@triton.jit
 def key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys that the query tile [start_m, start_m + BLOCK_M) attends: ``(lo, u_lo, u_hi, hi)``.

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, key_tile_range, load_tile,
+    LN2, LOG2E, attention_scores, dot_operand, heaviest_tiles_first, key_tile_range,
+    load_tile,
 )
 
 
@@ -19,11 +20,14 @@ def _fwd_scores(
     b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k, qk_scale,
     softcap2, alibi2, left, right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2."""
-    b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
+    """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
+    ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (_fwd_fold does it)."""
+    b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
+    if not FOLD_SCALE:
+        b_s = b_s * qk_scale
     b_s, _ = attention_scores(
         b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
         softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
@@ -32,18 +36,27 @@ def _fwd_scores(
 
 
 @triton.jit
-def _fwd_fold(acc, l_i, m_i, b_s, b_v, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
+              FOLD_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores and its value tile into the running (acc, l_i, m_i): the
-    online softmax. ``MASKED``: some scores may be -inf."""
+    online softmax. ``MASKED``: some scores may be -inf. Where ``FOLD_SCALE`` (a positive
+    ``qk_scale`` and no additive modifier), ``b_s`` is not yet scaled: the row max is
+    scaled once per row (the same value, rounding being monotonic) and the scale goes into
+    the exponent's argument, one FMA per score instead of a multiply and a subtraction."""
     # [rows]
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
     if MASKED:
         # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    b_p = tl.math.exp2(b_s - m_sub[:, None])
+    if FOLD_SCALE:
+        b_p = tl.math.exp2(b_s * qk_scale - m_sub[:, None])
+    else:
+        b_p = tl.math.exp2(b_s - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     # [rows, BLOCK_DV]
@@ -60,7 +73,7 @@ def _fwd_key_tiles(
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
-    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
@@ -95,22 +108,23 @@ def _fwd_key_tiles(
         b_s = _fwd_scores(
             b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
             qk_scale, softcap2, alibi2, left, right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
+            HAS_ALIBI, HAS_GATE, MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
         if SPLIT_M:
             b_s2 = _fwd_scores(
                 b_q2, b_kt, b_gk, o_m2, m_m2, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
                 qk_scale, softcap2, alibi2, left, right, MASK, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, UPCAST, DOT_PRECISION)
+                HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
         if TMA:
             b_v = v.load([start_n, 0])
         else:
             b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
                             o_dv[None, :] < DV, MASK, BLOCK_DV != DV)
-        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, MASK or MASK_KIND != 0, UPCAST,
-                                  DOT_PRECISION)
+        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASK or MASK_KIND != 0,
+                                  FOLD_SCALE, UPCAST, DOT_PRECISION)
         if SPLIT_M:
-            acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, MASK or MASK_KIND != 0,
-                                         UPCAST, DOT_PRECISION)
+            acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
+                                         MASK or MASK_KIND != 0, FOLD_SCALE, UPCAST,
+                                         DOT_PRECISION)
     return acc, l_i, m_i, acc2, l_i2, m_i2
 
 
@@ -151,8 +165,8 @@ def attention_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr,
-    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
@@ -169,6 +183,8 @@ def attention_fwd_kernel(
     not read: it is the autotuner's key for the lengths (flashop/launch.py).
     Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles).
+    Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
+    (see _fwd_fold); the launcher sets it for a positive scale without additive modifiers.
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
     descriptors' alignment (16-byte base and row strides).
@@ -177,17 +193,10 @@ def attention_fwd_kernel(
     softcap2 = tl.cast(softcap2, tl.float32)
     if HAS_RIGHT and SPLIT_M:
         # causal-like: later query tiles attend more keys. With two query tiles per program
-        # (one program per SM at D=128), the grid's last programs ran alone: here programs
-        # take the query tiles of every (head, batch) heaviest first, in launch order, so
-        # that short ones come last (+8-11% at N=16k on an H200; with one query tile this
-        # order was slower, docs/performance-notes.md entry 22)
-        n_m = tl.num_programs(0)
-        n_h = tl.num_programs(1)
-        n_hb = n_h * tl.num_programs(2)
-        pid = tl.program_id(0) + n_m * (tl.program_id(1) + n_h * tl.program_id(2))
-        i_m = n_m - 1 - pid // n_hb
-        i_h = (pid % n_hb % n_h).to(tl.int64)
-        i_b = (pid % n_hb // n_h).to(tl.int64)
+        # (one program per SM at D=128), the grid's last programs ran alone: heaviest
+        # first (+8-11% at N=16k on an H200; with one query tile this order was slower,
+        # docs/performance-notes.md entry 22)
+        i_m, i_h, i_b = heaviest_tiles_first()
     else:
         i_m = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
@@ -275,7 +284,7 @@ def attention_fwd_kernel(
                 stride_vs, stride_gs, stride_mq, stride_mk, o_m, m_m, o_m2, m_m2, start_n, end_n,
                 S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-                MASK_KIND, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
+                MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
 
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE)
