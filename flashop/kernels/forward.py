@@ -184,7 +184,8 @@ def attention_fwd_kernel(
     Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles).
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
-    (see _fwd_fold); the launcher sets it for a positive scale without additive modifiers.
+    (see _fwd_fold; the launcher's rule is launch._folds_scale: a positive scale, no
+    additive modifier, where it measured faster).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
     descriptors' alignment (16-byte base and row strides).
