@@ -508,7 +508,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     H_kv, DV = k.shape[-2], v.shape[-1]
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
-    t = forward_tiles(max(D, DV), q.dtype, q.device, flags, S_k)
+    head_dim = max(D, DV)
+    t = forward_tiles(head_dim, q.dtype, q.device, flags, S_k)
     tma = _uses_tma(q, k, v)
     if tma and not INTERPRETING:
         _ensure_triton_allocator()
@@ -519,8 +520,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         *lse_strides,
         S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
         D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
-        FOLD_SCALE=_folds_scale(mod_scalars[0], flags, t, max(D, DV)), IS_VARLEN=packing is not None,
-        TMA=tma, **_kernel_args(q),
+        FOLD_SCALE=_folds_scale(mod_scalars[0], flags, t, head_dim),
+        IS_VARLEN=packing is not None, TMA=tma, **_kernel_args(q),
     )
     return out, lse, lse_log2
 
