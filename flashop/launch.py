@@ -73,10 +73,12 @@ def _two_query_tiles(head_dim: int) -> bool:
     return 64 < head_dim <= 128
 
 
-def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
+def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False) -> Tiles:
     """Tiles of 16-bit inputs per kernel and head dim, the fastest of benchmarks/tune.py's
     sweep on an H200 (docs/performance.md). GPUs before Hopper have less shared memory:
-    smaller tiles at head dims above 128 there."""
+    smaller tiles at head dims above 128 there. ``causal``: the backward under a causal-like
+    bound, whose programs are short and unequal; at D <= 64 smaller tiles with three stages
+    measured 10-21% faster there (docs/performance-notes.md, entry 29)."""
     if kind == "fwd":
         if hopper and _two_query_tiles(head_dim):
             return Tiles(256, 64, 8, 3, split_m=True)
@@ -91,11 +93,13 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool) -> Tiles:
         return Tiles(64, 64, 8, 1) if hopper else Tiles(32, 64, 8, 1)
     if kind == "dkdv":
         if head_dim <= 64:
-            return Tiles(32, 128, 4, 3)
+            return Tiles(32, 64, 4, 3) if causal else Tiles(32, 128, 4, 3)
         if head_dim <= 128:
-            return Tiles(64, 64, 4, 2)
+            return Tiles(64, 128, 8, 3) if hopper else Tiles(64, 64, 4, 2)
         return Tiles(64, 64, 8, 2) if hopper else Tiles(32, 64, 8, 1)
     # dq
+    if head_dim <= 64 and causal:
+        return Tiles(64, 64, 4, 3)
     if head_dim <= 128:
         return Tiles(128, 64, 8, 3)
     # three stages take 160 KiB of shared memory at D=256
@@ -110,7 +114,7 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
-              mask_grad: bool = False) -> Tiles:
+              mask_grad: bool = False, causal: bool = False) -> Tiles:
     if INTERPRETING:
         t = _INTERPRETER_TILES[kind]
         if kind == "fwd" and _two_query_tiles(head_dim):  # as on Hopper GPUs
@@ -118,7 +122,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         return t
     if dtype == torch.float32:
         return _FP32_TILES[kind]
-    t = _gpu_tiles(kind, head_dim, _is_hopper(device))
+    t = _gpu_tiles(kind, head_dim, _is_hopper(device), causal)
     if mask_grad and t.BLOCK_M > 64:
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
@@ -641,7 +645,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(
             attention_bwd_dq_kernel, "dq",
-            tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad),
+            tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad,
+                      causal=flags["HAS_RIGHT"]),
             lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
             q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS, out, dlse,
             *strides, *_seq_strides(dq, packing), *lse_strides, *o_strides, *dlse_strides,
@@ -650,7 +655,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         )
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
-        attention_bwd_dkdv_kernel, kind, tiles_for(kind, max(D, DV), q.dtype, q.device),
+        attention_bwd_dkdv_kernel, kind,
+        tiles_for(kind, max(D, DV), q.dtype, q.device, causal=flags["HAS_RIGHT"]),
         lambda bm, bn: (triton.cdiv(S_k, bn), H_kv, B),
         q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,

@@ -35,10 +35,11 @@ def test_shared_memory_counts_the_staged_fp32_dq_tile_of_the_atomic_backward():
     assert launch.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) > H200_SHARED_MEMORY
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
 @pytest.mark.parametrize("block", [64, 128, 256])
-def test_the_tables_tiles_fit_a_hopper_gpu(kind, block):
-    t = launch._gpu_tiles(kind, block, hopper=True)
+def test_the_tables_tiles_fit_a_hopper_gpu(kind, block, causal):
+    t = launch._gpu_tiles(kind, block, hopper=True, causal=causal)
     assert launch.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY, t
 
 
@@ -169,3 +170,29 @@ def test_the_forward_splits_its_query_tile_only_where_it_measured_faster():
                                 ShapeEnv().create_unbacked_symint()).split_m
     assert launch.tiles_for("dq", 128, torch.float16, cpu).constexprs("dq") == \
         dict(BLOCK_M=32, BLOCK_N=16)
+
+
+def test_the_backward_takes_its_tiles_for_the_causal_bound(monkeypatch):
+    """Under a causal-like bound the dK/dV and dQ kernels take the table's causal tiles
+    (smaller at D <= 64 on Hopper: docs/performance-notes.md, entry 29); without one, the
+    others."""
+    assert launch._gpu_tiles("dkdv", 64, hopper=True, causal=True) == Tiles(32, 64, 4, 3)
+    assert launch._gpu_tiles("dq", 64, hopper=True, causal=True) == Tiles(64, 64, 4, 3)
+    assert launch._gpu_tiles("dkdv", 64, hopper=True) == Tiles(32, 128, 4, 3)
+    assert launch._gpu_tiles("dq", 64, hopper=True) == Tiles(128, 64, 8, 3)
+    asked = []
+    tiles_for = launch.tiles_for
+
+    def recording(kind, *args, **kwargs):
+        asked.append((kind, kwargs.get("causal", False)))
+        return tiles_for(kind, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "tiles_for", recording)
+    for causal, window, bounded in ((True, (-1, -1), True), (False, (-1, 3), True),
+                                    (False, (3, -1), False), (False, (-1, -1), False)):
+        asked.clear()
+        case = Case(1, 40, 40, 1, 2, 16, 16, torch.float32, causal, window_size=window)
+        (q, k, v), dout, _ = make_inputs(case)
+        out = flashop.attention(q, k, v, causal=causal, window_size=window)
+        out.backward(dout)
+        assert sorted(asked) == [("dkdv", bounded), ("dq", bounded), ("fwd", False)], asked
