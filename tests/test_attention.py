@@ -99,6 +99,11 @@ SPLIT_CASES = [
          mask=torch.float32, mask_shape=(2, 1, 40, 33), mask_grad=True),
     Case(B=1, S_q=33, S_k=48, H_kv=1, G=2, D=96, DV=96, dtype=torch.float16, layout="padded",
          mask=torch.bool, mask_shape=(1, 1, 33, 48)),
+    # a right bound alone (the second tile's last key tiles, which the first tile's rows do
+    # not reach, are run for the second tile alone), more keys than queries and fewer
+    Case(B=2, S_q=37, S_k=90, H_kv=1, G=2, D=32, DV=32, dtype=torch.float16, causal=True),
+    Case(B=1, S_q=70, S_k=45, H_kv=1, G=1, D=48, DV=48, dtype=torch.bfloat16,
+         window_size=(-1, 5), alibi=(1,)),
 ]
 
 

@@ -182,7 +182,8 @@ def attention_fwd_kernel(
     head) strides) and ``mask`` are read only where their flag is set. ``seq_bucket`` is
     not read: it is the autotuner's key for the lengths (flashop/launch.py).
     Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
-    softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles).
+    softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
+    right bound, the key tiles past the first tile's last key run for the second alone.
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
     (see _fwd_fold; the launcher's rule is launch._folds_scale: a positive scale, no
     additive modifier, where it measured faster).
@@ -271,7 +272,13 @@ def attention_fwd_kernel(
     # the key tiles of all BLOCK_M rows
     lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
                                         BLOCK_M, BLOCK_N)
-    # [lo, u_lo) masked (a window's left bound), [u_lo, u_hi) unmasked, [u_hi, hi) masked
+    # [lo, u_lo) masked (a window's left bound), [u_lo, u_hi) unmasked, [u_hi, hi) masked;
+    # with two query tiles under a right bound, the first tile's keys end before the
+    # second's: [u_hi, mid) for both tiles, [mid, hi) for the second alone
+    mid = hi
+    if SPLIT_M and HAS_RIGHT:
+        hi_a = tl.minimum(S_k, tl.maximum(start_m + TILE_M + (S_k - S_q) + right, 0))
+        mid = tl.minimum(tl.maximum(tl.cdiv(hi_a, BLOCK_N) * BLOCK_N, u_hi), hi)
     for part in tl.static_range(3):
         if part != 0 or HAS_LEFT:
             if part == 0:
@@ -279,13 +286,22 @@ def attention_fwd_kernel(
             elif part == 1:
                 start_n, end_n = u_lo, u_hi
             else:
-                start_n, end_n = u_hi, hi
+                start_n, end_n = u_hi, mid
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
                 acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks,
                 stride_vs, stride_gs, stride_mq, stride_mk, o_m, m_m, o_m2, m_m2, start_n, end_n,
                 S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
                 MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
+    if SPLIT_M and HAS_RIGHT:
+        # the second tile alone (its state passed as the first tile's; the placeholders
+        # come back unchanged)
+        acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
+            acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, k, v, g, mask, stride_ks,
+            stride_vs, stride_gs, stride_mq, stride_mk, o_m2, m_m2, o_m2, m_m2, mid, hi,
+            S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+            MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION)
 
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE)
