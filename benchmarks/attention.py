@@ -24,8 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 TOKENS = 16384
 HIDDEN = 2048
-PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "flashop-tma", "sdpa-flash",
-             "sdpa-cudnn", "sdpa-mem", "flex"]
+PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "flashop-tma", "flashop-no-tma",
+             "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -65,11 +65,12 @@ def provider_flashop_atomic(N, causal):
     return fn, layout
 
 
-def provider_flashop_tma(N, causal):
-    """flashop with its forward's key and value tiles through tensor descriptors
-    (FLASHOP_TMA=1)."""
+def provider_flashop_tma(N, causal, on=True):
+    """flashop with its forward's key and value tiles through tensor descriptors at every
+    head dim (FLASHOP_TMA=1), or with ``on=False`` at none (FLASHOP_TMA=0; by default they
+    are taken above head dim 128 on Hopper)."""
     fn, layout = provider_flashop(N, causal)
-    fn.launch_options = {"TMA": True}
+    fn.launch_options = {"TMA": on}
     return fn, layout
 
 
@@ -119,6 +120,8 @@ def make_provider(name, N, causal):
         return provider_flashop_autotune(N, causal)
     if name == "flashop-tma":
         return provider_flashop_tma(N, causal)
+    if name == "flashop-no-tma":
+        return provider_flashop_tma(N, causal, on=False)
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":

@@ -442,11 +442,14 @@ def _row_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
     return (0, x.stride(0)) if packing is not None else (x.stride(0), x.stride(1))
 
 
-# Tensor descriptors (Hopper's copy engine, TMA) for the forward's key and value tiles,
-# opt-in: FLASHOP_TMA=1, read at import (and at tracing time under torch.compile). The
-# stripped forward gained 8-14% with them on an H200, flashop's forward did not (-5% to +2%
-# at D=256, slower at D=128: docs/performance-notes.md, entries 3 and 21).
-TMA = os.environ.get("FLASHOP_TMA", "0") == "1"
+# Tensor descriptors (Hopper's copy engine, TMA) for the forward's key and value tiles: by
+# default at head dims above 128 over at least TMA_MIN_KEYS keys on Hopper (D=256 on an H200:
+# 2-10% faster from 4096 keys, 7-22% slower at 512-2048 where each program's descriptors cost
+# more than they save; at D <= 128 1-4% slower: docs/performance-notes.md, entries 21 and 32).
+# FLASHOP_TMA=1 takes them everywhere, FLASHOP_TMA=0 nowhere; read at import (and at tracing
+# time under torch.compile). None: the default rule (_tma_by_default).
+TMA: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("FLASHOP_TMA", ""))
+TMA_MIN_KEYS = 4096
 
 
 def _tma_aligned(x: torch.Tensor) -> bool:
@@ -460,10 +463,22 @@ def _tma_aligned(x: torch.Tensor) -> bool:
         return x.storage_offset() * size % 16 == 0
 
 
-def _uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _tma_by_default(head_dim: int, S_k, device: torch.device) -> bool:
+    """The descriptors' default rule (TMA unset): head dims above 128 and at least
+    TMA_MIN_KEYS keys (the longest sequence's where packed) on a Hopper GPU. Where S_k is
+    symbolic (torch.compile with dynamic shapes) the rule takes it as long: no guard on it."""
+    long_enough = not isinstance(S_k, int) or S_k >= TMA_MIN_KEYS
+    return head_dim > 128 and long_enough and device.type == "cuda" and _is_hopper(device)
+
+
+def _uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, S_k) -> bool:
     """Whether the forward reads k and v through tensor descriptors (see TMA): 16-bit inputs
-    that meet their alignment."""
-    return TMA and q.dtype != torch.float32 and _tma_aligned(k) and _tma_aligned(v)
+    that meet their alignment, where TMA (or its default rule) selects them."""
+    if q.dtype == torch.float32 or TMA is False:
+        return False
+    if TMA is None and not _tma_by_default(head_dim, S_k, q.device):
+        return False
+    return _tma_aligned(k) and _tma_aligned(v)
 
 
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -514,7 +529,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     head_dim = max(D, DV)
     t = forward_tiles(head_dim, q.dtype, q.device, flags, S_k)
-    tma = _uses_tma(q, k, v)
+    tma = _uses_tma(q, k, v, head_dim, S_k)
     if tma and not INTERPRETING:
         _ensure_triton_allocator()
     _launch(

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from hypothesis import given, strategies as st
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
 from helpers import (
@@ -70,20 +71,39 @@ def test_forward_through_tensor_descriptors(case, monkeypatch):
     S_k and columns past D read as 0, GQA, a head-major layout, modifiers."""
     monkeypatch.setattr(flashop.launch, "TMA", True)
     q, k, v = make_inputs(case)[0]
-    assert flashop.launch._uses_tma(q, k, v)  # the inputs meet the alignment
+    assert flashop.launch._uses_tma(q, k, v, max(case.D, case.DV), case.S_k)  # aligned inputs
     check_case(case)
 
 
 def test_tensor_descriptors_need_aligned_rows(monkeypatch):
     monkeypatch.setattr(flashop.launch, "TMA", True)
+    uses = flashop.launch._uses_tma
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     k = torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16)[..., :12]  # 40-byte rows
-    assert flashop.launch._uses_tma(q, q, q)
-    assert not flashop.launch._uses_tma(q, k, q)
-    assert not flashop.launch._uses_tma(q, q[..., 4:], q)  # an 8-byte offset start
-    assert not flashop.launch._uses_tma(q.float(), q.float(), q.float())
+    assert uses(q, q, q, 16, 8)
+    assert not uses(q, k, q, 16, 8)
+    assert not uses(q, q[..., 4:], q, 16, 8)  # an 8-byte offset start
+    assert not uses(q.float(), q.float(), q.float(), 16, 8)
     monkeypatch.setattr(flashop.launch, "TMA", False)
-    assert not flashop.launch._uses_tma(q, q, q)
+    assert not uses(q, q, q, 256, 8192)
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monkeypatch):
+    """FLASHOP_TMA unset: descriptors at head dims above 128 over at least TMA_MIN_KEYS keys
+    (or a symbolic length) on Hopper GPUs only, where they measured faster; never on a CPU."""
+    monkeypatch.setattr(flashop.launch, "TMA", None)
+    monkeypatch.setattr(flashop.launch, "_is_hopper", lambda device: hopper)
+    by_default = flashop.launch._tma_by_default
+    cuda, n = torch.device("cuda", 0), flashop.launch.TMA_MIN_KEYS
+    assert [by_default(d, n, cuda) for d in (64, 128, 129, 256)] == [False, False, hopper, hopper]
+    assert not by_default(256, n - 1, cuda)
+    symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
+    assert by_default(256, symbolic, cuda) == hopper
+    assert not by_default(256, n, torch.device("cpu"))
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
+    assert flashop.launch._uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
+    assert not flashop.launch._uses_tma(q, q, q, 128, n)
 
 
 SPLIT_CASES = [
