@@ -14,6 +14,9 @@ with compile-time switches, timed side by side with flashop's forward in one pro
   key tiles, in the order S_A, S_B, softmax A, P_A V, softmax B, P_B V: Triton waits for a
   scores matmul right after issuing it but lets the accumulating P V matmul run on until
   the end of the iteration, so P_A V can run while the softmax of B does;
+- ``ROT``: as SPLIT, with B's P V product a key tile behind (S_A(j), P_B(j-1) V(j-1),
+  softmax A(j), S_B(j), P_A(j) V(j), softmax B(j)), so that an accumulating product is in
+  flight under each softmax (docs/performance-notes.md, entry 33);
 - ablations, which compute wrong results on purpose and only time what remains:
   ``NO_EXP`` (p = s, no exp2), ``NO_RESCALE`` (the accumulator is not rescaled),
   ``NO_SOFTMAX`` (no max, no exp2, no row sums: the two matmuls and the loads alone).
@@ -126,12 +129,9 @@ def _variant_fwd_kernel(
 
 
 @triton.jit
-def _split_fwd_kernel(
-    q, k, v, o, S, H, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    """The stripped forward with two query tiles of BLOCK_M / 2 rows per program (SPLIT)."""
+def _two_query_tiles(q, S, H, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's head, row offset, first tile's rows and its two query tiles of
+    BLOCK_M / 2 rows (SPLIT, ROT); the tensors are read as 2-D (B * S, H * D)."""
     HALF: tl.constexpr = BLOCK_M // 2
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -139,11 +139,25 @@ def _split_fwd_kernel(
     row0 = i_b * S
     o_a = i_m * BLOCK_M + tl.arange(0, HALF)
     o_d = tl.arange(0, D)
+    stride = H * D
+    b_qa = tl.load(q + (row0 + o_a)[:, None] * stride + i_h * D + o_d[None, :])
+    b_qb = tl.load(q + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_d[None, :])
+    return i_h, row0, o_a, b_qa, b_qb
+
+
+@triton.jit
+def _split_fwd_kernel(
+    q, k, v, o, S, H, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The stripped forward with two query tiles of BLOCK_M / 2 rows per program (SPLIT)."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    i_h, row0, o_a, b_qa, b_qb = _two_query_tiles(q, S, H, D, BLOCK_M)
+    o_d = tl.arange(0, D)
     o_n0 = tl.arange(0, BLOCK_N)
     stride = H * D
     desc_k, desc_v = _variant_kv(k, v, S, stride, BLOCK_N, D, TMA)
-    b_qa = tl.load(q + (row0 + o_a)[:, None] * stride + i_h * D + o_d[None, :])
-    b_qb = tl.load(q + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_d[None, :])
     m_a = tl.full([HALF], float("-inf"), dtype=tl.float32)
     m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
     l_a = tl.zeros([HALF], dtype=tl.float32)
@@ -163,6 +177,81 @@ def _split_fwd_kernel(
              (acc_a / l_a[:, None]).to(o.dtype.element_ty))
     tl.store(o + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_d[None, :],
              (acc_b / l_b[:, None]).to(o.dtype.element_ty))
+
+
+@triton.jit
+def _softmax_p(l_i, m_i, b_s, qk_scale, FMA: tl.constexpr):
+    """The softmax of one tile of scores without its P V product: (P, alpha, l, m)."""
+    if FMA:
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
+    else:
+        b_s = b_s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        b_p = tl.math.exp2(b_s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return b_p, alpha, l_i * alpha + tl.sum(b_p, 1), m_new
+
+
+@triton.jit
+def _rot_fwd_kernel(
+    q, k, v, o, S, H, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The stripped forward with two query tiles (as SPLIT), B's P V product a key tile
+    behind (ROT): iteration j runs S_A(j), P_B(j-1) V(j-1), softmax A(j), S_B(j),
+    P_A(j) V(j), softmax B(j), so that each softmax runs while an accumulating P V product
+    is in flight. B's accumulator is kept as two halves of D/2 columns, whose layout is
+    the scores' (with one [rows, D] accumulator Triton converts it at the top of the loop,
+    which makes its product wait where issued)."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    DH: tl.constexpr = D // 2
+    i_h, row0, o_a, b_qa, b_qb = _two_query_tiles(q, S, H, D, BLOCK_M)
+    o_d = tl.arange(0, D)
+    o_dh = tl.arange(0, DH)
+    o_n0 = tl.arange(0, BLOCK_N)
+    stride = H * D
+    desc_k, desc_v = _variant_kv(k, v, S, stride, BLOCK_N, D, TMA)
+    p_v = v + i_h * D + o_dh[None, :]
+    l_a = tl.zeros([HALF], dtype=tl.float32)
+    acc_a = tl.zeros([HALF, D], dtype=tl.float32)
+    acc_b0 = tl.zeros([HALF, DH], dtype=tl.float32)
+    acc_b1 = tl.zeros([HALF, DH], dtype=tl.float32)
+    # key tile 0: both softmaxes, A's product; B's waits for the loop
+    b_kt = _variant_kt(k, desc_k, row0, 0, i_h, stride, o_d, o_n0, TMA)
+    b_sa = tl.dot(b_qa, b_kt)
+    b_sb = tl.dot(b_qb, b_kt)
+    m_a = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    b_pa, _, l_a, m_a = _softmax_p(l_a, m_a, b_sa, qk_scale, FMA)
+    b_v = _variant_v(v, desc_v, row0, 0, i_h, stride, o_d, o_n0, TMA)
+    acc_a = tl.dot(b_pa.to(b_v.dtype), b_v, acc_a)
+    m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    l_b = tl.zeros([HALF], dtype=tl.float32)
+    b_pb, alpha_b, l_b, m_b = _softmax_p(l_b, m_b, b_sb, qk_scale, FMA)
+    for start_n in range(BLOCK_N, S, BLOCK_N):
+        b_kt = _variant_kt(k, desc_k, row0, start_n, i_h, stride, o_d, o_n0, TMA)
+        b_sa = tl.dot(b_qa, b_kt)
+        o_vp = (row0 + start_n - BLOCK_N + o_n0)[:, None] * stride
+        # (P_B is carried in fp32: converted here, from the scores' layout, the product
+        # does not wait for its registers)
+        b_pbl = b_pb.to(v.dtype.element_ty)
+        acc_b0 = tl.dot(b_pbl, tl.load(p_v + o_vp), acc_b0 * alpha_b[:, None])
+        acc_b1 = tl.dot(b_pbl, tl.load(p_v + o_vp + DH), acc_b1 * alpha_b[:, None])
+        b_pa, alpha_a, l_a, m_a = _softmax_p(l_a, m_a, b_sa, qk_scale, FMA)
+        b_sb = tl.dot(b_qb, b_kt)
+        b_v = _variant_v(v, desc_v, row0, start_n, i_h, stride, o_d, o_n0, TMA)
+        acc_a = tl.dot(b_pa.to(b_v.dtype), b_v, acc_a * alpha_a[:, None])
+        b_pb, alpha_b, l_b, m_b = _softmax_p(l_b, m_b, b_sb, qk_scale, FMA)
+    o_vp = (row0 + S - BLOCK_N + o_n0)[:, None] * stride
+    b_pbl = b_pb.to(v.dtype.element_ty)
+    acc_b0 = tl.dot(b_pbl, tl.load(p_v + o_vp), acc_b0 * alpha_b[:, None])
+    acc_b1 = tl.dot(b_pbl, tl.load(p_v + o_vp + DH), acc_b1 * alpha_b[:, None])
+    tl.store(o + (row0 + o_a)[:, None] * stride + i_h * D + o_d[None, :],
+             (acc_a / l_a[:, None]).to(o.dtype.element_ty))
+    p_ob = o + (row0 + HALF + o_a)[:, None] * stride + i_h * D + o_dh[None, :]
+    tl.store(p_ob, (acc_b0 / l_b[:, None]).to(o.dtype.element_ty))
+    tl.store(p_ob + DH, (acc_b1 / l_b[:, None]).to(o.dtype.element_ty))
 
 
 @triton.jit
@@ -219,6 +308,8 @@ VARIANTS = {
     "split": dict(SPLIT=True),
     "fma+split": dict(FMA=True, SPLIT=True),
     "fma+tma+split": dict(FMA=True, TMA=True, SPLIT=True),
+    "rot": dict(ROT=True),
+    "fma+rot": dict(FMA=True, ROT=True),
     "no-exp": dict(FMA=True, NO_EXP=True),
     "no-rescale": dict(FMA=True, NO_RESCALE=True),
     "no-softmax": dict(NO_SOFTMAX=True),
@@ -243,8 +334,8 @@ def run_variant(q, k, v, name, tiles, scale):
                  NO_SOFTMAX=False)
     flags.update(VARIANTS[name])
     kernel = _variant_fwd_kernel
-    if flags.pop("SPLIT", False):
-        kernel = _split_fwd_kernel
+    if flags.pop("SPLIT", False) or flags.get("ROT"):
+        kernel = _rot_fwd_kernel if flags.pop("ROT", False) else _split_fwd_kernel
         flags = dict(FMA=flags["FMA"], TMA=flags["TMA"])
 
     def fn():
@@ -283,7 +374,7 @@ def main():
             tile_list = TILES if name in FULL_SWEEP else TILES[1::2]
             if D > 128:
                 tile_list = WIDE_TILES
-            if "split" in name:
+            if "split" in name or "rot" in name:
                 tile_list = SPLIT_TILES if D <= 128 else [(128, 32, 4, 2), (128, 32, 8, 2)]
             for tiles in tile_list:
                 row = dict(D=D, N=N, variant=name, tiles="x".join(map(str, tiles)))
