@@ -130,6 +130,12 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
     return t
 
 
+def _known_shorter(S_k, n: int) -> bool:
+    """Whether the key length ``S_k`` is known to be below ``n``: a symbolic length (under
+    torch.compile with dynamic shapes) counts as long, so that no guard is put on it."""
+    return isinstance(S_k, int) and S_k < n
+
+
 # Causal-like forwards with fewer keys take one query tile per program: split, their
 # programs were 2-11% slower at S_k = 512-2048 on an H200 (docs/performance-notes.md, 22)
 SPLIT_MIN_CAUSAL_KEYS = 4096
@@ -144,8 +150,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     - causal-like with fewer than SPLIT_MIN_CAUSAL_KEYS keys, where S_k is known (under
       torch.compile with dynamic shapes it is symbolic: no guard on it, two tiles)."""
     t = tiles_for("fwd", head_dim, dtype, device)
-    short_causal = (flags["HAS_RIGHT"] and isinstance(S_k, int)
-                    and S_k < SPLIT_MIN_CAUSAL_KEYS)
+    short_causal = flags["HAS_RIGHT"] and _known_shorter(S_k, SPLIT_MIN_CAUSAL_KEYS)
     if t.split_m and (flags["MASK_KIND"] != 0 or flags["HAS_LEFT"] or short_causal):
         t = replace(t, BLOCK_M=t.BLOCK_M // 2, split_m=False)
     return t
@@ -467,8 +472,8 @@ def _tma_by_default(head_dim: int, S_k, device: torch.device) -> bool:
     """The descriptors' default rule (TMA unset): head dims above 128 and at least
     TMA_MIN_KEYS keys (the longest sequence's where packed) on a Hopper GPU. Where S_k is
     symbolic (torch.compile with dynamic shapes) the rule takes it as long: no guard on it."""
-    long_enough = not isinstance(S_k, int) or S_k >= TMA_MIN_KEYS
-    return head_dim > 128 and long_enough and device.type == "cuda" and _is_hopper(device)
+    return (head_dim > 128 and not _known_shorter(S_k, TMA_MIN_KEYS) and device.type == "cuda"
+            and _is_hopper(device))
 
 
 def _uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, S_k) -> bool:

@@ -277,7 +277,9 @@ def attention_fwd_kernel(
     # second's: [u_hi, mid) for both tiles, [mid, hi) for the second alone
     mid = hi
     if SPLIT_M and HAS_RIGHT:
-        hi_a = tl.minimum(S_k, tl.maximum(start_m + TILE_M + (S_k - S_q) + right, 0))
+        # the first tile's last key: the key range's end for its TILE_M rows
+        _, _, _, hi_a = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
+                                       TILE_M, BLOCK_N)
         mid = tl.minimum(tl.maximum(tl.cdiv(hi_a, BLOCK_N) * BLOCK_N, u_hi), hi)
     for part in tl.static_range(3):
         if part != 0 or HAS_LEFT:
