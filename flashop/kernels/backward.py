@@ -235,10 +235,9 @@ def attention_bwd_dkdv_kernel(
             p_mask = mask + i_b * stride_mb + i_h * stride_mh
         # [BLOCK_N]
         b_dgk = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # [lo, u_lo) masked (causal bound), [u_lo, u_full) unmasked without row masks,
-        # [u_full, u_hi) unmasked, [u_hi, hi) masked (a window's left bound)
-        # the unmasked tiles wholly inside S_q load without row masks, the last (partial)
-        # one with them
+        # [lo, u_lo) masked (causal bound), [u_lo, u_full) unmasked without row masks (the
+        # tiles wholly inside S_q), [u_full, u_hi) unmasked with them (the last, partial
+        # one), [u_hi, hi) masked (a window's left bound)
         u_full = tl.maximum(u_lo, tl.minimum(u_hi, (S_q // BLOCK_M) * BLOCK_M))
         for part in tl.static_range(4):
             if (part != 0 or HAS_RIGHT) and (part != 3 or HAS_LEFT):
