@@ -73,13 +73,24 @@ def _two_query_tiles(head_dim: int) -> bool:
     return 64 < head_dim <= 128
 
 
-def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False) -> Tiles:
+# Below this many keys (where the length is known) programs are short: the table takes
+# smaller tiles under a causal-like bound there, and the forward one query tile per program
+SHORT_KEYS = 4096
+
+
+def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
+               short: bool = False) -> Tiles:
     """Tiles of 16-bit inputs per kernel and head dim, the fastest of benchmarks/tune.py's
     sweep on an H200 (docs/performance.md). GPUs before Hopper have less shared memory:
-    smaller tiles at head dims above 128 there. ``causal``: the backward under a causal-like
-    bound, whose programs are short and unequal; at D <= 64 smaller tiles with three stages
-    measured 10-21% faster there (docs/performance-notes.md, entry 29)."""
+    smaller tiles at head dims above 128 there. ``causal``: under a causal-like bound, whose
+    programs are short and unequal; at D <= 64 smaller backward tiles with three stages
+    measured 10-21% faster there (docs/performance-notes.md, entry 29). ``short``: fewer
+    than SHORT_KEYS keys; with a causal-like bound there, 64-row forward tiles with 4 warps
+    and smaller backward tiles measured 2-9% faster at N = 1k-2k (entry 36)."""
+    short_causal = causal and short
     if kind == "fwd":
+        if hopper and short_causal and head_dim <= 128:
+            return Tiles(64, 64, 4, 3)
         if hopper and _two_query_tiles(head_dim):
             return Tiles(256, 64, 8, 3, split_m=True)
         if head_dim <= 128:
@@ -93,13 +104,15 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False) -> 
         return Tiles(64, 64, 8, 1) if hopper else Tiles(32, 64, 8, 1)
     if kind == "dkdv":
         if head_dim <= 64:
-            return Tiles(32, 64, 4, 3) if causal else Tiles(32, 128, 4, 3)
+            return Tiles(32, 64, 4, 3) if causal or short else Tiles(32, 128, 4, 3)
         if head_dim <= 128:
-            return Tiles(64, 128, 8, 3) if hopper else Tiles(64, 64, 4, 2)
+            if not hopper:
+                return Tiles(64, 64, 4, 2)
+            return Tiles(32, 64, 4, 3) if short_causal else Tiles(64, 128, 8, 3)
         return Tiles(64, 64, 8, 2) if hopper else Tiles(32, 64, 8, 1)
     # dq
     if head_dim <= 64 and causal:
-        return Tiles(64, 64, 4, 3)
+        return Tiles(64, 32, 4, 3) if short else Tiles(64, 64, 4, 3)
     if head_dim <= 128:
         return Tiles(128, 64, 8, 3)
     # three stages take 160 KiB of shared memory at D=256
@@ -114,7 +127,8 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
-              mask_grad: bool = False, causal: bool = False) -> Tiles:
+              mask_grad: bool = False, causal: bool = False, short: bool = False) -> Tiles:
+    """The tiles of ``kind`` (see _gpu_tiles for ``causal`` and ``short``)."""
     if INTERPRETING:
         t = _INTERPRETER_TILES[kind]
         if kind == "fwd" and _two_query_tiles(head_dim):  # as on Hopper GPUs
@@ -122,7 +136,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         return t
     if dtype == torch.float32:
         return _FP32_TILES[kind]
-    t = _gpu_tiles(kind, head_dim, _is_hopper(device), causal)
+    t = _gpu_tiles(kind, head_dim, _is_hopper(device), causal, short)
     if mask_grad and t.BLOCK_M > 64:
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on an H200 (227 KiB there)
@@ -136,9 +150,9 @@ def _known_shorter(S_k, n: int) -> bool:
     return isinstance(S_k, int) and S_k < n
 
 
-# Causal-like forwards with fewer keys take one query tile per program: split, their
-# programs were 2-11% slower at S_k = 512-2048 on an H200 (docs/performance-notes.md, 22)
-SPLIT_MIN_CAUSAL_KEYS = 4096
+def _short(S_k) -> bool:
+    """Whether ``S_k`` keys count as short for the table (fewer than SHORT_KEYS, known)."""
+    return _known_shorter(S_k, SHORT_KEYS)
 
 
 def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags: dict,
@@ -147,10 +161,13 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     BLOCK_M / 2 rows instead of two where two measured slower or spill registers:
     - an attn_mask (its loads in both tiles spill 1.3 KB at D=128 with triton 3.6);
     - a window's left bound (short programs whose masked bands double: -10-12% at N=16k);
-    - causal-like with fewer than SPLIT_MIN_CAUSAL_KEYS keys, where S_k is known (under
-      torch.compile with dynamic shapes it is symbolic: no guard on it, two tiles)."""
-    t = tiles_for("fwd", head_dim, dtype, device)
-    short_causal = flags["HAS_RIGHT"] and _known_shorter(S_k, SPLIT_MIN_CAUSAL_KEYS)
+    - causal-like with fewer than SHORT_KEYS keys, where S_k is known (split, such programs
+      were 2-11% slower at S_k = 512-2048 on an H200, entry 22; under torch.compile with
+      dynamic shapes S_k is symbolic: no guard on it, two tiles). On Hopper the table's
+      short causal tiles are not split in the first place."""
+    short = _short(S_k)
+    t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short)
+    short_causal = flags["HAS_RIGHT"] and short
     if t.split_m and (flags["MASK_KIND"] != 0 or flags["HAS_LEFT"] or short_causal):
         t = replace(t, BLOCK_M=t.BLOCK_M // 2, split_m=False)
     return t
@@ -666,7 +683,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         _launch(
             attention_bwd_dq_kernel, "dq",
             tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad,
-                      causal=flags["HAS_RIGHT"]),
+                      causal=flags["HAS_RIGHT"], short=_short(S_k)),
             lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
             q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS, out, dlse,
             *strides, *_seq_strides(dq, packing), *lse_strides, *o_strides, *dlse_strides,
@@ -676,7 +693,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
         attention_bwd_dkdv_kernel, kind,
-        tiles_for(kind, max(D, DV), q.dtype, q.device, causal=flags["HAS_RIGHT"]),
+        tiles_for(kind, max(D, DV), q.dtype, q.device, causal=flags["HAS_RIGHT"],
+                  short=_short(S_k)),
         lambda bm, bn: (triton.cdiv(S_k, bn), H_kv, B),
         q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,

@@ -35,11 +35,12 @@ def test_shared_memory_counts_the_staged_fp32_dq_tile_of_the_atomic_backward():
     assert launch.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) > H200_SHARED_MEMORY
 
 
+@pytest.mark.parametrize("short", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
 @pytest.mark.parametrize("block", [64, 128, 256])
-def test_the_tables_tiles_fit_a_hopper_gpu(kind, block, causal):
-    t = launch._gpu_tiles(kind, block, hopper=True, causal=causal)
+def test_the_tables_tiles_fit_a_hopper_gpu(kind, block, causal, short):
+    t = launch._gpu_tiles(kind, block, hopper=True, causal=causal, short=short)
     assert launch.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY, t
 
 
@@ -184,7 +185,7 @@ def test_the_backward_takes_its_tiles_for_the_causal_bound(monkeypatch):
     tiles_for = launch.tiles_for
 
     def recording(kind, *args, **kwargs):
-        asked.append((kind, kwargs.get("causal", False)))
+        asked.append((kind, kwargs.get("causal", False), kwargs.get("short", False)))
         return tiles_for(kind, *args, **kwargs)
 
     monkeypatch.setattr(launch, "tiles_for", recording)
@@ -195,4 +196,27 @@ def test_the_backward_takes_its_tiles_for_the_causal_bound(monkeypatch):
         (q, k, v), dout, _ = make_inputs(case)
         out = flashop.attention(q, k, v, causal=causal, window_size=window)
         out.backward(dout)
-        assert sorted(asked) == [("dkdv", bounded), ("dq", bounded), ("fwd", False)], asked
+        assert sorted(asked) == [(kind, bounded, True) for kind in ("dkdv", "dq", "fwd")], asked
+
+
+def test_short_causal_calls_take_the_tables_short_tiles():
+    """Under a causal-like bound over fewer than SHORT_KEYS keys, the Hopper table takes
+    64-row forward tiles with 4 warps and smaller backward tiles (docs/performance-notes.md,
+    entry 36); from SHORT_KEYS keys on, or where the length is symbolic, the others."""
+    tiles = launch._gpu_tiles
+    for d in (64, 128):
+        assert tiles("fwd", d, hopper=True, causal=True, short=True) == Tiles(64, 64, 4, 3)
+    assert tiles("fwd", 128, hopper=True, short=True).split_m  # no bound: as long ones
+    assert tiles("fwd", 128, hopper=True, causal=True).split_m
+    assert tiles("fwd", 256, hopper=True, causal=True, short=True) == tiles("fwd", 256, True)
+    assert tiles("fwd", 128, hopper=False, causal=True, short=True) == \
+        tiles("fwd", 128, hopper=False)
+    assert tiles("dkdv", 128, hopper=True, causal=True, short=True) == Tiles(32, 64, 4, 3)
+    assert tiles("dkdv", 128, hopper=True, causal=True) == Tiles(64, 128, 8, 3)
+    assert tiles("dkdv", 128, hopper=True, short=True) == Tiles(64, 128, 8, 3)
+    assert tiles("dkdv", 64, hopper=True, short=True) == Tiles(32, 64, 4, 3)
+    assert tiles("dq", 64, hopper=True, causal=True, short=True) == Tiles(64, 32, 4, 3)
+    assert tiles("dq", 128, hopper=True, causal=True, short=True) == Tiles(128, 64, 8, 3)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    assert [launch._short(n) for n in (1, 4095, 4096)] == [True, True, False]
+    assert not launch._short(ShapeEnv().create_unbacked_symint())

@@ -124,7 +124,7 @@ SANITIZER_SCRIPT = """
 import sys, torch, flashop
 part = sys.argv[1]
 if part == "split":  # the split causal forward at any length (the table's from 4096 keys)
-    flashop.launch.SPLIT_MIN_CAUSAL_KEYS = 0
+    flashop.launch.SHORT_KEYS = 0
     part = "plain"
 B, S_q, S_k, H, H_kv, D, DV, causal = map(int, sys.argv[2:])
 for dtype in (torch.bfloat16, torch.float32):
