@@ -3,9 +3,9 @@
 The candidates are the autotuner's (``flashop.launch.TILE_CANDIDATES``, pruned to the GPU's
 shared memory).
 
-Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal, or --causal): the forward alone for
-forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's tiles at a
-time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ for
+Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal, or --causal): the forward
+alone for forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's
+tiles at a time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ for
 "dkdv_atomic"). The chosen tiles go into flashop/launch.py by hand; the full sweep is
 written to --out as CSV.
 
@@ -116,9 +116,9 @@ def main():
                     launch.tiles_for = default_tiles
                 tflops = mult * flops / ms * 1e-9
                 results.append((ms, t))
-                rows.append(dict(D=D, N=N, causal=args.causal, kind=kind, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
-                                 split_m=t.split_m, num_warps=t.num_warps,
-                                 num_stages=t.num_stages,
+                rows.append(dict(D=D, N=N, causal=args.causal, kind=kind, BLOCK_M=t.BLOCK_M,
+                                 BLOCK_N=t.BLOCK_N, split_m=t.split_m,
+                                 num_warps=t.num_warps, num_stages=t.num_stages,
                                  ms=round(ms, 4), tflops=round(tflops, 1)))
                 print(f"  D={D} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s", flush=True)
             if results:
