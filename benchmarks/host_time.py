@@ -59,7 +59,7 @@ def captured_forward_launch(flashop, q, k, v):
     finally:
         launch._launch = original
     kernel, t, grid = seen["kernel"], seen["t"], seen["grid"]
-    return lambda: kernel[grid](*seen["args"], 0, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
+    return lambda: kernel[grid](*seen["args"], 0, **t.constexprs("fwd"),
                                 num_warps=t.num_warps, num_stages=t.num_stages, **seen["meta"])
 
 
@@ -96,12 +96,15 @@ def layers(flashop, calls, peers=True):
     add("torch.ops.flashop.attention", lambda: torch.ops.flashop.attention(q, k, v, causal=True))
     add("torch.ops.flashop.attention, inputs requiring grad",
         lambda: torch.ops.flashop.attention(qg, kg, vg, causal=True))
-    add("flashop.attention, inputs requiring grad",
+    add("flashop.attention, inputs requiring grad (direct eager path)",
         lambda: flashop.attention(qg, kg, vg, causal=True))
     out = torch.ops.flashop.attention(qg, kg, vg, causal=True)
     do = torch.randn_like(out)
     add("backward: out.backward(do, retain_graph=True)",
         lambda: out.backward(do, retain_graph=True))
+    direct = flashop.attention(qg, kg, vg, causal=True)
+    add("backward of the direct eager path's output",
+        lambda: direct.backward(do, retain_graph=True))
     o, lse, lse2 = torch.ops.flashop.attention_forward(q, k, v, causal=True)
     add("backward op: torch.ops.flashop.attention_backward",
         lambda: torch.ops.flashop.attention_backward(do, torch.zeros_like(lse), q, k, v, o, lse2,

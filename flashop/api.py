@@ -4,15 +4,61 @@ Each function runs the body of the composite operator of its name (``torch.ops.f
 gets the same checks, messages and results): a call of the forward operator it wraps
 (``attention_forward``, ``attention_varlen_forward``). Eagerly that saves one pass through
 the dispatcher; traced, both give the same graph.
+
+``attention`` and ``attention_with_lse`` go one step further on plain tensors in eager mode
+(no torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform active;
+see ``_direct``): they run the forward operator's body directly in an autograd function
+whose backward is the ``attention_backward`` operator, skipping the dispatcher's layers and
+the registered operator's generated autograd function (about 40% of a forward call's host
+time on an H200 host: docs/performance-notes.md, entry 37). Results, checks and messages are
+the operator's; ``FLASHOP_DIRECT_EAGER=0`` (read at import) sends every call through it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
+import torch
 from torch import Tensor
+from torch._library.triton import set_wrap_triton_enabled
 
 from flashop import ops  # registers torch.ops.flashop.*
+
+DIRECT_EAGER = os.environ.get("FLASHOP_DIRECT_EAGER", "1") != "0"
+
+
+def _direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call with these tensors takes the direct eager path: plain tensors (no
+    subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
+    compiler or tracer, a dispatch mode, a functorch transform)."""
+    return (DIRECT_EAGER and not torch.compiler.is_compiling()
+            and all(t is None or type(t) is Tensor for t in tensors)
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
+            and not torch._C._get_tracing_state())
+
+
+class _DirectAttention(torch.autograd.Function):
+    """The forward operator's body with autograd through the backward operator, as the
+    operator's registered autograd does it (flashop/ops.py); returns (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, alibi_slopes, g, causal, scale, window_size,
+                softcap):
+        # wrap_triton launches the kernels as they are (as in a triton_op's eager call)
+        with set_wrap_triton_enabled(False):
+            out, lse, lse_log2 = ops.run_forward(q, k, v, attn_mask, alibi_slopes, g, causal,
+                                                 scale, window_size, softcap)
+        ctx.save_for_backward(q, k, v, out, lse_log2, attn_mask, alibi_slopes, g)
+        ctx.kwargs = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        grads = ops.attention_grads(ctx.saved_tensors, ctx.needs_input_grad[:6], ctx.kwargs,
+                                    dout, dlse)
+        return (*grads, None, None, None, None)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -50,6 +96,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         (B, S_q, H, DV) tensor in the inputs' dtype (float16, bfloat16 or float32). Any
         strides are accepted; only a non-unit stride in the last dimension causes a copy.
     """
+    if _direct(q, k, v, attn_mask, alibi_slopes, g):
+        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, causal, scale,
+                                      window_size, softcap)[0]
     return ops.attention(q, k, v, attn_mask, alibi_slopes, g, causal=causal, scale=scale,
                          window_size=window_size, softcap=softcap)
 
@@ -66,6 +115,9 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
         ``lse[b, h, i] = log(sum_j exp(score(i, j)))`` over the keys query ``i`` attends
         (``-inf`` where it attends none). Both outputs are differentiable.
     """
+    if _direct(q, k, v, attn_mask, alibi_slopes, g):
+        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, causal, scale,
+                                      window_size, softcap)
     return ops.attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, causal=causal,
                                   scale=scale, window_size=window_size, softcap=softcap)
 

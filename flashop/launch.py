@@ -240,12 +240,21 @@ def _autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
     return triton.autotune(configs=configs, key=autotune_key(kernel))(kernel)
 
 
+def _cdiv(n, d: int):
+    """ceil(n / d) for an int or a symbolic n (triton.cdiv costs ~2 µs of host per call)."""
+    return (n + d - 1) // d
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def seq_bucket(*lengths) -> int:
     """The autotuner's bucket of the lengths: the longest rounded up to a power of two (0,
     one key for every length, where they are symbolic under torch.compile)."""
     if not all(isinstance(n, int) for n in lengths):
         return 0
-    return triton.next_power_of_2(max(*lengths, 1))
+    return _next_power_of_2(max(*lengths, 1))
 
 
 def _launch(kernel, kind: str, t: Tiles, grid: Callable, *args, lengths: tuple,
@@ -274,7 +283,7 @@ def _block_dim(d: int) -> int:
     """Head-dim block: the next power of two. tl.dot needs >= 16. On GPUs at least 64: with
     triton 3.6 on an H200 a 32-wide block holding DV=24 gave wrong outputs and illegal
     accesses in the forward (docs/performance.md), while masked 64-wide blocks are sound."""
-    return max(16 if INTERPRETING else 64, triton.next_power_of_2(d))
+    return max(16 if INTERPRETING else 64, _next_power_of_2(d))
 
 
 def resolve_scale(scale: Optional[float], head_dim: int) -> float:
@@ -555,7 +564,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     if tma and not INTERPRETING:
         _ensure_triton_allocator()
     _launch(
-        attention_fwd_kernel, "fwd", t, lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
+        attention_fwd_kernel, "fwd", t, lambda bm, bn: (_cdiv(S_q, bm), H, B),
         q, k, v, out, lse, lse_log2, *tensors, cu_q, cu_k,
         *seq_strides[0], *seq_strides[1], *seq_strides[2], *seq_strides[3], *mod_strides,
         *lse_strides,
@@ -674,7 +683,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         B_pre, rows_pre = (B, S_q) if packing is None else (1, q.shape[0])
         pre_block = 64 if not INTERPRETING else 32
         wrap_triton(attention_bwd_preprocess_kernel)[
-            (triton.cdiv(rows_pre, pre_block), H, B_pre)](
+            (_cdiv(rows_pre, pre_block), H, B_pre)](
             out, dout, dlse, delta, *o_strides, *seq_strides[3], *dlse_strides, rows_pre, H,
             DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=pre_block,
         )
@@ -684,7 +693,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             attention_bwd_dq_kernel, "dq",
             tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad,
                       causal=flags["HAS_RIGHT"], short=_short(S_k)),
-            lambda bm, bn: (triton.cdiv(S_q, bm), H, B),
+            lambda bm, bn: (_cdiv(S_q, bm), H, B),
             q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS, out, dlse,
             *strides, *_seq_strides(dq, packing), *lse_strides, *o_strides, *dlse_strides,
             *scalars, H, lengths=(S_q, S_k), autotune=_autotunes(q) and not attn_mask_grad,
@@ -695,7 +704,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         attention_bwd_dkdv_kernel, kind,
         tiles_for(kind, max(D, DV), q.dtype, q.device, causal=flags["HAS_RIGHT"],
                   short=_short(S_k)),
-        lambda bm, bn: (triton.cdiv(S_k, bn), H_kv, B),
+        lambda bm, bn: (_cdiv(S_k, bn), H_kv, B),
         q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
         *dgk_strides, *dqa_strides, *scalars, lengths=(S_q, S_k),

@@ -58,6 +58,12 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
                       causal: bool = False, scale: Optional[float] = None,
                       window_size: Optional[Sequence[int]] = None, softcap: float = 0.0
                       ) -> tuple[Tensor, Tensor, Tensor]:
+    return run_forward(q, k, v, attn_mask, alibi_slopes, g, causal, scale, window_size,
+                       softcap)
+
+
+def run_forward(q, k, v, attn_mask, alibi_slopes, g, causal, scale, window_size, softcap):
+    """attention_forward's body: checks, then the kernel; (out, lse, lse_log2)."""
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
     check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
     return launch.attention_forward(q, k, v, scale, mods)
@@ -104,20 +110,27 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.kwargs = dict(keyword_only_inputs)
 
 
-def _backward(ctx, dout, dlse, _):
-    q, k, v, out, lse_log2, attn_mask, alibi_slopes, g = ctx.saved_tensors
-    # the dispatcher drops trailing arguments left at their defaults (None)
-    given = len(ctx.needs_input_grad)
-    needs = ctx.needs_input_grad + (False,) * (6 - given)
+def attention_grads(saved: tuple, needs: tuple, kwargs: dict, dout: Tensor,
+                    dlse: Tensor) -> tuple:
+    """Gradients of (q, k, v, attn_mask, alibi_slopes, g) through attention_backward, from
+    the tensors _setup_context saves and the six inputs' ``needs_input_grad`` (shared with
+    the Python API's direct eager path, flashop/api.py)."""
+    q, k, v, out, lse_log2, attn_mask, alibi_slopes, g = saved
     if needs[4]:
         raise RuntimeError(
             "flashop.attention: alibi_slopes get no gradient (as in FlashAttention); detach "
             "them, or pass the ALiBi bias as a float attn_mask, whose gradient is computed")
     dq, dk, dv, dg, dmask = torch.ops.flashop.attention_backward(
         dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes, g,
-        attn_mask_grad=needs[3], **ctx.kwargs)
-    grads = (dq, dk, dv, dmask if needs[3] else None, None, dg if needs[5] else None)
-    return grads[:given]
+        attn_mask_grad=needs[3], **kwargs)
+    return dq, dk, dv, dmask if needs[3] else None, None, dg if needs[5] else None
+
+
+def _backward(ctx, dout, dlse, _):
+    # the dispatcher drops trailing arguments left at their defaults (None)
+    given = len(ctx.needs_input_grad)
+    needs = ctx.needs_input_grad + (False,) * (6 - given)
+    return attention_grads(ctx.saved_tensors, needs, ctx.kwargs, dout, dlse)[:given]
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -67,3 +67,69 @@ def test_opcheck_backward(case):
     opcheck(torch.ops.flashop.attention_backward.default,
             (dout, dlse, *args[:3], out, lse_log2, *args[3:]),
             dict(options, attn_mask_grad=case.mask_grad))
+
+
+def _grad_fn_name(out) -> str:
+    return type(out.grad_fn).__name__
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES)
+def test_the_direct_eager_path_matches_the_operator_bitwise(case):
+    """flashop.attention_with_lse on plain tensors runs the forward operator's body in its
+    own autograd function (flashop/api.py): outputs and gradients equal the operator's bit
+    for bit."""
+    (q, k, v), dout, dlse = make_inputs(case)
+    mods = make_modifiers(case)
+    args = (q, k, v, mods["attn_mask"], mods["alibi_slopes"], mods["g"])
+    wrt = [x for x in args if x is not None and x.requires_grad]
+    results = []
+    for fn, path in ((flashop.attention_with_lse, "_DirectAttentionBackward"),
+                     (torch.ops.flashop.attention_with_lse, "GeneratedBackwardFor")):
+        out, lse = fn(*args, **case.options())
+        assert _grad_fn_name(out).startswith(path), _grad_fn_name(out)
+        results.append((out, lse, *torch.autograd.grad((out, lse), wrt, (dout, dlse))))
+    for direct, op in zip(*results):
+        assert torch.equal(direct, op)
+
+
+def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator(monkeypatch):
+    """Under a dispatch mode, on fake tensors or with FLASHOP_DIRECT_EAGER=0 the Python API
+    calls the operator (which the mode, tracer or compiler must see)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    (q, k, v), _, _ = make_inputs(OPCHECK_CASES[0])
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    assert _grad_fn_name(flashop.attention(q, k, v)) == "_DirectAttentionBackward"
+    with Record() as record:
+        flashop.attention(q, k, v, causal=True)
+    assert torch.ops.flashop.attention_forward.default in record.ops
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        assert flashop.attention(fq, fk, fv).shape == q.shape[:-1] + v.shape[-1:]
+    monkeypatch.setattr(flashop.api, "DIRECT_EAGER", False)
+    assert _grad_fn_name(flashop.attention(q, k, v)).startswith("GeneratedBackwardFor")
+
+
+def test_the_direct_eager_path_keeps_the_operators_errors():
+    case = OPCHECK_CASES[0]
+    (q, k, v), dout, _ = make_inputs(case)
+    messages = []
+    for fn in (flashop.attention, torch.ops.flashop.attention):
+        with pytest.raises(ValueError) as err:
+            fn(q, k.double(), v)
+        messages.append(str(err.value))
+        slopes = torch.ones(q.shape[2], device=q.device, requires_grad=True)
+        out = fn(q, k, v, alibi_slopes=slopes)
+        with pytest.raises(RuntimeError, match="alibi_slopes get no gradient"):
+            out.backward(torch.ones_like(out))
+    assert messages[0] == messages[1] and "float64" in messages[0]
