@@ -668,6 +668,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
     dqa_strides = _seq_strides(dq_acc, packing) if dq_atomic else (0, 0, 0)
     BLOCK_D, BLOCK_DV = _block_dim(D), _block_dim(DV)
+    short = _short(S_k)
     common = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
                   IS_VARLEN=packing is not None, **_kernel_args(q))
 
@@ -692,7 +693,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         _launch(
             attention_bwd_dq_kernel, "dq",
             tiles_for("dq", max(D, DV), q.dtype, q.device, mask_grad=attn_mask_grad,
-                      causal=flags["HAS_RIGHT"], short=_short(S_k)),
+                      causal=flags["HAS_RIGHT"], short=short),
             lambda bm, bn: (_cdiv(S_q, bm), H, B),
             q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dq, dgq, dS, out, dlse,
             *strides, *_seq_strides(dq, packing), *lse_strides, *o_strides, *dlse_strides,
@@ -702,8 +703,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
         attention_bwd_dkdv_kernel, kind,
-        tiles_for(kind, max(D, DV), q.dtype, q.device, causal=flags["HAS_RIGHT"],
-                  short=_short(S_k)),
+        tiles_for(kind, max(D, DV), q.dtype, q.device, causal=flags["HAS_RIGHT"], short=short),
         lambda bm, bn: (_cdiv(S_k, bn), H_kv, B),
         q, k, v, dout, lse_log2, delta, *tensors, cu_q, cu_k, dk, dv, dgk, dq_acc,
         *strides, *_seq_strides(dk, packing), *_seq_strides(dv, packing), *lse_strides,
