@@ -50,8 +50,9 @@ class _DirectAttention(torch.autograd.Function):
         with set_wrap_triton_enabled(False):
             out, lse, lse_log2 = ops.run_forward(q, k, v, attn_mask, alibi_slopes, g, causal,
                                                  scale, window_size, softcap)
-        ctx.save_for_backward(q, k, v, out, lse_log2, attn_mask, alibi_slopes, g)
-        ctx.kwargs = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+        ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g), out, lse_log2,
+                           dict(causal=causal, scale=scale, window_size=window_size,
+                                softcap=softcap))
         return out, lse
 
     @staticmethod

@@ -102,18 +102,24 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse_log2, attn_mask=None,
     return launch.attention_backward_outputs(q, k, v, g, attn_mask, attn_mask_grad)
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
+def save_for_grads(ctx, inputs: tuple, out: Tensor, lse_log2: Tensor, kwargs: dict) -> None:
+    """Save on ``ctx`` what attention_grads reads: the six inputs (q, k, v, attn_mask,
+    alibi_slopes, g), out, lse_log2 and the keyword options."""
     q, k, v, attn_mask, alibi_slopes, g = inputs
+    ctx.save_for_backward(q, k, v, out, lse_log2, attn_mask, alibi_slopes, g)
+    ctx.kwargs = dict(kwargs)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     out, _, lse_log2 = output
     ctx.mark_non_differentiable(lse_log2)
-    ctx.save_for_backward(q, k, v, out, lse_log2, attn_mask, alibi_slopes, g)
-    ctx.kwargs = dict(keyword_only_inputs)
+    save_for_grads(ctx, inputs, out, lse_log2, keyword_only_inputs)
 
 
 def attention_grads(saved: tuple, needs: tuple, kwargs: dict, dout: Tensor,
                     dlse: Tensor) -> tuple:
     """Gradients of (q, k, v, attn_mask, alibi_slopes, g) through attention_backward, from
-    the tensors _setup_context saves and the six inputs' ``needs_input_grad`` (shared with
+    the tensors save_for_grads saves and the six inputs' ``needs_input_grad`` (shared with
     the Python API's direct eager path, flashop/api.py)."""
     q, k, v, out, lse_log2, attn_mask, alibi_slopes, g = saved
     if needs[4]:
