@@ -73,6 +73,14 @@ def test_windows(window_size, lengths):
                     window_size=window_size))
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_boolean_mask_with_a_two_sided_window(D):
+    """A boolean mask of unit key stride under a window bounded on both sides: triton 3.6
+    once failed to compile the dQ kernel's mask load there on a GPU (common.py)."""
+    check_case(Case(B=2, S_q=77, S_k=256, H_kv=1, G=2, D=D, DV=D, dtype=torch.bfloat16,
+                    window_size=(9, 30), mask=torch.bool, mask_shape=(77, 256)))
+
+
 @pytest.mark.parametrize("lengths", [(20, 50), (50, 20), (40, 40)])
 def test_gate_with_other_lengths(lengths):
     """Query i sits at key position i + S_k - S_q, as with a KV cache."""

@@ -170,7 +170,10 @@ def attention_scores(
         b_bias = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k, other=0.0)
         b_s += b_bias.to(tl.float32) * LOG2E
     if MASK_KIND == 2:
-        b_keep = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k, other=0)
+        # no ``other``: with it, triton 3.6 pipelined this 1-byte load into copies it then
+        # could not lower, under a two-sided window with unit key stride (a compile error)
+        m_qk = m_q & m_k
+        b_keep = tl.where(m_qk, tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_qk), 0)
         b_s = tl.where(b_keep != 0, b_s, float("-inf"))
     if MASK:
         m_keep = m_k
