@@ -24,7 +24,7 @@ from flashop.kernels.backward import (
     attention_bwd_preprocess_kernel,
 )
 from flashop.kernels.common import LOG2E
-from flashop.kernels.forward import attention_fwd_kernel
+from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
 
 # Triton decides when a kernel is decorated whether it is interpreted (TRITON_INTERPRET=1).
 INTERPRETING = isinstance(attention_fwd_kernel, InterpretedFunction)
@@ -54,6 +54,7 @@ class Tiles:
 # tests' sequences spanning several tiles, and BLOCK_M != BLOCK_N exercises the causal split.
 _INTERPRETER_TILES = {
     "fwd": Tiles(32, 16),
+    "fwd_ws": Tiles(32, 16, split_m=True),
     "dkdv": Tiles(16, 32),
     "dkdv_atomic": Tiles(16, 32),
     "dq": Tiles(32, 16),
@@ -525,6 +526,55 @@ def _ensure_triton_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
+# The plain forward with a warp-specialized key loop (attention_fwd_ws_kernel): by default on
+# Hopper at head dims in (64, 128] without modifiers, a causal bound or packing, where the
+# key length is known to be a multiple of its BLOCK_N (that kernel has no masked key tile;
+# under torch.compile with dynamic shapes S_k is symbolic: no guard on it, the split kernel).
+# 4 warps per group, 2 stages: with 3, triton 3.6's pass gave NaNs on an H200 (entry 39).
+# FLASHOP_WS=1 takes it wherever the inputs allow it, FLASHOP_WS=0 nowhere; read at import.
+WARP_SPECIALIZE: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("FLASHOP_WS", ""))
+WS_TILES = Tiles(256, 128, 4, 2, split_m=True)
+_MODIFIER_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE",
+                   "MASK_KIND")
+
+
+def _ws_tiles() -> Tiles:
+    return _INTERPRETER_TILES["fwd_ws"] if INTERPRETING else WS_TILES
+
+
+def _ws_query_layout(q: torch.Tensor) -> Optional[bool]:
+    """How attention_fwd_ws_kernel reads ``q`` (B, S_q, H, D) as one 2-D array of rows:
+    True where its (batch, head) slices of S_q rows follow one another (a head-major
+    layout), False where its (batch, seq) rows hold the H heads side by side and D is a
+    block width (the tile's columns stay in one head), None where neither holds."""
+    B, S_q, H, D = q.shape
+    sb, ss, sh = q.stride()[:3]
+    if (H == 1 or sh == D) and (B == 1 or sb == S_q * ss) and D == _block_dim(D):
+        return False
+    if (H == 1 or sh == S_q * ss) and (B == 1 or sb == H * S_q * ss):
+        return True
+    return None
+
+
+def _uses_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: dict, head_dim: int,
+             S_k, packed: bool) -> bool:
+    """Whether the forward runs attention_fwd_ws_kernel (see WARP_SPECIALIZE): 16-bit dense
+    inputs without modifiers, S_k a known multiple of its BLOCK_N, rows that descriptors can
+    address, q in one of its layouts; and on Hopper at head dims in (64, 128] unless
+    FLASHOP_WS=1."""
+    if WARP_SPECIALIZE is False or packed or q.dtype == torch.float32:
+        return False
+    if any(flags[name] for name in _MODIFIER_FLAGS):
+        return False
+    if not isinstance(S_k, int) or S_k == 0 or S_k % _ws_tiles().BLOCK_N:
+        return False
+    if WARP_SPECIALIZE is None and not (64 < head_dim <= 128 and q.device.type == "cuda"
+                                        and _is_hopper(q.device)):
+        return False
+    return (_tma_aligned(q) and _tma_aligned(k) and _tma_aligned(v)
+            and _ws_query_layout(q) is not None)
+
+
 def _folds_scale(qk_scale: float, flags: dict, t: Tiles, head_dim: int) -> bool:
     """Whether the forward folds ``qk_scale`` into its exponent (FOLD_SCALE, see
     flashop/kernels/forward.py's _fwd_fold): the scale is positive, so that the row max of
@@ -559,6 +609,19 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     head_dim = max(D, DV)
+    if _uses_ws(q, k, v, flags, head_dim, S_k, packing is not None):
+        if not INTERPRETING:
+            _ensure_triton_allocator()
+        t = _ws_tiles()
+        _launch(
+            attention_fwd_ws_kernel, "fwd_ws", t, lambda bm, bn: (_cdiv(S_q, bm), H, B),
+            q, k, v, out, lse, lse_log2, *seq_strides[0], *seq_strides[1], *seq_strides[2],
+            *seq_strides[3], *lse_strides, S_q, S_k, H // H_kv, mod_scalars[0], lengths=(),
+            D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
+            FOLD_SCALE=mod_scalars[0] > 0, Q_HEAD_MAJOR=_ws_query_layout(q),
+            **_kernel_args(q),
+        )
+        return out, lse, lse_log2
     t = forward_tiles(head_dim, q.dtype, q.device, flags, S_k)
     tma = _uses_tma(q, k, v, head_dim, S_k)
     if tma and not INTERPRETING:

@@ -1,5 +1,7 @@
 """flashop.attention against the fp64 reference: Hypothesis-drawn cases and edge cases."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -104,6 +106,75 @@ def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monk
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     assert flashop.launch._uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
     assert not flashop.launch._uses_tma(q, q, q, 128, n)
+
+
+# Under the interpreter the warp-specialized kernel's tile is 32 x 16 (its loop is a plain
+# loop there); on a GPU 256 x 128: S_k a multiple of 16, resp. 128
+_WS_N = 128 if ON_GPU else 16
+WS_CASES = [
+    Case(B=2, S_q=45, S_k=4 * _WS_N, H_kv=2, G=2, D=64, DV=64, dtype=torch.float16),
+    Case(B=1, S_q=33, S_k=3 * _WS_N, H_kv=1, G=3, D=40, DV=24, dtype=torch.bfloat16,
+         layout="bhsd"),
+    Case(B=2, S_q=1, S_k=_WS_N, H_kv=1, G=1, D=128, DV=128, dtype=torch.bfloat16,
+         layout="bhsd", scale=-0.05),
+    Case(B=1, S_q=70, S_k=2 * _WS_N, H_kv=1, G=2, D=128, DV=128, dtype=torch.float16),
+]
+
+
+def _takes_ws(case: Case) -> bool:
+    q, k, v = make_inputs(case)[0]
+    flags = flashop.launch._PLAIN_FLAGS[case.causal]
+    return flashop.launch._uses_ws(q, k, v, flags, max(case.D, case.DV), case.S_k, False)
+
+
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
+def test_forward_with_its_warp_specialized_kernel(case, monkeypatch):
+    """attention_fwd_ws_kernel (FLASHOP_WS=1): GQA, both query layouts it reads, DV != D,
+    rows past S_q (the next sequence's, computed and not stored), one query, a negative
+    scale (not folded)."""
+    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", True)
+    assert _takes_ws(case)
+    check_case(case)
+
+
+def test_where_the_warp_specialized_kernel_runs(monkeypatch):
+    """Dense 16-bit inputs without modifiers and S_k a multiple of its BLOCK_N; by default
+    only on Hopper GPUs (never on a CPU), and not with FLASHOP_WS=0."""
+    base = Case(B=1, S_q=40, S_k=2 * _WS_N, H_kv=1, G=2, D=64, DV=64, dtype=torch.float16)
+    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", True)
+    assert _takes_ws(base)
+    for other in (dict(S_k=2 * _WS_N + 1), dict(causal=True), dict(dtype=torch.float32),
+                  dict(D=80, DV=80)):  # (batch, seq) rows whose D is not a block width
+        assert not _takes_ws(replace(base, **other)), other
+    assert _takes_ws(replace(base, D=80, DV=80, layout="bhsd"))
+    q, k, v = make_inputs(base)[0]
+    modifiers = flashop.launch._PLAIN_FLAGS[False]
+    for flag in ("HAS_LEFT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE", "MASK_KIND"):
+        flags = {**modifiers, flag: True}
+        assert not flashop.launch._uses_ws(q, k, v, flags, 64, base.S_k, False), flag
+    assert not flashop.launch._uses_ws(q, k, v, modifiers, 64, base.S_k, True)  # packed
+    symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
+    assert not flashop.launch._uses_ws(q, k, v, modifiers, 64, symbolic, False)
+    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", False)
+    assert not _takes_ws(base)
+    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", None)
+    on_hopper = ON_GPU and torch.cuda.get_device_capability()[0] >= 9
+    assert _takes_ws(replace(base, D=128, DV=128)) == on_hopper
+    assert not _takes_ws(base)  # D = 64: slower there
+
+
+def test_the_warp_specialized_kernels_query_layouts():
+    layout = flashop.launch._ws_query_layout
+    x = torch.empty(2, 10, 4, 128)
+    assert layout(x) is False  # (batch, seq) rows of 4 heads
+    assert layout(torch.empty(2, 10, 3, 4, 128)[:, :, 1]) is False  # q of a packed qkv
+    assert layout(torch.empty(2, 4, 10, 128).transpose(1, 2)) is True  # head-major
+    assert layout(torch.empty(2, 10, 4, 80)) is None  # a tile would cross into the next head
+    assert layout(torch.empty(2, 4, 10, 80).transpose(1, 2)) is True
+    assert layout(torch.empty(2, 10, 4, 136)[..., :128]) is None  # heads not side by side
+    assert layout(torch.empty(2, 12, 4, 128)[:, :10]) is None  # sequences not back to back
+    assert layout(torch.empty(1, 12, 4, 128)[:, :10]) is False  # ... unless one
+    assert layout(torch.empty(2, 4, 12, 80).transpose(1, 2)[:, :10]) is None
 
 
 SPLIT_CASES = [

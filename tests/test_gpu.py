@@ -115,10 +115,40 @@ def test_cuda_graph_capture_of_packed_batches_with_modifiers():
     _assert_replay_equals_eager(step)
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
+                    reason="the warp-specialized forward is Hopper's")
+def test_warp_specialized_forward_under_inductor_and_in_cuda_graphs():
+    """attention_fwd_ws_kernel (non-causal, D=128, S_k a multiple of 128) in Inductor's code
+    with the eager call's bits, and captured in a CUDA graph; a symbolic S_k (dynamic
+    shapes) takes the split kernel, with no guard on it, and its bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    q = torch.randn(2, 200, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert flashop.launch._uses_ws(q, k, v, flashop.launch._PLAIN_FLAGS[False], 128, 256,
+                                   False)
+    eager = flashop.attention_with_lse(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(flashop.attention_with_lse, fullgraph=True, dynamic=False)
+    result, code = run_and_get_code(lambda: compiled(q, k, v))
+    assert "attention_fwd_ws_kernel" in "\n".join(code)
+    assert all(torch.equal(a, b) for a, b in zip(result, eager))
+    _assert_replay_equals_eager(lambda: torch.ops.flashop.attention_forward(q, k, v))
+
+    torch._dynamo.reset()
+    dynamic = torch.compile(flashop.attention_with_lse, fullgraph=True, dynamic=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flashop.launch, "WARP_SPECIALIZE", False)
+        split = flashop.attention_with_lse(q, k, v)
+    result, code = run_and_get_code(lambda: dynamic(q, k, v))
+    assert "attention_fwd_ws_kernel" not in "\n".join(code)
+    assert all(torch.equal(a, b) for a, b in zip(result, split))
+
+
 # odd shapes for compute-sanitizer: (B, S_q, S_k, H, H_kv, D, DV, causal)
 SANITIZER_SHAPES = [(1, 1, 1, 1, 1, 59, 59, True), (2, 77, 131, 6, 2, 111, 40, True),
                     (1, 257, 65, 3, 3, 80, 80, True), (1, 129, 129, 2, 1, 256, 256, False),
-                    (2, 33, 1000, 4, 1, 96, 96, False)]
+                    (2, 33, 1000, 4, 1, 96, 96, False), (2, 77, 256, 4, 2, 128, 128, False)]
 
 SANITIZER_SCRIPT = """
 import sys, torch, flashop

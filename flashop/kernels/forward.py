@@ -310,3 +310,89 @@ def attention_fwd_kernel(
     if SPLIT_M:
         _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g, o_m2, m_m2, S_q, S_k, stride_os,
                       stride_gs, DV, BLOCK_DV, HAS_GATE)
+
+
+@triton.jit
+def attention_fwd_ws_kernel(
+    q, k, v, o, lse, lse_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    S_q, S_k, G, qk_scale, seq_bucket,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    Q_HEAD_MAJOR: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The plain forward (no modifier, no window or causal bound, dense inputs) with its key
+    loop warp-specialized: Triton's Hopper pass gives the tensor-descriptor loads a producer
+    warp group and each of the program's two query tiles (BLOCK_M / 2 rows) a consumer warp
+    group, so that one tile's softmax runs while the other's matmuls do (FlashAttention-3's
+    ping-pong; docs/performance-notes.md, entry 39). Same outputs as attention_fwd_kernel.
+
+    Needs S_k to be a multiple of BLOCK_N: the loop has no masked tile (triton 3.6's pass
+    accepts one loop, without a branch in it, and masking every tile cost 10%). Needs q to be
+    one 2-D array of rows: ``Q_HEAD_MAJOR``, (batch, head) slices of S_q rows of stride
+    stride_qs one after another; else (batch, seq) rows holding the H heads side by side,
+    D == BLOCK_D (launch._ws_query_layout). ``seq_bucket`` is not read (the launcher's
+    convention, see attention_fwd_kernel)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // G
+    k += i_b * stride_kb + i_hk * stride_kh
+    v += i_b * stride_vb + i_hk * stride_vh
+    o += i_b * stride_ob + i_h * stride_oh
+    lse += i_b * stride_lb + i_h * stride_lh
+    lse_log2 += i_b * stride_lb + i_h * stride_lh
+    TILE_M: tl.constexpr = BLOCK_M // 2
+    # the queries' descriptor spans the whole tensor read as 2-D: one made over a program's
+    # (batch, head) raced with the loop under triton 3.6 (wrong outputs on an H200), and the
+    # pass refuses descriptors of more dimensions. Rows past S_q are the next sequence's (or
+    # past the tensor's end, 0): they are computed and not stored.
+    if Q_HEAD_MAJOR:  # (batch, head) slices of S_q rows one after another: columns [0, D)
+        q = tl.make_tensor_descriptor(q, shape=[tl.num_programs(2) * tl.num_programs(1) * S_q,
+                                                D], strides=[stride_qs, 1],
+                                      block_shape=[TILE_M, BLOCK_D])
+        q_row = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * S_q
+        q_col = 0
+    else:  # (batch, seq) rows of H heads side by side (D == BLOCK_D: no column of the next)
+        q = tl.make_tensor_descriptor(q, shape=[tl.num_programs(2) * S_q,
+                                                tl.num_programs(1) * D],
+                                      strides=[stride_qs, 1], block_shape=[TILE_M, BLOCK_D])
+        q_row = tl.program_id(2) * S_q
+        q_col = tl.program_id(1) * D
+    k = tl.make_tensor_descriptor(k, shape=[S_k, D], strides=[stride_ks, 1],
+                                  block_shape=[BLOCK_N, BLOCK_D])
+    v = tl.make_tensor_descriptor(v, shape=[S_k, DV], strides=[stride_vs, 1],
+                                  block_shape=[BLOCK_N, BLOCK_DV])
+    start_m = i_m * BLOCK_M
+    b_q = dot_operand(q.load([q_row + start_m, q_col]), UPCAST)
+    b_q2 = dot_operand(q.load([q_row + start_m + TILE_M, q_col]), UPCAST)
+    m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([TILE_M], dtype=tl.float32)
+    acc = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
+    m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
+    l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
+    acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
+    for start_n in tl.range(0, S_k, BLOCK_N, warp_specialize=True):
+        b_kt = dot_operand(tl.trans(k.load([start_n, 0])), UPCAST)
+        b_v = v.load([start_n, 0])
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+        if not FOLD_SCALE:
+            b_s = b_s * qk_scale
+        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE,
+                                  UPCAST, DOT_PRECISION)
+        b_s2 = tl.dot(b_q2, b_kt, input_precision=DOT_PRECISION)
+        if not FOLD_SCALE:
+            b_s2 = b_s2 * qk_scale
+        acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale, False, FOLD_SCALE,
+                                     UPCAST, DOT_PRECISION)
+    o_m = start_m + tl.arange(0, TILE_M)
+    _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, lse, o_m, o_m < S_q, S_q, S_k, stride_os,
+                  0, DV, BLOCK_DV, False)
+    o_m2 = o_m + TILE_M
+    _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, lse, o_m2, o_m2 < S_q, S_q, S_k,
+                  stride_os, 0, DV, BLOCK_DV, False)
