@@ -534,8 +534,6 @@ def _ensure_triton_allocator() -> None:
 # FLASHOP_WS=1 takes it wherever the inputs allow it, FLASHOP_WS=0 nowhere; read at import.
 WARP_SPECIALIZE: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("FLASHOP_WS", ""))
 WS_TILES = Tiles(256, 128, 4, 2, split_m=True)
-_MODIFIER_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE",
-                   "MASK_KIND")
 
 
 def _ws_tiles() -> Tiles:
@@ -564,7 +562,7 @@ def _uses_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: dict, hea
     FLASHOP_WS=1."""
     if WARP_SPECIALIZE is False or packed or q.dtype == torch.float32:
         return False
-    if any(flags[name] for name in _MODIFIER_FLAGS):
+    if flags != _PLAIN_FLAGS[False]:  # a modifier or a bound
         return False
     if not isinstance(S_k, int) or S_k == 0 or S_k % _ws_tiles().BLOCK_N:
         return False

@@ -313,6 +313,18 @@ def attention_fwd_kernel(
 
 
 @triton.jit
+def _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One query tile of attention_fwd_ws_kernel against one key tile, none of it masked:
+    its scores, then _fwd_fold."""
+    b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+    if not FOLD_SCALE:
+        b_s = b_s * qk_scale
+    return _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE, UPCAST,
+                     DOT_PRECISION)
+
+
+@triton.jit
 def attention_fwd_ws_kernel(
     q, k, v, o, lse, lse_log2,
     stride_qb, stride_qs, stride_qh,
@@ -380,16 +392,10 @@ def attention_fwd_ws_kernel(
     for start_n in tl.range(0, S_k, BLOCK_N, warp_specialize=True):
         b_kt = dot_operand(tl.trans(k.load([start_n, 0])), UPCAST)
         b_v = v.load([start_n, 0])
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
-        if not FOLD_SCALE:
-            b_s = b_s * qk_scale
-        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE,
-                                  UPCAST, DOT_PRECISION)
-        b_s2 = tl.dot(b_q2, b_kt, input_precision=DOT_PRECISION)
-        if not FOLD_SCALE:
-            b_s2 = b_s2 * qk_scale
-        acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale, False, FOLD_SCALE,
+        acc, l_i, m_i = _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE,
                                      UPCAST, DOT_PRECISION)
+        acc2, l_i2, m_i2 = _fwd_ws_fold(acc2, l_i2, m_i2, b_q2, b_kt, b_v, qk_scale,
+                                        FOLD_SCALE, UPCAST, DOT_PRECISION)
     o_m = start_m + tl.arange(0, TILE_M)
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, lse, o_m, o_m < S_q, S_q, S_k, stride_os,
                   0, DV, BLOCK_DV, False)
