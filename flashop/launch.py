@@ -607,31 +607,29 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     sm_scale = resolve_scale(scale, D)
     tensors, mod_strides, mod_scalars, flags = _modifier_args(q, k, mods, sm_scale, packing)
     head_dim = max(D, DV)
-    if _uses_ws(q, k, v, flags, head_dim, S_k, packing is not None):
-        if not INTERPRETING:
-            _ensure_triton_allocator()
-        t = _ws_tiles()
+    grid = lambda bm, bn: (_cdiv(S_q, bm), H, B)  # noqa: E731
+    dims = dict(D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV))
+    ws = _uses_ws(q, k, v, flags, head_dim, S_k, packing is not None)
+    tma = not ws and _uses_tma(q, k, v, head_dim, S_k)
+    if (ws or tma) and not INTERPRETING:  # descriptors made in the kernels
+        _ensure_triton_allocator()
+    if ws:
         _launch(
-            attention_fwd_ws_kernel, "fwd_ws", t, lambda bm, bn: (_cdiv(S_q, bm), H, B),
+            attention_fwd_ws_kernel, "fwd_ws", _ws_tiles(), grid,
             q, k, v, out, lse, lse_log2, *seq_strides[0], *seq_strides[1], *seq_strides[2],
             *seq_strides[3], *lse_strides, S_q, S_k, H // H_kv, mod_scalars[0], lengths=(),
-            D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV),
-            FOLD_SCALE=mod_scalars[0] > 0, Q_HEAD_MAJOR=_ws_query_layout(q),
+            **dims, FOLD_SCALE=mod_scalars[0] > 0, Q_HEAD_MAJOR=_ws_query_layout(q),
             **_kernel_args(q),
         )
         return out, lse, lse_log2
     t = forward_tiles(head_dim, q.dtype, q.device, flags, S_k)
-    tma = _uses_tma(q, k, v, head_dim, S_k)
-    if tma and not INTERPRETING:
-        _ensure_triton_allocator()
     _launch(
-        attention_fwd_kernel, "fwd", t, lambda bm, bn: (_cdiv(S_q, bm), H, B),
+        attention_fwd_kernel, "fwd", t, grid,
         q, k, v, out, lse, lse_log2, *tensors, cu_q, cu_k,
         *seq_strides[0], *seq_strides[1], *seq_strides[2], *seq_strides[3], *mod_strides,
         *lse_strides,
         S_q, S_k, H // H_kv, *mod_scalars, lengths=(S_q, S_k), autotune=_autotunes(q),
-        D=D, DV=DV, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(DV), **flags,
-        FOLD_SCALE=_folds_scale(mod_scalars[0], flags, t, head_dim),
+        **dims, **flags, FOLD_SCALE=_folds_scale(mod_scalars[0], flags, t, head_dim),
         IS_VARLEN=packing is not None, TMA=tma, **_kernel_args(q),
     )
     return out, lse, lse_log2
