@@ -3,8 +3,9 @@
 - ``flashop::attention_forward(q, k, v, attn_mask, alibi_slopes, g, *, causal, scale,
   window_size, softcap) -> (out, lse, lse_log2)``: the forward kernel, with autograd through
   ``flashop::attention_backward``. ``lse_log2`` is lse in base 2 as the kernel computed it,
-  kept for the backward (not differentiable): converting the natural-log lse back would cost
-  the recomputed probabilities about 1e-5 of relative accuracy at scores of a few hundred.
+  without the queries' gate, kept for the backward (not differentiable): converting the
+  natural-log lse back would cost the recomputed probabilities about 1e-5 of relative
+  accuracy at scores of a few hundred.
 - ``flashop::attention_backward(dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes,
   g, *, ..., attn_mask_grad) -> (dq, dk, dv, dg, dattn_mask)``: the backward kernels,
   reusing the forward's ``lse_log2``; ``dg`` / ``dattn_mask`` are empty where there is no

@@ -128,3 +128,47 @@ def test_alibi_slopes_get_no_gradient():
     out = flashop.attention(q, q, q, alibi_slopes=slopes)
     with pytest.raises(RuntimeError, match="alibi_slopes get no gradient"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("modifier",
+                         ["alibi", "attn_mask", "gate", "alibi-varlen", "attn_mask-dq-atomics"])
+def test_one_attended_key_gives_fp32_gradients_exactly(modifier, monkeypatch):
+    """Each query attends one key, under a modifier that takes its base-2 score to -150..-300,
+    so its softmax is exactly 1: out_i = v_j and d lse_i / d q_i = scale * k_j, both exactly
+    (scale = 1/4 is a power of 2). That holds only where the backward recomputes each score
+    bit for bit as the forward computed it and reads an lse without a round trip: on an
+    H200 a score one ulp off (the compiler fusing a different product into an FMA in the
+    backward's kernel) moved P by 1e-5 (docs/testing.md). With dQ by atomics, the keys past
+    S_k of the key tile (P = exp2(0 - lse) = inf there) once made dQ NaN."""
+    monkeypatch.setattr(flashop.launch, "DQ_ATOMICS", modifier.endswith("dq-atomics"))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    H, D, S_q = 2, 16, 131
+    S_k = S_q if modifier == "gate" else 1
+    q, k, v = (torch.randn(1, S, H, D, device=DEVICE, generator=gen, requires_grad=True)
+               for S in (S_q, S_k, S_k))
+    options = {}
+    if modifier.startswith("alibi"):  # distances up to 130
+        options["alibi_slopes"] = torch.tensor([1.0, 0.75], device=DEVICE)
+    elif modifier.startswith("attn_mask"):
+        options["attn_mask"] = -100 - 100 * torch.rand(1, H, S_q, 1, device=DEVICE, generator=gen)
+    else:  # causal with window (0, 0): query i attends key i alone; G = cumsum(g) to ~ -200
+        g = -1 - torch.rand(1, S_k, H, device=DEVICE, generator=gen)
+        options.update(g=g, causal=True, window_size=(0, 0))
+    if modifier == "alibi-varlen":
+        cu_q = torch.tensor([0, S_q], device=DEVICE, dtype=torch.int32)
+        cu_k = torch.tensor([0, S_k], device=DEVICE, dtype=torch.int32)
+        out, lse = flashop.attention_varlen_with_lse(q[0], k[0], v[0], cu_q, cu_k, S_q, S_k,
+                                                     **options)
+        out, lse = out[None], lse[None]
+    else:
+        out, lse = flashop.attention_with_lse(q, k, v, **options)
+    (dq,) = torch.autograd.grad(lse.sum(), q)
+    assert torch.equal(out, v.detach().expand_as(out))
+    expected = 0.25 * k.detach().expand_as(dq)
+    if modifier.endswith("dq-atomics") and not ON_GPU:
+        # dQ comes from the dK/dV kernel's S^T = K Q^T here, which the interpreter's fp32
+        # matmul (numpy's) sums in another order than the forward's S = Q K^T; the GPU's
+        # FMA chain runs over the head dim in one order in both
+        torch.testing.assert_close(dq, expected)
+    else:
+        assert torch.equal(dq, expected)

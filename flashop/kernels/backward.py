@@ -74,8 +74,8 @@ def _lse_rows(lse_log2):
 
 @triton.jit
 def _dkdv_query_tiles(
-    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, g, mask, dq_acc,
-    stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas, o_n, m_n, lo, hi,
+    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, mask, dq_acc,
+    stride_qs, stride_dos, stride_mq, stride_mk, stride_dqas, o_n, m_n, lo, hi,
     S_q, S_k, qk_scale, softcap2, alibi2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASK: tl.constexpr, CHECK_ROWS: tl.constexpr,
@@ -109,16 +109,12 @@ def _dkdv_query_tiles(
             b_lse = _lse_rows(tl.load(lse_log2 + o_m, mask=m_m, other=float("inf")))
         else:
             b_lse = _lse_rows(tl.load(lse_log2 + o_m))
-        if HAS_GATE:
-            # the forward added the queries' gate G_i to lse (attention_scores)
-            o_gq = o_m + (S_k - S_q)
-            b_lse -= tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
         # S^T = K Q^T [BLOCK_N, BLOCK_M]
-        b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION) * qk_scale
+        b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION)
         b_st, b_tt = attention_scores(
-            b_st, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left, right,
-            softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+            b_st, qk_scale, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left,
+            right, softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT,
+            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
         # dO tile [BLOCK_M, BLOCK_DV]
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
@@ -144,7 +140,10 @@ def _dkdv_query_tiles(
         b_dk = tl.dot(b_dst, tl.trans(dot_operand(b_qt, UPCAST)), b_dk,
                       input_precision=DOT_PRECISION)
         if DQ_ATOMIC:
-            # dQ += dS K [BLOCK_M, BLOCK_D], summed over the key tiles by fp32 atomics
+            # dQ += dS K [BLOCK_M, BLOCK_D], summed over the key tiles by fp32 atomics. Rows
+            # of keys past S_k are zeroed: unmasked, their P = exp2(0 - lse) overflows to inf
+            # where lse < -128, and inf times their zero keys made dQ NaN.
+            b_dst = tl.where(m_n[:, None], b_dst, 0.0)
             b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=DOT_PRECISION)
             tl.atomic_add(dq_acc + o_m[:, None] * stride_dqas + o_d[None, :], b_dq,
                           mask=m_m[:, None] & (o_d[None, :] < D), sem="relaxed")
@@ -225,11 +224,10 @@ def attention_bwd_dkdv_kernel(
         alibi2 = 0.0
         if HAS_ALIBI:
             alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
-        p_g = g
         b_gk = 0.0
         if HAS_GATE:
             p_g = g + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
-            b_gk = tl.load(p_g + o_n * stride_gs, mask=m_n, other=0.0)[:, None] * LOG2E
+            b_gk = tl.load(p_g + o_n * stride_gs, mask=m_n, other=0.0)[:, None]
         p_mask = mask
         if MASK_KIND != 0:
             p_mask = mask + i_b * stride_mb + i_h * stride_mh
@@ -250,8 +248,8 @@ def attention_bwd_dkdv_kernel(
                 else:
                     start_m, end_m = u_hi, hi
                 b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-                    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_g, p_mask,
-                    p_dqa, stride_qs, stride_dos, stride_gs, stride_mq, stride_mk, stride_dqas,
+                    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_mask,
+                    p_dqa, stride_qs, stride_dos, stride_mq, stride_mk, stride_dqas,
                     o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC,
@@ -292,16 +290,16 @@ def _dq_key_tiles(
         b_vt = dot_operand(load_tile(v + o_n[None, :] * stride_vs + o_dv[:, None], m_n[None, :],
                                      o_dv[:, None] < DV, MASK, BLOCK_DV != DV), UPCAST)
         # [BLOCK_M, BLOCK_N]
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         # dP = dO V^T [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
         b_gk = 0.0
         if HAS_GATE:
-            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
+            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         b_s, b_t = attention_scores(
-            b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
-            softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+            b_s, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left,
+            right, softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT,
+            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         b_ds = b_p * (b_dp - b_delta[:, None])
         if MASK_GRAD:
@@ -394,9 +392,6 @@ def attention_bwd_dq_kernel(
         alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
     if HAS_GATE:
         g += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
-        # the forward added the queries' gate G_i to lse (attention_scores)
-        o_gq = o_m + (S_k - S_q)
-        b_lse -= tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
     if MASK_KIND != 0:
         mask += i_b * stride_mb + i_h * stride_mh
     if MASK_GRAD:

@@ -139,36 +139,52 @@ def query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
 
 @triton.jit
 def attention_scores(
-    b_s, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap2, alibi2, b_gk,
+    b_qk, qk_scale, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap2, alibi2, b_gk,
     p_mask, stride_mq, stride_mk,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     MASK_KIND: tl.constexpr,
 ):
-    """Scores in base-2 units of one tile, -inf where masked; also ``t = tanh(...)`` for the
-    softcap's derivative (``b_s`` where there is no softcap).
+    """Scores in base-2 units of one tile of ``q . k`` products ``b_qk``, -inf where masked;
+    also ``t = tanh(...)`` for the softcap's derivative (``b_qk`` where there is no softcap).
 
     The tile may be [queries, keys] or transposed: ``o_q``/``m_q`` (query indices and their
-    bound) and ``o_k``/``m_k`` broadcast against ``b_s``, as does the gate block ``b_gk`` (the keys'
-    cumulative gates, in base-2 units). The queries' gate ``G_i`` is constant along a row,
-    so it is not added here: the kernels add it to the log-sum-exp instead (the forward's
-    output is unchanged by it; the backward subtracts it from lse). ``b_s`` is ``q . k`` times
-    ``scale * log2 e``, or times ``scale / softcap`` when ``HAS_SOFTCAP``. In order
-    (docs/modifiers.md): softcap, ALiBi (``alibi2 = -slope * log2 e``), gate, additive
-    ``attn_mask`` (``MASK_KIND`` 1), then the masks: window/causal and key length where
-    ``MASK``, boolean ``attn_mask`` (``MASK_KIND`` 2).
+    bound) and ``o_k``/``m_k`` broadcast against ``b_qk``, as does the gate block ``b_gk`` (the
+    keys' cumulative gates, natural-log units). The queries' gate ``G_i`` is constant along a
+    row, so it is not added here: the forward adds it to the natural-log lse it returns, and
+    the base-2 lse it keeps for the backward goes without it. ``qk_scale`` is ``scale *
+    log2 e``, or ``scale / softcap`` when ``HAS_SOFTCAP``. In order (docs/modifiers.md):
+    softcap, ALiBi (``alibi2 = -slope * log2 e``), gate, additive ``attn_mask``
+    (``MASK_KIND`` 1), then the masks: window/causal and key length where ``MASK``, boolean
+    ``attn_mask`` (``MASK_KIND`` 2).
+
+    Every kernel must round a score alike: the backward recomputes P = exp2(s - lse) against
+    the forward's lse. So the additive terms are summed by explicit FMAs, and the scaled
+    product is one more FMA onto their sum. Written as multiplies and adds, the compiler
+    fused one product or another into an FMA depending on how many of a thread's scores
+    shared it, which differs between kernels of different tiles; the backward's score then
+    missed the forward's in its last bit, and with one key at an ALiBi distance of 130
+    (base-2 scores near -190) P missed 1 by 1e-5 (docs/testing.md).
     """
-    t = b_s
+    t = b_qk
     if HAS_SOFTCAP:
-        t = tanh(b_s)
-        b_s = t * softcap2
-    if HAS_ALIBI:
-        b_s += alibi2 * tl.abs(o_q + (S_k - S_q) - o_k).to(tl.float32)
-    if HAS_GATE:
-        b_s -= b_gk
-    if MASK_KIND == 1:
-        b_bias = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k, other=0.0)
-        b_s += b_bias.to(tl.float32) * LOG2E
+        t = tanh(b_qk * qk_scale)
+        f1, f2 = t, softcap2
+    else:
+        f1, f2 = b_qk, qk_scale
+    if HAS_ALIBI or HAS_GATE or MASK_KIND == 1:
+        b_add = 0.0
+        if HAS_ALIBI:
+            b_add = tl.fma(alibi2, tl.abs(o_q + (S_k - S_q) - o_k).to(tl.float32), b_add)
+        if HAS_GATE:
+            b_add = tl.fma(b_gk, -LOG2E, b_add)
+        if MASK_KIND == 1:
+            b_bias = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k,
+                             other=0.0)
+            b_add = tl.fma(b_bias.to(tl.float32), LOG2E, b_add)
+        b_s = tl.fma(f1, f2, b_add)
+    else:
+        b_s = f1 * f2
     if MASK_KIND == 2:
         # no ``other``: with it, triton 3.6 pipelined this 1-byte load into copies it then
         # could not lower, under a two-sided window with unit key stride (a compile error)

@@ -25,13 +25,13 @@ def _fwd_scores(
 ):
     """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
     ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (_fwd_fold does it)."""
-    b_s = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
-    if not FOLD_SCALE:
-        b_s = b_s * qk_scale
+    b_qk = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
+    if FOLD_SCALE:
+        qk_scale = 1.0
     b_s, _ = attention_scores(
-        b_s, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left, right,
-        softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT, HAS_RIGHT,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+        b_qk, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
+        left, right, softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT,
+        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
     return b_s
 
 
@@ -103,7 +103,7 @@ def _fwd_key_tiles(
                              o_d[:, None] < D, MASK, BLOCK_D != D)
         b_gk = 0.0
         if HAS_GATE:
-            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :] * LOG2E
+            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         # [TILE_M, BLOCK_N]
         b_s = _fwd_scores(
             b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
@@ -139,15 +139,17 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride
     b_o = acc / l_safe[:, None]
     tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
-    b_lse2 = m_i + tl.math.log2(l_safe)
-    if HAS_GATE:
-        # the queries' gate G_i, constant along each row, only shifts the log-sum-exp;
-        # query i sits at key position i + S_k - S_q
-        o_gq = o_m + (S_k - S_q)
-        b_lse2 += tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0) * LOG2E
-    b_lse2 = tl.where(m_empty, float("-inf"), b_lse2)
+    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
     tl.store(lse_log2 + o_m, b_lse2, mask=m_m)
-    tl.store(lse + o_m, b_lse2 * LN2, mask=m_m)
+    b_lse = b_lse2 * LN2
+    if HAS_GATE:
+        # the queries' gate G_i, constant along each row, only shifts the log-sum-exp. The
+        # base-2 lse kept for the backward goes without it, as do the scores the backward
+        # recomputes: a round trip through lse + G_i would cost P its last bits. Query i
+        # sits at key position i + S_k - S_q.
+        o_gq = o_m + (S_k - S_q)
+        b_lse += tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)
+    tl.store(lse + o_m, b_lse, mask=m_m)
 
 
 @triton.jit
