@@ -1,0 +1,75 @@
+"""flashop's switches: the ``FLASHOP_*`` environment variables, read once when flashop is
+imported, and a context manager that changes them for a block of code.
+
+Each switch is read by the launchers when a call is launched, and under ``torch.compile``
+when the call is traced: a compiled graph keeps the choice it saw. Change a switch before
+compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
+
+| variable | attribute | default | what it does |
+| --- | --- | --- | --- |
+| ``FLASHOP_AUTOTUNE=1`` | ``autotune`` | off | time the tile candidates on each kernel's first call per key instead of the tile table |
+| ``FLASHOP_TMA=0/1`` | ``tma`` | rule | the forward's key/value tiles through tensor descriptors: never / wherever aligned; unset: head dims above 128 over 4096+ keys on Hopper |
+| ``FLASHOP_WS=0/1`` | ``warp_specialize`` | rule | the warp-specialized plain forward: never / wherever the inputs allow; unset: Hopper, 64 < D <= 128 |
+| ``FLASHOP_DQ_ATOMICS=1`` | ``dq_atomics`` | off | the backward adds dQ by fp32 atomics (not bitwise reproducible; never under ``torch.use_deterministic_algorithms``) |
+| ``FLASHOP_DIRECT_EAGER=0`` | ``direct_eager`` | on | eager calls of ``attention`` / ``attention_with_lse`` go through the dispatcher like traced ones |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator, Optional
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value in (None, "") else value == "1"
+
+
+def _tristate(name: str) -> Optional[bool]:
+    """'1' -> True, '0' -> False, unset -> None (the launcher's default rule)."""
+    return {"1": True, "0": False}.get(os.environ.get(name, ""))
+
+
+@dataclasses.dataclass
+class Settings:
+    """The switches in force (see the module's table)."""
+
+    autotune: bool = False
+    tma: Optional[bool] = None
+    warp_specialize: Optional[bool] = None
+    dq_atomics: bool = False
+    direct_eager: bool = True
+
+    @classmethod
+    def from_environment(cls) -> "Settings":
+        return cls(autotune=_flag("FLASHOP_AUTOTUNE", False), tma=_tristate("FLASHOP_TMA"),
+                   warp_specialize=_tristate("FLASHOP_WS"),
+                   dq_atomics=_flag("FLASHOP_DQ_ATOMICS", False),
+                   direct_eager=_flag("FLASHOP_DIRECT_EAGER", True))
+
+
+settings = Settings.from_environment()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Settings]:
+    """Change switches for the block, restoring them after it (also on error)::
+
+        with flashop.config.override(tma=False, dq_atomics=True):
+            ...
+    """
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:
+        names = ", ".join(f.name for f in dataclasses.fields(Settings))
+        raise TypeError(f"flashop.config.override: unknown switch(es) {sorted(unknown)}; "
+                        f"the switches are {names}")
+    saved = dataclasses.replace(settings)
+    try:
+        for name, value in changes.items():
+            setattr(settings, name, value)
+        yield settings
+    finally:
+        for field in dataclasses.fields(Settings):
+            setattr(settings, field.name, getattr(saved, field.name))

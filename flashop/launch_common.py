@@ -1,0 +1,108 @@
+"""Helpers every launcher uses: head-dim blocks, the dtype's compile-time options, scales,
+strides and the checks on them, the GPU's generation, Triton's scratch allocator."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+from triton.runtime import _allocation
+
+from flashop.kernels import INTERPRETING
+
+
+def cdiv(n, d: int):
+    """ceil(n / d) for an int or a symbolic n (triton.cdiv costs microseconds of host time
+    per call)."""
+    return (n + d - 1) // d
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def block_dim(d: int) -> int:
+    """Head-dim block: the next power of two, at least 16 (tl.dot) and on GPUs 64."""
+    # triton<=3.6: a 32-wide block holding DV=24 gave wrong outputs and illegal accesses in
+    # the forward on Hopper, while masked 64-wide blocks are sound
+    return max(16 if INTERPRETING else 64, next_power_of_2(d))
+
+
+def resolve_scale(scale: Optional[float], head_dim: int) -> float:
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
+# Compile-time options that follow from the inputs' dtype
+_DTYPE_CONSTEXPRS = {dtype: dict(
+    # bf16 tl.dot is wrong under the interpreter: compute it on exact fp32 copies there
+    UPCAST=INTERPRETING and dtype == torch.bfloat16,
+    # fp32 inputs get full fp32 products, as torch.matmul's default (no TF32)
+    DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+
+
+def dtype_constexprs(dtype: torch.dtype) -> dict:
+    """The kernels' compile-time options for inputs of ``dtype`` (UPCAST, DOT_PRECISION)."""
+    return _DTYPE_CONSTEXPRS[dtype]
+
+
+def unit_stride_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the head dim with unit stride; other strides are passed as they are.
+    A tensor whose last dimension is strided is copied (the only copy the launchers make)."""
+    if x.size(-1) > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def check_row_offsets(op: str, tensors: tuple, row_strides: tuple, rows: tuple) -> None:
+    """The kernels offset rows within one (batch, head) slice, or within one packed
+    sequence, in 32-bit integers: ``rows[i]`` rows of ``tensors[i]`` of row stride
+    ``row_strides[i]`` must span fewer than 2**31 elements."""
+    for x, stride, n in zip(tensors, row_strides, rows):
+        if n * stride >= 2**31:
+            raise ValueError(
+                f"{op}: a tensor of shape {tuple(x.shape)} and strides {x.stride()} spans "
+                f"2**31 elements or more along its sequence dimension, past the kernels' "
+                f"32-bit row offsets; split the sequence or the heads")
+
+
+@functools.lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is Hopper or newer (looked up once per device: a call's host time
+    counts at short sequences)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def known_shorter(n, bound: int) -> bool:
+    """Whether the length ``n`` is known to be below ``bound``: a symbolic length (under
+    torch.compile with dynamic shapes) counts as long, so that no guard is put on it."""
+    return isinstance(n, int) and n < bound
+
+
+def tma_aligned(x: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can address ``x``'s rows: 16-byte aligned start and
+    strides."""
+    size = x.element_size()
+    if any(s * size % 16 for s in x.stride()[:-1]):
+        return False
+    try:
+        return x.data_ptr() % 16 == 0
+    except RuntimeError:  # a fake or functional tensor (tracing): its storage is aligned
+        return x.storage_offset() * size % 16 == 0
+
+
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_triton_allocator() -> None:
+    """Descriptors made in a kernel take scratch memory from Triton's allocator. Where the
+    caller set none (Triton's default raises), PyTorch's caching allocator serves it; an
+    allocator the caller set is left as it is. (Inductor sets its own before its launches.)"""
+    if INTERPRETING:
+        return
+    current = getattr(_allocation, "_allocator", None)
+    if current is not None and isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)

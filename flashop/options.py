@@ -1,0 +1,57 @@
+"""Value types of one attention call, shared by the validation, launch and op layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """Score modifiers of one call, as the ops receive them (docs/modifiers.md)."""
+
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) fp32
+    g: Optional[torch.Tensor] = None  # (B, S_k, H) log-decay gate
+    attn_mask: Optional[torch.Tensor] = None  # bool keep-mask or additive float bias
+
+    @property
+    def is_plain(self) -> bool:
+        """No modifier but (possibly) causal: one of the shared PLAIN values."""
+        return self is PLAIN[self.causal]
+
+
+# Calls without modifiers (but causal) share these, so the plain path adds little host time
+PLAIN = {False: Modifiers(), True: Modifiers(causal=True)}
+
+
+def modifiers(attn_mask=None, alibi_slopes=None, g=None, causal=False, window_size=None,
+              softcap=0.0) -> Modifiers:
+    """The Modifiers of an op's arguments (``window_size=None`` is (-1, -1)); the shared
+    PLAIN value where there are none."""
+    window_size = (-1, -1) if window_size is None else tuple(window_size)
+    if (attn_mask is None and alibi_slopes is None and g is None and window_size == (-1, -1)
+            and softcap == 0.0):
+        return PLAIN[bool(causal)]
+    return Modifiers(causal=causal, window_size=window_size, softcap=softcap,
+                     alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A packed batch (flash_attn_varlen's convention): sequence b holds the query tokens
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` and the key tokens likewise; the longest
+    lengths size the grid."""
+
+    cu_seqlens_q: torch.Tensor  # (batch + 1,) int32
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
