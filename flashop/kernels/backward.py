@@ -74,14 +74,14 @@ def _lse_rows(lse_log2):
 
 @triton.jit
 def _dkdv_query_tiles(
-    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, mask, dq_acc,
-    stride_qs, stride_dos, stride_mq, stride_mk, stride_dqas, o_n, m_n, lo, hi,
-    S_q, S_k, qk_scale, softcap2, alibi2, left, right,
+    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, attn_mask, dq_acc,
+    stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, o_n, m_n, lo, hi,
+    S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, MASK: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, EDGE_TILE: tl.constexpr, CHECK_ROWS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
+    ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head;
@@ -89,15 +89,13 @@ def _dkdv_query_tiles(
     ``stride_dqas``).
 
     Where ``CHECK_ROWS`` (a range that may reach past S_q), rows past S_q load q = dO = 0 and
-    lse = +inf, so they add nothing; elsewhere the loads are unmasked (measured 4% faster on
-    an H200, docs/performance-notes.md). Keys past S_k were loaded as 0 and their rows of dk,
+    lse = +inf, so they add nothing; elsewhere the loads are unmasked (faster). Keys past
+    S_k were loaded as 0 and their rows of dk,
     dv and dgk are never stored, so no key mask is needed.
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    # counted from 0 rather than range(lo, hi, BLOCK_M) (with u_full computed before the
-    # kernel's parts): the backward 8-9% faster at D=128 causal on an H200
-    # (docs/performance-notes.md, entry 29)
+    # counted from 0 rather than range(lo, hi, BLOCK_M): the compiled loop is faster
     for i_t in range(0, tl.cdiv(hi - lo, BLOCK_M)):
         start_m = tl.multiple_of(lo + i_t * BLOCK_M, BLOCK_M)
         o_m = start_m + tl.arange(0, BLOCK_M)
@@ -113,14 +111,14 @@ def _dkdv_query_tiles(
         b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION)
         b_st, b_tt = attention_scores(
             b_st, qk_scale, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left,
-            right, softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT,
-            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+            right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
         b_pt = tl.math.exp2(b_st - b_lse[None, :])
         # dO tile [BLOCK_M, BLOCK_DV]
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                          o_dv[None, :] < DV, CHECK_ROWS, BLOCK_DV != DV)
         b_do = dot_operand(b_do, UPCAST)
-        # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (3% faster on an H200)
+        # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (faster)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
         # dV += P^T dO [BLOCK_N, BLOCK_DV]
         b_dv = tl.dot(dot_operand(b_pt.to(do.dtype.element_ty), UPCAST), b_do, b_dv,
@@ -152,23 +150,24 @@ def _dkdv_query_tiles(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    q, k, v, do, lse_log2, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dk, dv, dgk, dq_acc,
+    q, k, v, do, lse_log2, delta, alibi, g_cum, attn_mask, cu_seqlens_q, cu_seqlens_k, dk, dv,
+    dgk, dq_acc,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
-    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_amb, stride_amh, stride_amq, stride_amk,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_dgkb, stride_dgkh,
     stride_dqab, stride_dqas, stride_dqah,
-    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, seq_bucket,
+    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
@@ -177,12 +176,12 @@ def attention_bwd_dkdv_kernel(
     that no dQ kernel recomputes S and dP (faster, not bitwise deterministic)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap2 = tl.cast(softcap2, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
-    # the sequence's offsets and lengths where packed (not through a helper's return
-    # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
+    # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
+    # helper (see the end of common.py)
     q_start = 0
     k_start = 0
     if IS_VARLEN:
@@ -221,16 +220,16 @@ def attention_bwd_dkdv_kernel(
         p_lse = lse_log2 + row
         p_delta = delta + row
         p_dqa = dq_acc + i_b * stride_dqab + q_start * stride_dqas + i_h * stride_dqah
-        alibi2 = 0.0
+        alibi_log2 = 0.0
         if HAS_ALIBI:
-            alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
+            alibi_log2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
         b_gk = 0.0
         if HAS_GATE:
-            p_g = g + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
+            p_g = g_cum + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
             b_gk = tl.load(p_g + o_n * stride_gs, mask=m_n, other=0.0)[:, None]
-        p_mask = mask
-        if MASK_KIND != 0:
-            p_mask = mask + i_b * stride_mb + i_h * stride_mh
+        p_attn_mask = attn_mask
+        if ATTN_MASK_KIND != 0:
+            p_attn_mask = attn_mask + i_b * stride_amb + i_h * stride_amh
         # [BLOCK_N]
         b_dgk = tl.zeros([BLOCK_N], dtype=tl.float32)
         # [lo, u_lo) masked (causal bound), [u_lo, u_full) unmasked without row masks (the
@@ -248,11 +247,13 @@ def attention_bwd_dkdv_kernel(
                 else:
                     start_m, end_m = u_hi, hi
                 b_dk, b_dv, b_dgk = _dkdv_query_tiles(
-                    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_mask,
-                    p_dqa, stride_qs, stride_dos, stride_mq, stride_mk, stride_dqas,
-                    o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap2, alibi2, left, right,
+                    b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_attn_mask,
+                    p_dqa, stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas,
+                    o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left,
+                    right,
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, part == 0 or part == 3, part != 1,
-                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, DQ_ATOMIC,
+                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+                    DQ_ATOMIC,
                     UPCAST, DOT_PRECISION)
         if HAS_GATE:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
@@ -267,17 +268,17 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_tiles(
-    b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks, stride_vs,
-    stride_gs, stride_mq, stride_mk, stride_dmq, o_m, m_m, lo, hi, S_q, S_k, qk_scale, softcap2,
-    alibi2, left, right,
+    b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+    stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, hi, S_q, S_k,
+    qk_scale, softcap_log2, alibi_log2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate into (b_dq, b_dgq) the key tiles in [lo, hi); ``MASK`` as in the forward.
-    Where ``MASK_GRAD``, write dS into ``dmask`` (rows of stride ``stride_dmq``)."""
+    """Accumulate into (b_dq, b_dgq) the key tiles in [lo, hi); ``EDGE_TILE`` as in the forward.
+    Where ``ATTN_MASK_GRAD``, write dS into ``dattn_mask`` (rows of stride ``stride_damq``)."""
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for i_t in range(0, tl.cdiv(hi - lo, BLOCK_N)):  # counted from 0, as in _dkdv_query_tiles
@@ -286,24 +287,24 @@ def _dq_key_tiles(
         m_n = o_n < S_k
         # K^T [BLOCK_D, BLOCK_N], V^T [BLOCK_DV, BLOCK_N]
         b_kt = dot_operand(load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
-                                     o_d[:, None] < D, MASK, BLOCK_D != D), UPCAST)
+                                     o_d[:, None] < D, EDGE_TILE, BLOCK_D != D), UPCAST)
         b_vt = dot_operand(load_tile(v + o_n[None, :] * stride_vs + o_dv[:, None], m_n[None, :],
-                                     o_dv[:, None] < DV, MASK, BLOCK_DV != DV), UPCAST)
+                                     o_dv[:, None] < DV, EDGE_TILE, BLOCK_DV != DV), UPCAST)
         # [BLOCK_M, BLOCK_N]
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         # dP = dO V^T [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
         b_gk = 0.0
         if HAS_GATE:
-            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
+            b_gk = tl.load(g_cum + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         b_s, b_t = attention_scores(
             b_s, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left,
-            right, softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT,
-            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+            right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         b_ds = b_p * (b_dp - b_delta[:, None])
-        if MASK_GRAD:
-            tl.store(dmask + o_m[:, None] * stride_dmq + o_n[None, :], b_ds,
+        if ATTN_MASK_GRAD:
+            tl.store(dattn_mask + o_m[:, None] * stride_damq + o_n[None, :], b_ds,
                      mask=m_m[:, None] & m_n[None, :])
         if HAS_GATE:
             # [BLOCK_M]
@@ -318,7 +319,8 @@ def _dq_key_tiles(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    q, k, v, do, lse_log2, delta, alibi, g, mask, cu_seqlens_q, cu_seqlens_k, dq, dgq, dmask,
+    q, k, v, do, lse_log2, delta, alibi, g_cum, attn_mask, cu_seqlens_q, cu_seqlens_k, dq, dgq,
+    dattn_mask,
     o, dlse,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -326,31 +328,31 @@ def attention_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
-    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_amb, stride_amh, stride_amq, stride_amk,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     stride_ob, stride_os, stride_oh,
     stride_dlb, stride_dlh, stride_dls,
-    S_q, S_k, G, sm_scale, qk_scale, softcap2, left, right, H, seq_bucket,
+    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, H, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
     IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one query tile of query head i_h, and the tile's rows of delta (stored for the
     dK/dV kernel, launched after this one); with a gate, also dgq[b, h, i] = sum_j dS[i, j];
-    where ``MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dmask`` (``H``, the query
-    heads, is read only for its offsets)."""
+    where ``ATTN_MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dattn_mask`` (``H``,
+    the query heads, is read only for its offsets)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap2 = tl.cast(softcap2, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    # the sequence's offsets and lengths where packed (not through a helper's return
-    # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
+    # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
+    # helper (see the end of common.py)
     q_start = 0
     k_start = 0
     if IS_VARLEN:
@@ -387,15 +389,15 @@ def attention_bwd_dq_kernel(
     b_delta = _delta_rows(b_o, b_do, b_dlse)
     tl.store(delta + row, b_delta, mask=m_m)
 
-    alibi2 = 0.0
+    alibi_log2 = 0.0
     if HAS_ALIBI:
-        alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
+        alibi_log2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
     if HAS_GATE:
-        g += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
-    if MASK_KIND != 0:
-        mask += i_b * stride_mb + i_h * stride_mh
-    if MASK_GRAD:
-        dmask += (i_b * H + i_h) * S_q * S_k
+        g_cum += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
+    if ATTN_MASK_KIND != 0:
+        attn_mask += i_b * stride_amb + i_h * stride_amh
+    if ATTN_MASK_GRAD:
+        dattn_mask += (i_b * H + i_h) * S_q * S_k
 
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_dgq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -403,22 +405,26 @@ def attention_bwd_dq_kernel(
                                         BLOCK_M, BLOCK_N)
     if HAS_LEFT:
         b_dq, b_dgq = _dq_key_tiles(
-            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks,
-            stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, lo, u_lo, S_q, S_k,
-            qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
+            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+            stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, lo, u_lo, S_q, S_k,
+            qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+            True,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+            UPCAST,
             DOT_PRECISION)
     b_dq, b_dgq = _dq_key_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks,
-        stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, u_lo, u_hi, S_q, S_k,
-        qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+        stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, u_lo, u_hi, S_q, S_k,
+        qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+        UPCAST,
         DOT_PRECISION)
     b_dq, b_dgq = _dq_key_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g, mask, dmask, stride_ks,
-        stride_vs, stride_gs, stride_mq, stride_mk, S_k, o_m, m_m, u_hi, hi, S_q, S_k,
-        qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, MASK_GRAD, UPCAST,
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+        stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, u_hi, hi, S_q, S_k,
+        qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+        UPCAST,
         DOT_PRECISION)
     b_dq = b_dq * sm_scale
     tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], b_dq.to(dq.dtype.element_ty),

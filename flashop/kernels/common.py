@@ -59,8 +59,8 @@ def heaviest_tiles_first():
     before.
 
     Where few programs fit an SM, the grid's last programs otherwise run alone at the end.
-    It paid in the forward with two query tiles per program, not elsewhere (the one-tile
-    forward, the dQ and dK/dV kernels: docs/performance-notes.md, entries 22 and 24)."""
+    It pays in the forward with two query tiles per program, not elsewhere (the one-tile
+    forward, the dQ and dK/dV kernels measured slower with it)."""
     n_t = tl.num_programs(0)
     n_h = tl.num_programs(1)
     n_hb = n_h * tl.num_programs(2)
@@ -139,11 +139,11 @@ def query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
 
 @triton.jit
 def attention_scores(
-    b_qk, qk_scale, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap2, alibi2, b_gk,
-    p_mask, stride_mq, stride_mk,
-    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    b_qk, qk_scale, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap_log2, alibi_log2, b_gk,
+    p_attn_mask, stride_amq, stride_amk,
+    EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    MASK_KIND: tl.constexpr,
+    ATTN_MASK_KIND: tl.constexpr,
 ):
     """Scores in base-2 units of one tile of ``q . k`` products ``b_qk``, -inf where masked;
     also ``t = tanh(...)`` for the softcap's derivative (``b_qk`` where there is no softcap).
@@ -154,9 +154,9 @@ def attention_scores(
     row, so it is not added here: the forward adds it to the natural-log lse it returns, and
     the base-2 lse it keeps for the backward goes without it. ``qk_scale`` is ``scale *
     log2 e``, or ``scale / softcap`` when ``HAS_SOFTCAP``. In order (docs/modifiers.md):
-    softcap, ALiBi (``alibi2 = -slope * log2 e``), gate, additive ``attn_mask``
-    (``MASK_KIND`` 1), then the masks: window/causal and key length where ``MASK``, boolean
-    ``attn_mask`` (``MASK_KIND`` 2).
+    softcap, ALiBi (``alibi_log2 = -slope * log2 e``), gate, additive ``attn_mask``
+    (``ATTN_MASK_KIND`` 1), then the masks: window/causal and key length where ``EDGE_TILE``
+    (a tile crossing a bound or the keys' end), boolean ``attn_mask`` (``ATTN_MASK_KIND`` 2).
 
     Every kernel must round a score alike: the backward recomputes P = exp2(s - lse) against
     the forward's lse. So the additive terms are summed by explicit FMAs, and the scaled
@@ -164,34 +164,35 @@ def attention_scores(
     fused one product or another into an FMA depending on how many of a thread's scores
     shared it, which differs between kernels of different tiles; the backward's score then
     missed the forward's in its last bit, and with one key at an ALiBi distance of 130
-    (base-2 scores near -190) P missed 1 by 1e-5 (docs/testing.md).
+    (base-2 scores near -190) P missed 1 by 1e-5.
     """
     t = b_qk
     if HAS_SOFTCAP:
         t = tanh(b_qk * qk_scale)
-        f1, f2 = t, softcap2
+        f1, f2 = t, softcap_log2
     else:
         f1, f2 = b_qk, qk_scale
-    if HAS_ALIBI or HAS_GATE or MASK_KIND == 1:
+    if HAS_ALIBI or HAS_GATE or ATTN_MASK_KIND == 1:
         b_add = 0.0
         if HAS_ALIBI:
-            b_add = tl.fma(alibi2, tl.abs(o_q + (S_k - S_q) - o_k).to(tl.float32), b_add)
+            b_add = tl.fma(alibi_log2, tl.abs(o_q + (S_k - S_q) - o_k).to(tl.float32), b_add)
         if HAS_GATE:
             b_add = tl.fma(b_gk, -LOG2E, b_add)
-        if MASK_KIND == 1:
-            b_bias = tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_q & m_k,
+        if ATTN_MASK_KIND == 1:
+            b_bias = tl.load(p_attn_mask + o_q * stride_amq + o_k * stride_amk, mask=m_q & m_k,
                              other=0.0)
             b_add = tl.fma(b_bias.to(tl.float32), LOG2E, b_add)
         b_s = tl.fma(f1, f2, b_add)
     else:
         b_s = f1 * f2
-    if MASK_KIND == 2:
-        # no ``other``: with it, triton 3.6 pipelined this 1-byte load into copies it then
+    if ATTN_MASK_KIND == 2:
+        # triton<=3.6: no ``other``: with it, triton pipelined this 1-byte load into copies it then
         # could not lower, under a two-sided window with unit key stride (a compile error)
         m_qk = m_q & m_k
-        b_keep = tl.where(m_qk, tl.load(p_mask + o_q * stride_mq + o_k * stride_mk, mask=m_qk), 0)
+        b_keep = tl.where(m_qk, tl.load(p_attn_mask + o_q * stride_amq + o_k * stride_amk,
+        mask=m_qk), 0)
         b_s = tl.where(b_keep != 0, b_s, float("-inf"))
-    if MASK:
+    if EDGE_TILE:
         m_keep = m_k
         if HAS_RIGHT:
             m_keep = m_keep & (o_k <= o_q + (S_k - S_q) + right)
@@ -201,7 +202,7 @@ def attention_scores(
     return b_s, t
 
 
-# Packed sequences: each kernel loads its sequence's offsets from cu_seqlens inline, not
+# torch<2.13: packed sequences: each kernel loads its sequence's offsets from cu_seqlens inline, not
 # through a helper. torch before 2.13 (its Triton mutation analysis) follows a helper call's
 # results back to all of the call's arguments, so store pointers offset by a helper's return
 # values made it count cu_seqlens (or the tensor standing in for them) as written: Inductor

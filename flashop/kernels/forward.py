@@ -17,10 +17,10 @@ from flashop.kernels.common import (
 
 @triton.jit
 def _fwd_scores(
-    b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k, qk_scale,
-    softcap2, alibi2, left, right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k, qk_scale,
+    softcap_log2, alibi_log2, left, right, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
@@ -30,8 +30,8 @@ def _fwd_scores(
         qk_scale = 1.0
     b_s, _ = attention_scores(
         b_qk, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
-        left, right, softcap2, alibi2, b_gk, mask, stride_mq, stride_mk, MASK, HAS_LEFT,
-        HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND)
+        left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
     return b_s
 
 
@@ -67,19 +67,19 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks, stride_vs,
-    stride_gs, stride_mq, stride_mk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale, softcap2,
-    alibi2, left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks, stride_vs,
+    stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale,
+    softcap_log2, alibi_log2, left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
     FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
 
-    ``MASK`` tiles may cross the window (causal) bounds or the end of the keys; the others
+    ``EDGE_TILE`` tiles may cross the window (causal) bounds or the end of the keys; the others
     are inside for every row of the program and skip that masking. Where ``TMA``, ``k``
     and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
     read rows past S_k and columns past D as 0.
@@ -87,7 +87,7 @@ def _fwd_key_tiles(
     With two query tiles the order is: both tiles' scores, then each tile's softmax and P V
     product. Triton waits for a scores product where it is issued but lets a P V product,
     which accumulates, run until the end of the iteration: the tensor cores work on the
-    first tile's P V while the second tile's softmax runs (docs/performance-notes.md).
+    first tile's P V while the second tile's softmax runs.
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -100,36 +100,38 @@ def _fwd_key_tiles(
             b_kt = tl.trans(k.load([start_n, 0]))
         else:
             b_kt = load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
-                             o_d[:, None] < D, MASK, BLOCK_D != D)
+                             o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
         b_gk = 0.0
         if HAS_GATE:
-            b_gk = tl.load(g + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
+            b_gk = tl.load(g_cum + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         # [TILE_M, BLOCK_N]
         b_s = _fwd_scores(
-            b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
-            qk_scale, softcap2, alibi2, left, right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_GATE, MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
+            b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k,
+            qk_scale, softcap_log2, alibi_log2, left, right, EDGE_TILE, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP,
+            HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
         if SPLIT_M:
             b_s2 = _fwd_scores(
-                b_q2, b_kt, b_gk, o_m2, m_m2, o_n, m_n, mask, stride_mq, stride_mk, S_q, S_k,
-                qk_scale, softcap2, alibi2, left, right, MASK, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
+                b_q2, b_kt, b_gk, o_m2, m_m2, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k,
+                qk_scale, softcap_log2, alibi_log2, left, right, EDGE_TILE, HAS_LEFT, HAS_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
         if TMA:
             b_v = v.load([start_n, 0])
         else:
             b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
-                            o_dv[None, :] < DV, MASK, BLOCK_DV != DV)
-        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASK or MASK_KIND != 0,
+                            o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
+        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale,
+        EDGE_TILE or ATTN_MASK_KIND != 0,
                                   FOLD_SCALE, UPCAST, DOT_PRECISION)
         if SPLIT_M:
             acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
-                                         MASK or MASK_KIND != 0, FOLD_SCALE, UPCAST,
+                                         EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
                                          DOT_PRECISION)
     return acc, l_i, m_i, acc2, l_i2, m_i2
 
 
 @triton.jit
-def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os,
+def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os,
                   stride_gs, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr):
     """Store the output rows ``o_m`` (acc / l) and their log-sum-exp, natural and base 2."""
     o_dv = tl.arange(0, BLOCK_DV)
@@ -139,35 +141,35 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride
     b_o = acc / l_safe[:, None]
     tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
-    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
-    tl.store(lse_log2 + o_m, b_lse2, mask=m_m)
-    b_lse = b_lse2 * LN2
+    b_lse_log2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    tl.store(lse_log2 + o_m, b_lse_log2, mask=m_m)
+    b_lse = b_lse_log2 * LN2
     if HAS_GATE:
         # the queries' gate G_i, constant along each row, only shifts the log-sum-exp. The
         # base-2 lse kept for the backward goes without it, as do the scores the backward
         # recomputes: a round trip through lse + G_i would cost P its last bits. Query i
         # sits at key position i + S_k - S_q.
         o_gq = o_m + (S_k - S_q)
-        b_lse += tl.load(g + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)
+        b_lse += tl.load(g_cum + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)
     tl.store(lse + o_m, b_lse, mask=m_m)
 
 
 @triton.jit
 def attention_fwd_kernel(
-    q, k, v, o, lse, lse_log2, alibi, g, mask, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, o, lse, lse_log2, alibi, g_cum, attn_mask, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
-    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_amb, stride_amh, stride_amq, stride_amk,
     stride_lb, stride_lh,
-    S_q, S_k, G, qk_scale, softcap2, left, right, seq_bucket,
+    S_q, S_k, G, qk_scale, softcap_log2, left, right, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -180,8 +182,8 @@ def attention_fwd_kernel(
     Where ``IS_VARLEN``, batch entry b is the packed sequence ``cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1]`` (keys likewise; S_q, S_k are then the longest lengths) and the
     tensors' batch strides are 0.
-    ``alibi`` (slopes), ``g`` (the cumulative gate, fp32, read through its (batch, seq,
-    head) strides) and ``mask`` are read only where their flag is set. ``seq_bucket`` is
+    ``alibi`` (slopes), ``g_cum`` (the cumulative gate, fp32, read through its (batch, seq,
+    head) strides) and ``attn_mask`` are read only where their flag is set. ``seq_bucket`` is
     not read: it is the autotuner's key for the lengths (flashop/launch.py).
     Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
@@ -194,20 +196,19 @@ def attention_fwd_kernel(
     descriptors' alignment (16-byte base and row strides).
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
-    softcap2 = tl.cast(softcap2, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     if HAS_RIGHT and SPLIT_M:
         # causal-like: later query tiles attend more keys. With two query tiles per program
         # (one program per SM at D=128), the grid's last programs ran alone: heaviest
-        # first (+8-11% at N=16k on an H200; with one query tile this order was slower,
-        # docs/performance-notes.md entry 22)
+        # first (with one query tile this order is slower)
         i_m, i_h, i_b = heaviest_tiles_first()
     else:
         i_m = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
         i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    # the sequence's offsets and lengths where packed (not through a helper's return
-    # values: torch < 2.13 would then count cu_seqlens as written, see common.py)
+    # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
+    # helper (see the end of common.py)
     q_start = 0
     k_start = 0
     if IS_VARLEN:
@@ -263,13 +264,13 @@ def attention_fwd_kernel(
         l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
         acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
 
-    alibi2 = 0.0
+    alibi_log2 = 0.0
     if HAS_ALIBI:
-        alibi2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
+        alibi_log2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E
     if HAS_GATE:
-        g += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
-    if MASK_KIND != 0:
-        mask += i_b * stride_mb + i_h * stride_mh
+        g_cum += i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
+    if ATTN_MASK_KIND != 0:
+        attn_mask += i_b * stride_amb + i_h * stride_amh
 
     # the key tiles of all BLOCK_M rows
     lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
@@ -292,25 +293,25 @@ def attention_fwd_kernel(
             else:
                 start_n, end_n = u_hi, mid
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
-                acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g, mask, stride_ks,
-                stride_vs, stride_gs, stride_mq, stride_mk, o_m, m_m, o_m2, m_m2, start_n, end_n,
-                S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+                acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks,
+                stride_vs, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, start_n, end_n,
+                S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-                MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
+                ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
     if SPLIT_M and HAS_RIGHT:
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
-            acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, k, v, g, mask, stride_ks,
-            stride_vs, stride_gs, stride_mq, stride_mk, o_m2, m_m2, o_m2, m_m2, mid, hi,
-            S_q, S_k, qk_scale, softcap2, alibi2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+            acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, k, v, g_cum, attn_mask, stride_ks,
+            stride_vs, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid, hi,
+            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-            MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION)
+            ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION)
 
-    _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g, o_m, m_m, S_q, S_k, stride_os, stride_gs,
+    _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE)
     if SPLIT_M:
-        _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g, o_m2, m_m2, S_q, S_k, stride_os,
+        _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_os,
                       stride_gs, DV, BLOCK_DV, HAS_GATE)
 
 
@@ -343,10 +344,11 @@ def attention_fwd_ws_kernel(
     loop warp-specialized: Triton's Hopper pass gives the tensor-descriptor loads a producer
     warp group and each of the program's two query tiles (BLOCK_M / 2 rows) a consumer warp
     group, so that one tile's softmax runs while the other's matmuls do (FlashAttention-3's
-    ping-pong; docs/performance-notes.md, entry 39). Same outputs as attention_fwd_kernel.
+    ping-pong). Same outputs as attention_fwd_kernel.
 
     Needs S_k to be a multiple of BLOCK_N: the loop has no masked tile (triton 3.6's pass
-    accepts one loop, without a branch in it, and masking every tile cost 10%). Needs q to be
+    accepts one loop, without a branch in it, and masking every tile costs more than it saves).
+    Needs q to be
     one 2-D array of rows: ``Q_HEAD_MAJOR``, (batch, head) slices of S_q rows of stride
     stride_qs one after another; else (batch, seq) rows holding the H heads side by side,
     D == BLOCK_D (launch._ws_query_layout). ``seq_bucket`` is not read (the launcher's
@@ -362,8 +364,9 @@ def attention_fwd_ws_kernel(
     lse += i_b * stride_lb + i_h * stride_lh
     lse_log2 += i_b * stride_lb + i_h * stride_lh
     TILE_M: tl.constexpr = BLOCK_M // 2
-    # the queries' descriptor spans the whole tensor read as 2-D: one made over a program's
-    # (batch, head) raced with the loop under triton 3.6 (wrong outputs on an H200), and the
+    # triton<=3.6: the queries' descriptor spans the whole tensor read as 2-D: one made over a
+    # program's
+    # (batch, head) raced with the loop under triton 3.6 (wrong outputs), and the
     # pass refuses descriptors of more dimensions. Rows past S_q are the next sequence's (or
     # past the tensor's end, 0): they are computed and not stored.
     if Q_HEAD_MAJOR:  # (batch, head) slices of S_q rows one after another: columns [0, D)
