@@ -10,7 +10,7 @@ the API and its conventions.
 from flashop.api import (
     attention, attention_varlen, attention_varlen_with_lse, attention_with_lse,
 )
-from flashop.launch import INTERPRETING
+from flashop.kernels import INTERPRETING
 from flashop.padding import pad_input, unpad_input
 from flashop.reference import attention_reference, attention_varlen_reference
 

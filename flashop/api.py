@@ -9,30 +9,27 @@ the dispatcher; traced, both give the same graph.
 (no torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform active;
 see ``_direct``): they run the forward operator's body directly in an autograd function
 whose backward is the ``attention_backward`` operator, skipping the dispatcher's layers and
-the registered operator's generated autograd function (about 40% of a forward call's host
-time on an H200 host: docs/performance-notes.md, entry 37). Results, checks and messages are
-the operator's; ``FLASHOP_DIRECT_EAGER=0`` (read at import) sends every call through it.
+the registered operator's generated autograd function, a large part of a short call's
+host time. Results, checks and messages are the operator's; ``FLASHOP_DIRECT_EAGER=0``
+(``flashop.config``) sends every call through it.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch._library.triton import set_wrap_triton_enabled
 
-from flashop import ops  # registers torch.ops.flashop.*
-
-DIRECT_EAGER = os.environ.get("FLASHOP_DIRECT_EAGER", "1") != "0"
+from flashop import config, ops  # registers torch.ops.flashop.*
 
 
 def _direct(*tensors: Optional[Tensor]) -> bool:
     """Whether a call with these tensors takes the direct eager path: plain tensors (no
     subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
     compiler or tracer, a dispatch mode, a functorch transform)."""
-    return (DIRECT_EAGER and not torch.compiler.is_compiling()
+    return (config.settings.direct_eager and not torch.compiler.is_compiling()
             and all(t is None or type(t) is Tensor for t in tensors)
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._are_functorch_transforms_active()

@@ -36,20 +36,14 @@ import torch
 from torch import Tensor
 
 from flashop import launch
+from flashop.kernels import INTERPRETING
+from flashop.options import Packing, modifiers as _modifiers
 from flashop.validation import (
     check_attention_inputs, check_backward_inputs, check_varlen_backward_inputs,
     check_varlen_inputs,
 )
 
-_register = torch.library.custom_op if launch.INTERPRETING else torch.library.triton_op
-
-def _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap) -> launch.Modifiers:
-    window_size = (-1, -1) if window_size is None else tuple(window_size)
-    if (attn_mask is None and alibi_slopes is None and g is None and window_size == (-1, -1)
-            and softcap == 0.0):
-        return launch.PLAIN[bool(causal)]
-    return launch.Modifiers(causal=causal, window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask)
+_register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
 
 
 # window_size=None is (-1, -1): torch.library infers schemas only with None/scalar defaults
@@ -66,7 +60,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 def run_forward(q, k, v, attn_mask, alibi_slopes, g, causal, scale, window_size, softcap):
     """attention_forward's body: checks, then the kernel; (out, lse, lse_log2)."""
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
-    check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
+    check_attention_inputs(q, k, v, scale, mods, interpreting=INTERPRETING)
     return launch.attention_forward(q, k, v, scale, mods)
 
 
@@ -74,7 +68,7 @@ def run_forward(q, k, v, attn_mask, alibi_slopes, g, causal, scale, window_size,
 def _attention_forward_fake(q, k, v, attn_mask=None, alibi_slopes=None, g=None, *,
                             causal=False, scale=None, window_size=None, softcap=0.0):
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
-    check_attention_inputs(q, k, v, scale, mods, interpreting=launch.INTERPRETING)
+    check_attention_inputs(q, k, v, scale, mods, interpreting=INTERPRETING)
     return launch.attention_forward_outputs(q, k, v)
 
 
@@ -88,7 +82,7 @@ def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tens
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
     check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
-                          interpreting=launch.INTERPRETING)
+                          interpreting=INTERPRETING)
     return launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, scale, mods,
                                      attn_mask_grad)
 
@@ -99,7 +93,7 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse_log2, attn_mask=None,
                              window_size=None, softcap=0.0, attn_mask_grad=False):
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap)
     check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
-                          interpreting=launch.INTERPRETING)
+                          interpreting=INTERPRETING)
     return launch.attention_backward_outputs(q, k, v, g, attn_mask, attn_mask_grad)
 
 
@@ -177,8 +171,8 @@ _lib.impl("attention", attention, "CompositeImplicitAutograd")
 # --- packed variable-length batches ---------------------------------------------------------
 
 
-def _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> launch.Packing:
-    return launch.Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+def _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packing:
+    return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_register("flashop::attention_varlen_forward", mutates_args=())
@@ -190,7 +184,7 @@ def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              ) -> tuple[Tensor, Tensor, Tensor]:
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                        mods, interpreting=launch.INTERPRETING)
+                        mods, interpreting=INTERPRETING)
     return launch.attention_forward(
         q, k, v, scale, mods, _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
@@ -201,7 +195,7 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                                    scale=None, window_size=None, softcap=0.0):
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                        mods, interpreting=launch.INTERPRETING)
+                        mods, interpreting=INTERPRETING)
     return launch.attention_forward_outputs(q, k, v, packed=True)
 
 
@@ -216,7 +210,7 @@ def attention_varlen_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, 
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
     check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mods,
-                                 interpreting=launch.INTERPRETING)
+                                 interpreting=INTERPRETING)
     packing = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dg, _ = launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, scale,
                                                   mods, False, packing)
@@ -231,7 +225,7 @@ def _attention_varlen_backward_fake(dout, dlse, q, k, v, out, lse_log2, cu_seqle
     mods = _modifiers(None, alibi_slopes, g, causal, window_size, softcap)
     check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, mods,
-                                 interpreting=launch.INTERPRETING)
+                                 interpreting=INTERPRETING)
     return launch.attention_backward_outputs(q, k, v, g, None, False)[:4]
 
 

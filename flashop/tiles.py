@@ -5,6 +5,7 @@ are in docs/notes/."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 
@@ -110,9 +111,30 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
     return Tiles(64, 32, 4, 3) if hopper else Tiles(64, 32, 4, 1)
 
 
+# Tiles forced per kind by force() (benchmarks/tune.py times candidates this way)
+_FORCED: dict = {}
+
+
+@contextlib.contextmanager
+def force(kind: str, tiles: Tiles):
+    """Within the block, every launch of ``kind`` ("fwd", "dkdv", "dkdv_atomic", "dq") takes
+    ``tiles`` instead of the table's (and the forward keeps them as they are)."""
+    saved = _FORCED.get(kind)
+    _FORCED[kind] = tiles
+    try:
+        yield
+    finally:
+        if saved is None:
+            _FORCED.pop(kind)
+        else:
+            _FORCED[kind] = saved
+
+
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
               mask_grad: bool = False, causal: bool = False, short: bool = False) -> Tiles:
     """The tiles of ``kind`` (see _gpu_tiles for ``causal`` and ``short``)."""
+    if kind in _FORCED:
+        return _FORCED[kind]
     if INTERPRETING:
         t = _INTERPRETER_TILES[kind]
         if kind == "fwd" and two_query_tiles(head_dim):  # as on Hopper GPUs
@@ -137,6 +159,8 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     attn_mask (its loads in both tiles spill), a window's left bound (short programs whose
     masked bands double), causal-like with fewer than SHORT_KEYS keys where S_k is known
     (symbolic under torch.compile with dynamic shapes: no guard on it, two tiles)."""
+    if "fwd" in _FORCED:
+        return _FORCED["fwd"]
     short = is_short(S_k)
     t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short)
     short_causal = flags["HAS_RIGHT"] and short

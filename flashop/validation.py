@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 
-from flashop.launch import PLAIN
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -29,14 +28,14 @@ def _shapes(q, k, v) -> str:
 def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interpreting: bool,
                            op: str = "flashop.attention") -> None:
     """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV), scale and the
-    score modifiers ``mods`` (a ``launch.Modifiers``; None: no modifiers)."""
+    score modifiers ``mods`` (an ``options.Modifiers``; None: no modifiers)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
                 f"{op}: {name} must be a 4-D tensor {_LAYOUT}, got shape {_shape(t)}")
     _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=False)
     B, H = q.shape[0], q.shape[2]
-    if mods is not None and mods is not PLAIN[mods.causal]:
+    if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, q.shape[1], k.shape[1], H)
 
 
@@ -229,7 +228,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise ValueError(
                 f"{op}: {name} must be the longest sequence's length (>= 1 with {total} "
                 f"tokens), got {m}")
-    if mods is None or mods is PLAIN[mods.causal]:
+    if mods is None or mods.is_plain:
         return
     if mods.attn_mask is not None:
         raise ValueError(f"{op}: attn_mask is not supported with packed sequences; use "

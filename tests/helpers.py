@@ -118,6 +118,8 @@ def poisoned_outputs(deterministic_backward: bool = True):
     which needs deterministic algorithms on). flashop's backward takes its default dQ kernel
     unless ``deterministic_backward`` is False (the opt-in dQ by atomics)."""
     fill = torch.utils.deterministic.fill_uninitialized_memory
+    # the poisoning needs deterministic algorithms on, under which the launcher never takes
+    # the atomics: its choice is replaced for the block
     choice = flashop.launch.deterministic_backward
     flashop.launch.deterministic_backward = lambda: deterministic_backward
     torch.utils.deterministic.fill_uninitialized_memory = True

@@ -8,6 +8,8 @@ from hypothesis import given, strategies as st
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
+from flashop import launch, tiles
+from flashop.tiles import Tiles
 from helpers import (
     DEVICE, Case, check_case, deterministic_algorithms, make_inputs, poisoned_outputs,
     run_flashop,
@@ -68,44 +70,44 @@ if ON_GPU:
 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
-def test_forward_through_tensor_descriptors(case, monkeypatch):
+def test_forward_through_tensor_descriptors(case):
     """The forward's key and value tiles through tensor descriptors (FLASHOP_TMA=1): rows past
     S_k and columns past D read as 0, GQA, a head-major layout, modifiers."""
-    monkeypatch.setattr(flashop.launch, "TMA", True)
-    q, k, v = make_inputs(case)[0]
-    assert flashop.launch._uses_tma(q, k, v, max(case.D, case.DV), case.S_k)  # aligned inputs
-    check_case(case)
+    with flashop.config.override(tma=True):
+        q, k, v = make_inputs(case)[0]
+        assert launch._uses_tma(q, k, v, max(case.D, case.DV), case.S_k)  # aligned inputs
+        check_case(case)
 
 
-def test_tensor_descriptors_need_aligned_rows(monkeypatch):
-    monkeypatch.setattr(flashop.launch, "TMA", True)
-    uses = flashop.launch._uses_tma
+def test_tensor_descriptors_need_aligned_rows():
+    uses = launch._uses_tma
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     k = torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16)[..., :12]  # 40-byte rows
-    assert uses(q, q, q, 16, 8)
-    assert not uses(q, k, q, 16, 8)
-    assert not uses(q, q[..., 4:], q, 16, 8)  # an 8-byte offset start
-    assert not uses(q.float(), q.float(), q.float(), 16, 8)
-    monkeypatch.setattr(flashop.launch, "TMA", False)
-    assert not uses(q, q, q, 256, 8192)
+    with flashop.config.override(tma=True):
+        assert uses(q, q, q, 16, 8)
+        assert not uses(q, k, q, 16, 8)
+        assert not uses(q, q[..., 4:], q, 16, 8)  # an 8-byte offset start
+        assert not uses(q.float(), q.float(), q.float(), 16, 8)
+    with flashop.config.override(tma=False):
+        assert not uses(q, q, q, 256, 8192)
 
 
 @pytest.mark.parametrize("hopper", [False, True])
 def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monkeypatch):
     """FLASHOP_TMA unset: descriptors at head dims above 128 over at least TMA_MIN_KEYS keys
     (or a symbolic length) on Hopper GPUs only, where they measured faster; never on a CPU."""
-    monkeypatch.setattr(flashop.launch, "TMA", None)
-    monkeypatch.setattr(flashop.launch, "_is_hopper", lambda device: hopper)
-    by_default = flashop.launch._tma_by_default
-    cuda, n = torch.device("cuda", 0), flashop.launch.TMA_MIN_KEYS
+    monkeypatch.setattr(launch, "is_hopper", lambda device: hopper)
+    by_default = launch._tma_by_default
+    cuda, n = torch.device("cuda", 0), launch.TMA_MIN_KEYS
     assert [by_default(d, n, cuda) for d in (64, 128, 129, 256)] == [False, False, hopper, hopper]
     assert not by_default(256, n - 1, cuda)
     symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
     assert by_default(256, symbolic, cuda) == hopper
     assert not by_default(256, n, torch.device("cpu"))
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
-    assert flashop.launch._uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
-    assert not flashop.launch._uses_tma(q, q, q, 128, n)
+    with flashop.config.override(tma=None):
+        assert launch._uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
+        assert not launch._uses_tma(q, q, q, 128, n)
 
 
 # Under the interpreter the warp-specialized kernel's tile is 32 x 16 (its loop is a plain
@@ -123,48 +125,48 @@ WS_CASES = [
 
 def _takes_ws(case: Case) -> bool:
     q, k, v = make_inputs(case)[0]
-    flags = flashop.launch._PLAIN_FLAGS[case.causal]
-    return flashop.launch._uses_ws(q, k, v, flags, max(case.D, case.DV), case.S_k, False)
+    flags = launch._PLAIN_FLAGS[case.causal]
+    return launch._uses_ws(q, k, v, flags, max(case.D, case.DV), case.S_k, False)
 
 
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
-def test_forward_with_its_warp_specialized_kernel(case, monkeypatch):
+def test_forward_with_its_warp_specialized_kernel(case):
     """attention_fwd_ws_kernel (FLASHOP_WS=1): GQA, both query layouts it reads, DV != D,
     rows past S_q (the next sequence's, computed and not stored), one query, a negative
     scale (not folded)."""
-    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", True)
-    assert _takes_ws(case)
-    check_case(case)
+    with flashop.config.override(warp_specialize=True):
+        assert _takes_ws(case)
+        check_case(case)
 
 
-def test_where_the_warp_specialized_kernel_runs(monkeypatch):
+def test_where_the_warp_specialized_kernel_runs():
     """Dense 16-bit inputs without modifiers and S_k a multiple of its BLOCK_N; by default
     only on Hopper GPUs (never on a CPU), and not with FLASHOP_WS=0."""
     base = Case(B=1, S_q=40, S_k=2 * _WS_N, H_kv=1, G=2, D=64, DV=64, dtype=torch.float16)
-    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", True)
-    assert _takes_ws(base)
-    for other in (dict(S_k=2 * _WS_N + 1), dict(causal=True), dict(dtype=torch.float32),
-                  dict(D=80, DV=80)):  # (batch, seq) rows whose D is not a block width
-        assert not _takes_ws(replace(base, **other)), other
-    assert _takes_ws(replace(base, D=80, DV=80, layout="bhsd"))
-    q, k, v = make_inputs(base)[0]
-    modifiers = flashop.launch._PLAIN_FLAGS[False]
-    for flag in ("HAS_LEFT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE", "MASK_KIND"):
-        flags = {**modifiers, flag: True}
-        assert not flashop.launch._uses_ws(q, k, v, flags, 64, base.S_k, False), flag
-    assert not flashop.launch._uses_ws(q, k, v, modifiers, 64, base.S_k, True)  # packed
-    symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
-    assert not flashop.launch._uses_ws(q, k, v, modifiers, 64, symbolic, False)
-    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", False)
-    assert not _takes_ws(base)
-    monkeypatch.setattr(flashop.launch, "WARP_SPECIALIZE", None)
-    on_hopper = ON_GPU and torch.cuda.get_device_capability()[0] >= 9
-    assert _takes_ws(replace(base, D=128, DV=128)) == on_hopper
-    assert not _takes_ws(base)  # D = 64: slower there
+    with flashop.config.override(warp_specialize=True):
+        assert _takes_ws(base)
+        for other in (dict(S_k=2 * _WS_N + 1), dict(causal=True), dict(dtype=torch.float32),
+                      dict(D=80, DV=80)):  # (batch, seq) rows whose D is not a block width
+            assert not _takes_ws(replace(base, **other)), other
+        assert _takes_ws(replace(base, D=80, DV=80, layout="bhsd"))
+        q, k, v = make_inputs(base)[0]
+        modifiers = launch._PLAIN_FLAGS[False]
+        for flag in ("HAS_LEFT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND"):
+            flags = {**modifiers, flag: True}
+            assert not launch._uses_ws(q, k, v, flags, 64, base.S_k, False), flag
+        assert not launch._uses_ws(q, k, v, modifiers, 64, base.S_k, True)  # packed
+        symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
+        assert not launch._uses_ws(q, k, v, modifiers, 64, symbolic, False)
+    with flashop.config.override(warp_specialize=False):
+        assert not _takes_ws(base)
+    with flashop.config.override(warp_specialize=None):
+        on_hopper = ON_GPU and torch.cuda.get_device_capability()[0] >= 9
+        assert _takes_ws(replace(base, D=128, DV=128)) == on_hopper
+        assert not _takes_ws(base)  # D = 64: slower there
 
 
 def test_the_warp_specialized_kernels_query_layouts():
-    layout = flashop.launch._ws_query_layout
+    layout = launch._ws_query_layout
     x = torch.empty(2, 10, 4, 128)
     assert layout(x) is False  # (batch, seq) rows of 4 heads
     assert layout(torch.empty(2, 10, 3, 4, 128)[:, :, 1]) is False  # q of a packed qkv
@@ -199,15 +201,14 @@ SPLIT_CASES = [
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
-def test_forward_with_two_query_tiles_per_program(case, monkeypatch):
-    """The forward's split query tile (Tiles.split_m: launch.forward_tiles's choice at
+def test_forward_with_two_query_tiles_per_program(case):
+    """The forward's split query tile (Tiles.split_m: tiles.forward_tiles's choice at
     64 < D <= 128 on Hopper, and an autotuning candidate) at any head dim, with every
     modifier, masks, GQA, layouts, rows past S_q."""
     # 2 x 16 rows under the interpreter; on a GPU 2 x 64 (fits shared memory at every head dim)
-    split = flashop.launch.Tiles(128, 32, 4, 2, split_m=True) if ON_GPU else \
-        flashop.launch.Tiles(32, 16, split_m=True)
-    monkeypatch.setattr(flashop.launch, "forward_tiles", lambda *args: split)
-    check_case(case)
+    split = Tiles(128, 32, 4, 2, split_m=True) if ON_GPU else Tiles(32, 16, split_m=True)
+    with tiles.force("fwd", split):
+        check_case(case)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="4k keys: minutes under the interpreter")
@@ -219,11 +220,11 @@ def test_forward_with_two_query_tiles_per_program(case, monkeypatch):
 ], ids=["D128", "D96-modifiers"])
 def test_long_causal_with_the_tables_split_tiles(case):
     """Causal over >= 4096 keys at 64 < D <= 128: on Hopper the table's two query tiles per
-    program, ordered heaviest first across heads (launch.forward_tiles)."""
+    program, ordered heaviest first across heads (tiles.forward_tiles)."""
     if torch.cuda.get_device_capability()[0] >= 9:
-        flags = dict(flashop.launch._PLAIN_FLAGS[True])
-        assert flashop.launch.forward_tiles(case.D, case.dtype, torch.device(DEVICE), flags,
-                                            case.S_k).split_m
+        flags = dict(launch._PLAIN_FLAGS[True])
+        assert tiles.forward_tiles(case.D, case.dtype, torch.device(DEVICE), flags,
+                                   case.S_k).split_m
     check_case(case)
 
 
@@ -233,20 +234,20 @@ def test_non_positive_scales(scale, causal):
     """A scale <= 0 (the forward folds only a positive one into its exponent: the row max of
     unscaled scores is the scaled scores' max only then), with a window's masked tiles and
     rows past the tiles; 0 gives each row a uniform average of its keys."""
-    flags, t = flashop.launch._PLAIN_FLAGS[causal], flashop.launch.Tiles(32, 16)
-    assert flashop.launch._folds_scale(0.3, flags, t, 96)
-    assert not flashop.launch._folds_scale(scale, flags, t, 96)
+    flags, t = launch._PLAIN_FLAGS[causal], Tiles(32, 16)
+    assert launch._folds_scale(0.3, flags, t, 96)
+    assert not launch._folds_scale(scale, flags, t, 96)
     check_case(Case(B=1, S_q=45, S_k=70, H_kv=1, G=2, D=96, DV=96, dtype=torch.float16,
                     causal=causal, scale=scale, window_size=(30, -1)))
 
 
 def test_where_the_forward_folds_the_scale():
-    flags, t = dict(flashop.launch._PLAIN_FLAGS[False]), flashop.launch.Tiles(32, 16)
-    split = flashop.launch.Tiles(32, 16, split_m=True)
-    folds = flashop.launch._folds_scale
-    assert folds(0.1, {**flags, "MASK_KIND": 2, "HAS_LEFT": True}, t, 64)
+    flags, t = dict(launch._PLAIN_FLAGS[False]), Tiles(32, 16)
+    split = Tiles(32, 16, split_m=True)
+    folds = launch._folds_scale
+    assert folds(0.1, {**flags, "ATTN_MASK_KIND": 2, "HAS_LEFT": True}, t, 64)
     for modifier in (dict(HAS_SOFTCAP=True), dict(HAS_ALIBI=True), dict(HAS_GATE=True),
-                     dict(MASK_KIND=1)):
+                     dict(ATTN_MASK_KIND=1)):
         assert not folds(0.1, {**flags, **modifier}, t, 64)
     assert folds(0.1, flags, split, 128) and folds(0.1, {**flags, "HAS_RIGHT": True}, t, 128)
     assert not folds(0.1, {**flags, "HAS_RIGHT": True}, split, 128)
@@ -325,12 +326,12 @@ def test_atomic_dq_backward_matches_reference(causal):
                     causal=causal, window_size=(20, -1)), deterministic_backward=False)
 
 
-def test_dq_atomics_are_opt_in_and_off_when_deterministic(monkeypatch):
-    assert flashop.launch.deterministic_backward()  # the default
-    monkeypatch.setattr(flashop.launch, "DQ_ATOMICS", True)
-    assert not flashop.launch.deterministic_backward()
-    with deterministic_algorithms():
-        assert flashop.launch.deterministic_backward()
+def test_dq_atomics_are_opt_in_and_off_when_deterministic():
+    assert launch.deterministic_backward()  # the default
+    with flashop.config.override(dq_atomics=True):
+        assert not launch.deterministic_backward()
+        with deterministic_algorithms():
+            assert launch.deterministic_backward()
 
 
 def test_attention_equals_first_output_of_attention_with_lse():

@@ -7,8 +7,12 @@ import torch
 import triton
 
 import flashop
-from flashop import launch
-from flashop.launch import Tiles
+from flashop import config, launch, tiles as tile_table
+from flashop.kernels import INTERPRETING
+from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from flashop.kernels.forward import attention_fwd_kernel
+from flashop.launch_common import block_dim
+from flashop.tiles import Tiles
 from flashop.testing import check_attention
 from helpers import DEVICE, Case, check_case, make_inputs
 
@@ -18,76 +22,76 @@ H200_SHARED_MEMORY = 232448  # bytes a program may take on an H100 / H200 (Trito
 def test_shared_memory_counts_one_buffer_per_stage_of_loop_operands():
     # forward at D=128, 128x128 tiles, 3 stages: Q once, K and V three times, 2-byte elements;
     # Triton compiled this tile (229376 bytes) and refused one needing 262144
-    assert launch.shared_memory_bytes("fwd", Tiles(128, 128, 8, 3), 128, 128, 2) == \
+    assert tile_table.shared_memory_bytes("fwd", Tiles(128, 128, 8, 3), 128, 128, 2) == \
         2 * (128 * 128 + 3 * 128 * 256)
     # dK/dV: K and V once, Q and dO per stage; dQ: Q and dO once, K and V per stage
-    assert launch.shared_memory_bytes("dkdv", Tiles(64, 32, 4, 2), 64, 128, 2) == \
+    assert tile_table.shared_memory_bytes("dkdv", Tiles(64, 32, 4, 2), 64, 128, 2) == \
         2 * (32 * 192 + 2 * 64 * 192)
-    assert launch.shared_memory_bytes("dq", Tiles(64, 32, 4, 2), 64, 128, 2) == \
+    assert tile_table.shared_memory_bytes("dq", Tiles(64, 32, 4, 2), 64, 128, 2) == \
         2 * (64 * 192 + 2 * 32 * 192)
 
 
 def test_shared_memory_counts_the_staged_fp32_dq_tile_of_the_atomic_backward():
     # Triton needed 262656 bytes for this tile at D=256 on an H200, over its 232448
     t = Tiles(64, 64, 8, 2)
-    assert launch.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) == \
+    assert tile_table.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) == \
         2 * (64 * 512 + 2 * 64 * 512) + 4 * 64 * 256
-    assert launch.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) > H200_SHARED_MEMORY
+    assert tile_table.shared_memory_bytes("dkdv_atomic", t, 256, 256, 2) > H200_SHARED_MEMORY
 
 
 @pytest.mark.parametrize("short", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
+@pytest.mark.parametrize("kind", sorted(tile_table.TILE_CANDIDATES))
 @pytest.mark.parametrize("block", [64, 128, 256])
 def test_the_tables_tiles_fit_a_hopper_gpu(kind, block, causal, short):
-    t = launch._gpu_tiles(kind, block, hopper=True, causal=causal, short=short)
-    assert launch.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY, t
+    t = tile_table._gpu_tiles(kind, block, hopper=True, causal=causal, short=short)
+    assert tile_table.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY, t
 
 
-@pytest.mark.parametrize("kind", sorted(launch.TILE_CANDIDATES))
+@pytest.mark.parametrize("kind", sorted(tile_table.TILE_CANDIDATES))
 @pytest.mark.parametrize("block", [64, 128, 256])
 def test_prune_keeps_exactly_the_candidates_that_fit(kind, block):
-    kept = launch.prune_tiles(kind, block, block, 2, H200_SHARED_MEMORY)
-    for t in launch.TILE_CANDIDATES[kind]:
-        fits = launch.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY
+    kept = tile_table.prune_tiles(kind, block, block, 2, H200_SHARED_MEMORY)
+    for t in tile_table.TILE_CANDIDATES[kind]:
+        fits = tile_table.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY
         assert (t in kept) == fits, t
     assert kept, f"no {kind} candidate fits head-dim block {block}"
 
 
 def test_prune_drops_big_tiles_at_head_dim_256():
-    kept = launch.prune_tiles("fwd", 256, 256, 2, H200_SHARED_MEMORY)
+    kept = tile_table.prune_tiles("fwd", 256, 256, 2, H200_SHARED_MEMORY)
     assert Tiles(128, 128, 8, 3) not in kept and Tiles(128, 64, 8, 2) in kept
 
 
 def test_seq_bucket_rounds_the_longest_length_up_to_a_power_of_two():
-    assert [launch.seq_bucket(s, 1) for s in (1, 2, 3, 1000, 1024, 1025)] == \
+    assert [tile_table.seq_bucket(s, 1) for s in (1, 2, 3, 1000, 1024, 1025)] == \
         [1, 2, 4, 1024, 1024, 2048]
-    assert launch.seq_bucket(5, 300) == 512
-    assert launch.seq_bucket(0, 0) == 1
+    assert tile_table.seq_bucket(5, 300) == 512
+    assert tile_table.seq_bucket(0, 0) == 1
 
 
 def test_each_kernels_autotuning_key_names_its_arguments():
     """The key starts with the lengths' bucket and holds only the kernel's own arguments
     (triton.autotune refuses other names in newer Tritons)."""
-    kernels = {"fwd": launch.attention_fwd_kernel, "dkdv": launch.attention_bwd_dkdv_kernel,
-               "dq": launch.attention_bwd_dq_kernel}
+    kernels = {"fwd": attention_fwd_kernel, "dkdv": attention_bwd_dkdv_kernel,
+               "dq": attention_bwd_dq_kernel}
     for kind, kernel in kernels.items():
-        key = launch.autotune_key(kernel)
+        key = tile_table.autotune_key(kernel)
         assert key[0] == "seq_bucket" and set(key) <= set(kernel.arg_names), (kind, key)
         assert ("TMA" in key) == (kind == "fwd"), (kind, key)
         triton.autotune(configs=[triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)(kernel)
-    assert len(launch.autotune_key(kernels["fwd"])) == len(launch._AUTOTUNE_KEY)
+    assert len(tile_table.autotune_key(kernels["fwd"])) == len(tile_table._AUTOTUNE_KEY)
 
 
 needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 
 
 @pytest.fixture
-def autotuning(monkeypatch):
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
-    launch._autotuned.cache_clear()
-    yield
-    launch._autotuned.cache_clear()
+def autotuning():
+    tile_table.autotuned.cache_clear()
+    with config.override(autotune=True):
+        yield
+    tile_table.autotuned.cache_clear()
 
 
 @pytest.mark.parametrize("case", [
@@ -100,11 +104,11 @@ def autotuning(monkeypatch):
 @needs_gpu
 def test_autotuned_kernels_pass_the_accuracy_rule(autotuning, case):
     check_case(case)
-    tuned = {kind: launch._autotuned(kernel, kind, launch._block_dim(case.D),
-                                     launch._block_dim(case.DV), 2, torch.cuda.current_device())
-             for kind, kernel in [("fwd", launch.attention_fwd_kernel),
-                                  ("dkdv", launch.attention_bwd_dkdv_kernel),
-                                  ("dq", launch.attention_bwd_dq_kernel)]}
+    tuned = {kind: tile_table.autotuned(kernel, kind, block_dim(case.D),
+                                     block_dim(case.DV), 2, torch.cuda.current_device())
+             for kind, kernel in [("fwd", attention_fwd_kernel),
+                                  ("dkdv", attention_bwd_dkdv_kernel),
+                                  ("dq", attention_bwd_dq_kernel)]}
     for kind, kernel in tuned.items():
         assert len(kernel.cache) == 1, f"{kind} tuned {len(kernel.cache)} keys"
 
@@ -112,7 +116,7 @@ def test_autotuned_kernels_pass_the_accuracy_rule(autotuning, case):
 @pytest.mark.gpu
 @needs_gpu
 def test_autotuning_is_keyed_by_the_lengths_bucket(autotuning):
-    tuned = launch._autotuned(launch.attention_fwd_kernel, "fwd", 64, 64, 2,
+    tuned = tile_table.autotuned(attention_fwd_kernel, "fwd", 64, 64, 2,
                               torch.cuda.current_device())
     for S in (520, 700, 1024, 1025):  # buckets 1024, 1024, 1024, 2048
         q = torch.randn(1, S, 2, 64, device="cuda", dtype=torch.bfloat16)
@@ -147,48 +151,48 @@ def test_autotuned_kernels_compile_fullgraph(autotuning):
 
 
 def test_the_forward_splits_its_query_tile_only_where_it_measured_faster():
-    """Two query tiles per program at 64 < D <= 128 on Hopper (docs/performance-notes.md,
+    """Two query tiles per program at 64 < D <= 128 on Hopper (docs/notes/performance-notes.md,
     entry 22), but one of half the rows with an attn_mask, a window's left bound, or a
     causal bound over fewer than 4096 keys (known ones: symbolic lengths keep two)."""
-    assert [launch._gpu_tiles("fwd", d, hopper=True).split_m for d in (64, 96, 128, 256)] == \
+    assert [tile_table._gpu_tiles("fwd", d, hopper=True).split_m for d in (64, 96, 128, 256)] == \
         [False, True, True, False]
-    assert not launch._gpu_tiles("fwd", 128, hopper=False).split_m
-    if not launch.INTERPRETING:
+    assert not tile_table._gpu_tiles("fwd", 128, hopper=False).split_m
+    if not INTERPRETING:
         return
     cpu = torch.device("cpu")
     flags = dict(launch._PLAIN_FLAGS[False])
-    t = launch.forward_tiles(128, torch.float16, cpu, flags, 100)
+    t = tile_table.forward_tiles(128, torch.float16, cpu, flags, 100)
     assert t.split_m and t.constexprs("fwd") == dict(BLOCK_M=32, BLOCK_N=16, SPLIT_M=True)
-    assert launch.forward_tiles(64, torch.float16, cpu, flags, 100) == Tiles(32, 16)
+    assert tile_table.forward_tiles(64, torch.float16, cpu, flags, 100) == Tiles(32, 16)
     one = Tiles(16, 16)
-    for change, S_k in ((dict(MASK_KIND=1), 10**5), (dict(MASK_KIND=2), 10**5),
+    for change, S_k in ((dict(ATTN_MASK_KIND=1), 10**5), (dict(ATTN_MASK_KIND=2), 10**5),
                         (dict(HAS_LEFT=True), 10**5), (dict(HAS_RIGHT=True), 4095)):
-        assert launch.forward_tiles(128, torch.float16, cpu, dict(flags, **change), S_k) == one
+        assert tile_table.forward_tiles(128, torch.float16, cpu, dict(flags, **change), S_k) == one
     causal = launch._PLAIN_FLAGS[True]
-    assert launch.forward_tiles(128, torch.float16, cpu, causal, 4096).split_m
+    assert tile_table.forward_tiles(128, torch.float16, cpu, causal, 4096).split_m
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    assert launch.forward_tiles(128, torch.float16, cpu, causal,
+    assert tile_table.forward_tiles(128, torch.float16, cpu, causal,
                                 ShapeEnv().create_unbacked_symint()).split_m
-    assert launch.tiles_for("dq", 128, torch.float16, cpu).constexprs("dq") == \
+    assert tile_table.tiles_for("dq", 128, torch.float16, cpu).constexprs("dq") == \
         dict(BLOCK_M=32, BLOCK_N=16)
 
 
 def test_the_backward_takes_its_tiles_for_the_causal_bound(monkeypatch):
     """Under a causal-like bound the dK/dV and dQ kernels take the table's causal tiles
-    (smaller at D <= 64 on Hopper: docs/performance-notes.md, entry 29); without one, the
+    (smaller at D <= 64 on Hopper: docs/notes/performance-notes.md, entry 29); without one, the
     others."""
-    assert launch._gpu_tiles("dkdv", 64, hopper=True, causal=True) == Tiles(32, 64, 4, 3)
-    assert launch._gpu_tiles("dq", 64, hopper=True, causal=True) == Tiles(64, 64, 4, 3)
-    assert launch._gpu_tiles("dkdv", 64, hopper=True) == Tiles(32, 128, 4, 3)
-    assert launch._gpu_tiles("dq", 64, hopper=True) == Tiles(128, 64, 8, 3)
+    assert tile_table._gpu_tiles("dkdv", 64, hopper=True, causal=True) == Tiles(32, 64, 4, 3)
+    assert tile_table._gpu_tiles("dq", 64, hopper=True, causal=True) == Tiles(64, 64, 4, 3)
+    assert tile_table._gpu_tiles("dkdv", 64, hopper=True) == Tiles(32, 128, 4, 3)
+    assert tile_table._gpu_tiles("dq", 64, hopper=True) == Tiles(128, 64, 8, 3)
     asked = []
-    tiles_for = launch.tiles_for
+    tiles_for = tile_table.tiles_for
 
     def recording(kind, *args, **kwargs):
         asked.append((kind, kwargs.get("causal", False), kwargs.get("short", False)))
         return tiles_for(kind, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "tiles_for", recording)
+    monkeypatch.setattr(tile_table, "tiles_for", recording)
     for causal, window, bounded in ((True, (-1, -1), True), (False, (-1, 3), True),
                                     (False, (3, -1), False), (False, (-1, -1), False)):
         asked.clear()
@@ -201,9 +205,9 @@ def test_the_backward_takes_its_tiles_for_the_causal_bound(monkeypatch):
 
 def test_short_causal_calls_take_the_tables_short_tiles():
     """Under a causal-like bound over fewer than SHORT_KEYS keys, the Hopper table takes
-    64-row forward tiles with 4 warps and smaller backward tiles (docs/performance-notes.md,
+    64-row forward tiles with 4 warps and smaller backward tiles (docs/notes/performance-notes.md,
     entry 36); from SHORT_KEYS keys on, or where the length is symbolic, the others."""
-    tiles = launch._gpu_tiles
+    tiles = tile_table._gpu_tiles
     for d in (64, 128):
         assert tiles("fwd", d, hopper=True, causal=True, short=True) == Tiles(64, 64, 4, 3)
     assert tiles("fwd", 128, hopper=True, short=True).split_m  # no bound: as long ones
@@ -218,5 +222,5 @@ def test_short_causal_calls_take_the_tables_short_tiles():
     assert tiles("dq", 64, hopper=True, causal=True, short=True) == Tiles(64, 32, 4, 3)
     assert tiles("dq", 128, hopper=True, causal=True, short=True) == Tiles(128, 64, 8, 3)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    assert [launch._short(n) for n in (1, 4095, 4096)] == [True, True, False]
-    assert not launch._short(ShapeEnv().create_unbacked_symint())
+    assert [tile_table.is_short(n) for n in (1, 4095, 4096)] == [True, True, False]
+    assert not tile_table.is_short(ShapeEnv().create_unbacked_symint())

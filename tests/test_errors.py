@@ -155,10 +155,10 @@ def test_cpu_tensors_without_interpreter_say_how_to_proceed():
 def test_sequences_past_32_bit_offsets_are_refused():
     """A (batch, head) slice spanning 2**31 elements would overflow the kernels' row offsets
     (checked on meta tensors, so nothing large is allocated)."""
-    from flashop import launch
+    from flashop.launch_common import check_row_offsets
 
     def check(x):
-        launch._check_offsets((x,), (launch._seq_strides(x, None),), rows=(x.shape[1],))
+        check_row_offsets("flashop.attention", (x,), (x.stride(1),), (x.shape[1],))
 
     big = torch.empty(1, 2**27, 1, 16, device="meta")
     with pytest.raises(ValueError, match="32-bit row offsets"):

@@ -154,7 +154,7 @@ SANITIZER_SCRIPT = """
 import sys, torch, flashop
 part = sys.argv[1]
 if part == "split":  # the split causal forward at any length (the table's from 4096 keys)
-    flashop.launch.SHORT_KEYS = 0
+    flashop.tiles.SHORT_KEYS = 0
     part = "plain"
 B, S_q, S_k, H, H_kv, D, DV, causal = map(int, sys.argv[2:])
 for dtype in (torch.bfloat16, torch.float32):
@@ -199,7 +199,7 @@ def test_compute_sanitizer_memcheck_on_odd_shapes(shape, part):
     short (under memcheck every kernel variant compiles and runs many times slower). A plain
     run first fills Triton's kernel cache, so that the sanitized run does not compile."""
     name, dq_atomics = part
-    if name == "split" and not (shape[7] and flashop.launch._two_query_tiles(max(shape[5:7]))):
+    if name == "split" and not (shape[7] and flashop.tiles.two_query_tiles(max(shape[5:7]))):
         pytest.skip("the split causal forward takes causal shapes with 64 < D <= 128")
     env = {**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics}
     args = [sys.executable, "-c", SANITIZER_SCRIPT, name, *map(str, map(int, shape))]

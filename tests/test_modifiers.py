@@ -132,15 +132,19 @@ def test_alibi_slopes_get_no_gradient():
 
 @pytest.mark.parametrize("modifier",
                          ["alibi", "attn_mask", "gate", "alibi-varlen", "attn_mask-dq-atomics"])
-def test_one_attended_key_gives_fp32_gradients_exactly(modifier, monkeypatch):
+def test_one_attended_key_gives_fp32_gradients_exactly(modifier):
     """Each query attends one key, under a modifier that takes its base-2 score to -150..-300,
     so its softmax is exactly 1: out_i = v_j and d lse_i / d q_i = scale * k_j, both exactly
     (scale = 1/4 is a power of 2). That holds only where the backward recomputes each score
     bit for bit as the forward computed it and reads an lse without a round trip: on an
     H200 a score one ulp off (the compiler fusing a different product into an FMA in the
-    backward's kernel) moved P by 1e-5 (docs/testing.md). With dQ by atomics, the keys past
+    backward's kernel) moved P by 1e-5 (docs/notes/gpu-runs.md). With dQ by atomics, the keys past
     S_k of the key tile (P = exp2(0 - lse) = inf there) once made dQ NaN."""
-    monkeypatch.setattr(flashop.launch, "DQ_ATOMICS", modifier.endswith("dq-atomics"))
+    with flashop.config.override(dq_atomics=modifier.endswith("dq-atomics")):
+        _check_one_attended_key(modifier)
+
+
+def _check_one_attended_key(modifier):
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     H, D, S_q = 2, 16, 131
     S_k = S_q if modifier == "gate" else 1
@@ -151,7 +155,7 @@ def test_one_attended_key_gives_fp32_gradients_exactly(modifier, monkeypatch):
         options["alibi_slopes"] = torch.tensor([1.0, 0.75], device=DEVICE)
     elif modifier.startswith("attn_mask"):
         options["attn_mask"] = -100 - 100 * torch.rand(1, H, S_q, 1, device=DEVICE, generator=gen)
-    else:  # causal with window (0, 0): query i attends key i alone; G = cumsum(g) to ~ -200
+    else:  # causal with window (0, 0): query i attends key i alone; cumsum(g) to ~ -200
         g = -1 - torch.rand(1, S_k, H, device=DEVICE, generator=gen)
         options.update(g=g, causal=True, window_size=(0, 0))
     if modifier == "alibi-varlen":

@@ -92,7 +92,7 @@ def test_the_direct_eager_path_matches_the_operator_bitwise(case):
         assert torch.equal(direct, op)
 
 
-def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator(monkeypatch):
+def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator():
     """Under a dispatch mode, on fake tensors or with FLASHOP_DIRECT_EAGER=0 the Python API
     calls the operator (which the mode, tracer or compiler must see)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -116,8 +116,8 @@ def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator(mon
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
         assert flashop.attention(fq, fk, fv).shape == q.shape[:-1] + v.shape[-1:]
-    monkeypatch.setattr(flashop.api, "DIRECT_EAGER", False)
-    assert _grad_fn_name(flashop.attention(q, k, v)).startswith("GeneratedBackwardFor")
+    with flashop.config.override(direct_eager=False):
+        assert _grad_fn_name(flashop.attention(q, k, v)).startswith("GeneratedBackwardFor")
 
 
 def test_the_direct_eager_path_keeps_the_operators_errors():

@@ -92,13 +92,13 @@ def test_atomic_dq_backward_per_sequence():
                  window_size=(12, 0))
 
 
-def test_forward_through_tensor_descriptors_per_sequence(monkeypatch):
+def test_forward_through_tensor_descriptors_per_sequence():
     """Descriptors made per sequence (FLASHOP_TMA=1): no tile reads the next sequence's keys,
     and a sequence without keys makes its descriptors all the same."""
-    monkeypatch.setattr(flashop.launch, "TMA", True)
     args, dout, dlse = make_packed([9, 0, 40, 5], [30, 3, 17, 0], 2, 2, 24, torch.bfloat16,
                                    gate=torch.float32)
-    check_packed(args, dout, dlse, causal=True, window_size=(12, 0))
+    with flashop.config.override(tma=True):
+        check_packed(args, dout, dlse, causal=True, window_size=(12, 0))
 
 
 @pytest.mark.parametrize("seed", [3, 5])

@@ -1,0 +1,42 @@
+"""The FLASHOP_* switches: read from the environment once, changed for a block by
+flashop.config.override."""
+
+import subprocess
+import sys
+
+import pytest
+
+from flashop import config
+
+
+def test_override_changes_a_switch_for_the_block_and_restores_it():
+    before = config.settings.tma
+    with config.override(tma=False, dq_atomics=True) as settings:
+        assert settings is config.settings
+        assert (config.settings.tma, config.settings.dq_atomics) == (False, True)
+    assert (config.settings.tma, config.settings.dq_atomics) == (before, False)
+    with pytest.raises(RuntimeError), config.override(autotune=True):
+        raise RuntimeError("inside")
+    assert config.settings.autotune is False
+
+
+def test_override_names_the_switches_when_given_an_unknown_one():
+    with pytest.raises(TypeError, match=r"unknown switch\(es\) \['tme'\]; the switches are "
+                                        r"autotune, tma, warp_specialize, dq_atomics, "
+                                        r"direct_eager"):
+        with config.override(tme=False):
+            pass
+
+
+def test_switches_are_read_from_the_environment_at_import():
+    code = ("import flashop.config as c; s = c.settings; "
+            "print(s.autotune, s.tma, s.warp_specialize, s.dq_atomics, s.direct_eager)")
+    env = {"FLASHOP_AUTOTUNE": "1", "FLASHOP_TMA": "0", "FLASHOP_WS": "1",
+           "FLASHOP_DQ_ATOMICS": "1", "FLASHOP_DIRECT_EAGER": "0", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == ["True", "False", "True", "True", "False"]
+    done = subprocess.run([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "None", "None", "False", "True"]
+
