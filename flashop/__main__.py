@@ -1,5 +1,9 @@
 """``python -m flashop``: check the kernels against the reference on this machine's device,
-then time them (on a GPU, next to ``F.scaled_dot_product_attention``).
+then time them (on a GPU, next to ``F.scaled_dot_product_attention``), and print a summary.
+
+The default run is short: a few checks and one benchmark shape, so that a first run, which
+compiles each kernel it uses (Triton caches them for later runs), ends within a minute.
+``--full`` checks every dtype on more shapes and every modifier, and times more shapes.
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter: the command restarts itself
 with TRITON_INTERPRET=1, which Triton reads when the kernels are decorated.
@@ -7,11 +11,15 @@ with TRITON_INTERPRET=1, which Triton reads when the kernels are decorated.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
-import torch
+_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
 
 
 def _restart_in_interpreter() -> None:
@@ -19,53 +27,81 @@ def _restart_in_interpreter() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "flashop", *sys.argv[1:]], env)
 
 
-# (B, S_q, S_k, H, H_kv, D, DV, causal): odd lengths, S_q != S_k, grouped heads, odd head dims
-CHECKS_CPU = [(1, 37, 53, 4, 2, 40, 40, True), (2, 50, 21, 3, 1, 59, 32, True),
-              (1, 64, 64, 2, 2, 128, 128, False)]
-CHECKS_GPU = CHECKS_CPU + [(2, 1000, 777, 8, 2, 128, 128, True),
-                           (1, 513, 2049, 4, 4, 256, 256, False),
-                           (4, 1, 300, 8, 1, 64, 64, True)]
+def _say(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", flush=True)
 
 
-def self_check(device: str) -> bool:
+# (dtype, B, S_q, S_k, H, H_kv, D, DV, causal): odd lengths, S_q != S_k, grouped heads, odd
+# head dims. The quick GPU checks share their kernels' variants with the quick benchmark
+# where they can (D=128), so a first run compiles few kernels.
+_BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
+CHECKS = {
+    ("cpu", False): [(_BF16, 1, 37, 53, 4, 2, 40, 40, True), (_FP16, 2, 50, 21, 3, 1, 59, 32, True),
+                     (_FP32, 1, 64, 64, 2, 2, 128, 128, False)],
+    ("cuda", False): [(_BF16, 2, 1000, 777, 8, 2, 128, 128, True),
+                      (_BF16, 1, 300, 4096, 4, 4, 128, 128, False),
+                      (_FP16, 2, 50, 21, 3, 1, 59, 32, True),
+                      (_FP32, 1, 64, 64, 2, 2, 128, 128, False)],
+}
+_MORE_SHAPES = [(1, 37, 53, 4, 2, 40, 40, True), (2, 50, 21, 3, 1, 59, 32, True),
+                (1, 64, 64, 2, 2, 128, 128, False), (2, 1000, 777, 8, 2, 128, 128, True),
+                (1, 513, 2049, 4, 4, 256, 256, False), (4, 1, 300, 8, 1, 64, 64, True)]
+CHECKS[("cpu", True)] = [(dt, *s) for dt in (_FP16, _BF16, _FP32) for s in _MORE_SHAPES[:3]]
+CHECKS[("cuda", True)] = [(dt, *s) for dt in (_FP16, _BF16, _FP32) for s in _MORE_SHAPES]
+
+# (D, N, causal) of the GPU benchmark: bf16, 16k tokens per batch, 2048 hidden
+BENCHMARK = {False: [(128, 4096, False), (128, 4096, True)],
+             True: [(D, N, c) for D in (64, 128) for N in (1024, 4096) for c in (False, True)]}
+
+
+class Summary:
+    """What the run found: checks passed/failed and the worst error against its bound."""
+
+    def __init__(self):
+        self.passed = self.failed = 0
+        self.worst = 0.0
+
+    def add(self, results) -> bool:
+        ok = all(r.ok for r in results)
+        self.passed += ok
+        self.failed += not ok
+        self.worst = max(self.worst, *(r.error / r.bound if r.bound else 0.0 for r in results))
+        for r in results:
+            if not r.ok:
+                print("    " + str(r))
+        return ok
+
+
+def self_check(device: str, full: bool, summary: Summary) -> None:
     import flashop
     from flashop.testing import check_attention
 
-    dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    checks = CHECKS_GPU if device == "cuda" else CHECKS_CPU
+    checks = CHECKS[(device, full)]
     print(f"{'dtype':>9} {'B':>2} {'S_q':>5} {'S_k':>5} {'H':>3} {'H_kv':>4} {'D':>4} "
           f"{'DV':>4} {'causal':>6}  worst error/bound  result")
-    all_ok = True
     gen = torch.Generator(device=device).manual_seed(0)
-    for dtype in dtypes:
-        for B, S_q, S_k, H, H_kv, D, DV, causal in checks:
-            q, k, v = (torch.randn(B, S, h, d, device=device, dtype=dtype, generator=gen
-                                   ).requires_grad_()
-                       for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
-            dout = torch.randn(B, S_q, H, DV, device=device, dtype=dtype, generator=gen)
-            dlse = torch.randn(B, H, S_q, device=device, generator=gen)
-            out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
-            grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-            results = check_attention(q, k, v, dout, dlse, out, lse, grads, causal=causal)
-            ok = all(r.ok for r in results)
-            all_ok &= ok
-            worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
-            print(f"{str(dtype)[6:]:>9} {B:>2} {S_q:>5} {S_k:>5} {H:>3} {H_kv:>4} {D:>4} "
-                  f"{DV:>4} {str(causal):>6}  {worst:17.2f}  {'ok' if ok else 'FAIL'}")
-            for r in results:
-                if not r.ok:
-                    print("    " + str(r))
-    return all_ok
+    for dtype, B, S_q, S_k, H, H_kv, D, DV, causal in checks:
+        q, k, v = (torch.randn(B, S, h, d, device=device, dtype=dtype, generator=gen
+                               ).requires_grad_()
+                   for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
+        dout = torch.randn(B, S_q, H, DV, device=device, dtype=dtype, generator=gen)
+        dlse = torch.randn(B, H, S_q, device=device, generator=gen)
+        out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+        results = check_attention(q, k, v, dout, dlse, out, lse, grads, causal=causal)
+        worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
+        ok = summary.add(results)
+        print(f"{str(dtype)[6:]:>9} {B:>2} {S_q:>5} {S_k:>5} {H:>3} {H_kv:>4} {D:>4} "
+              f"{DV:>4} {str(causal):>6}  {worst:17.2f}  {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def modifier_check(device: str) -> bool:
+def modifier_check(device: str, summary: Summary) -> None:
     """Every modifier at once (dense, float mask with its gradient) and a packed batch with a
     gate and a window, per dtype, under the same accuracy rule."""
     import flashop
     from flashop.testing import check_attention, check_attention_varlen, differentiable_inputs
 
     gen = torch.Generator(device=device).manual_seed(1)
-    all_ok = True
     print(f"\n{'dtype':>9}  {'case':<58} worst error/bound  result")
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         def randn(*shape, dt=dtype):
@@ -77,8 +113,7 @@ def modifier_check(device: str) -> bool:
         bias = randn(1, H, S_q, 1, dt=torch.float32)
         slopes = torch.rand(H, device=device, generator=gen)
         options = dict(causal=True, window_size=(24, 0), softcap=5.0)
-        dense = (q, k, v, bias, g)
-        for t in dense:
+        for t in (q, k, v, bias, g):
             t.requires_grad_()
         out, lse = flashop.attention_with_lse(q, k, v, bias, slopes, g, **options)
         wrt = differentiable_inputs(q, k, v, bias, g)
@@ -105,67 +140,64 @@ def modifier_check(device: str) -> bool:
                         check_attention_varlen(q, k, v, cu_q, cu_k, dout, dlse, out, lse,
                                                grads, None, g, **options)))
         for name, rs in results:
-            ok = all(r.ok for r in rs)
-            all_ok &= ok
             worst = max(r.error / r.bound if r.bound else 0.0 for r in rs)
-            print(f"{str(dtype)[6:]:>9}  {name:<58} {worst:17.2f}  {'ok' if ok else 'FAIL'}")
-            for r in rs:
-                if not r.ok:
-                    print("    " + str(r))
-    return all_ok
+            ok = summary.add(rs)
+            print(f"{str(dtype)[6:]:>9}  {name:<58} {worst:17.2f}  {'ok' if ok else 'FAIL'}",
+                  flush=True)
 
 
-def benchmark_gpu() -> None:
+def benchmark_gpu(full: bool) -> list:
+    """TFLOP/s of flashop and SDPA (its default backend) per shape and pass; the rows."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
     import flashop
 
-    print("\nTFLOP/s, bf16, 16k tokens per batch, 2048 hidden (see benchmarks/ for the "
-          "full grid and the peers)")
-    print(f"{'D':>4} {'N':>6} {'causal':>6} {'pass':>4} {'flashop':>8} {'sdpa':>8}")
-    for D in (64, 128):
-        for N in (1024, 4096):
-            for causal in (False, True):
-                B, H = 16384 // N, 2048 // D
-                q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(3))
-                qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_()
-                              for x in (q, k, v))
-                flops = 4 * B * H * N * N * D / (2 if causal else 1)
-                runs = {
-                    "flashop": (lambda: flashop.attention(q, k, v, causal=causal), (q, k, v)),
-                    "sdpa": (lambda: F.scaled_dot_product_attention(qt, kt, vt,
-                                                                     is_causal=causal),
-                             (qt, kt, vt)),
-                }
-                for name_pass, mult in (("fwd", 1.0), ("bwd", 2.5)):
-                    row = []
-                    for fn, inputs in runs.values():
-                        if name_pass == "fwd":
-                            ms = do_bench(fn, return_mode="median")
-                        else:
-                            out = fn()
-                            dout = torch.randn_like(out)
-                            ms = do_bench(lambda: out.backward(dout, retain_graph=True),
-                                          grad_to_none=list(inputs), return_mode="median")
-                        row.append(mult * flops / ms * 1e-9)
-                    print(f"{D:>4} {N:>6} {str(causal):>6} {name_pass:>4} "
-                          f"{row[0]:8.1f} {row[1]:8.1f}")
+    rows = []
+    for D, N, causal in BENCHMARK[full]:
+        _say(f"timing D={D} N={N} causal={causal}")
+        B, H = 16384 // N, 2048 // D
+        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_()
+                      for x in (q, k, v))
+        flops = 4 * B * H * N * N * D / (2 if causal else 1)
+        runs = {
+            "flashop": (lambda: flashop.attention(q, k, v, causal=causal), (q, k, v)),
+            "sdpa": (lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                     (qt, kt, vt)),
+        }
+        for name_pass, mult in (("fwd", 1.0), ("bwd", 2.5)):
+            row = [D, N, causal, name_pass]
+            for fn, inputs in runs.values():
+                if name_pass == "fwd":
+                    ms = do_bench(fn, warmup=5, rep=20, return_mode="median")
+                else:
+                    out = fn()
+                    dout = torch.randn_like(out)
+                    ms = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=5,
+                                  rep=20, grad_to_none=list(inputs), return_mode="median")
+                row.append(mult * flops / ms * 1e-9)
+            rows.append(row)
+    return rows
 
 
-def benchmark_interpreter() -> None:
+def benchmark_interpreter() -> float:
     import flashop
 
     q = torch.randn(1, 256, 2, 64, requires_grad=True)
     start = time.perf_counter()
     out = flashop.attention(q, q, q, causal=True)
     out.sum().backward()
-    print(f"\nTriton interpreter: (1, 256, 2, 64) causal forward + backward in "
-          f"{time.perf_counter() - start:.2f} s (the interpreter is for checking, not speed)")
+    return time.perf_counter() - start
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashop", description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true",
+                        help="check every dtype on more shapes and every modifier; time more "
+                             "shapes (minutes on a first run, which compiles more kernels)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         _restart_in_interpreter()
     import triton
@@ -173,18 +205,34 @@ def main() -> int:
     import flashop
 
     device = "cpu" if flashop.INTERPRETING else "cuda"
-    where = ("Triton CPU interpreter" if device == "cpu"
-             else torch.cuda.get_device_name())
+    where = "Triton CPU interpreter" if device == "cpu" else torch.cuda.get_device_name()
     print(f"flashop {flashop.__version__}, torch {torch.__version__}, triton "
-          f"{triton.__version__}, kernels on: {where}\n")
-    ok = self_check(device)
-    ok &= modifier_check(device)
-    print("\nself-check:", "passed" if ok else "FAILED")
+          f"{triton.__version__}, kernels on: {where}")
+    _say("imported")
+    _say("checking outputs and gradients against the reference (the first run compiles "
+         "each kernel it uses; later runs take them from Triton's cache)")
+    summary = Summary()
+    self_check(device, args.full, summary)
+    if args.full:
+        modifier_check(device, summary)
+    checked = time.perf_counter()
+    _say("self-check " + ("passed" if not summary.failed else "FAILED"))
     if device == "cuda":
-        benchmark_gpu()
+        rows = benchmark_gpu(args.full)
+        print(f"\nTFLOP/s, bf16, 16k tokens per batch, 2048 hidden ({where}; "
+              f"benchmarks/attention.py times the full grid with the peers)")
+        print(f"{'D':>4} {'N':>6} {'causal':>6} {'pass':>4} {'flashop':>8} {'sdpa':>8}")
+        for D, N, causal, name_pass, ours, sdpa in rows:
+            print(f"{D:>4} {N:>6} {str(causal):>6} {name_pass:>4} {ours:8.1f} {sdpa:8.1f}")
     else:
-        benchmark_interpreter()
-    return 0 if ok else 1
+        seconds = benchmark_interpreter()
+        print(f"\nTriton interpreter: (1, 256, 2, 64) causal forward + backward in {seconds:.2f} "
+              f"s (the interpreter is for checking, not speed)")
+    total = time.perf_counter() - _START
+    print(f"\nsummary: {summary.passed} checks passed, {summary.failed} failed (worst error "
+          f"{summary.worst:.2f} of its bound); checks {checked - _START:.1f} s, total "
+          f"{total:.1f} s{'' if args.full else '; --full checks more'}")
+    return 0 if not summary.failed else 1
 
 
 if __name__ == "__main__":
