@@ -5,6 +5,11 @@ head dims D, sequence lengths N, causal and not. Forward and backward are timed 
 with triton.testing.do_bench (median); the backward is ``o.backward(do, retain_graph=True)``
 alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
 
+Providers: flashop (its defaults), flashop with one switch changed (flashop-atomic,
+flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws: README's Configuration, set
+with ``flashop.config.override`` while timing), SDPA pinned to each backend (sdpa-flash =
+FlashAttention-2, sdpa-cudnn, sdpa-mem) and compiled FlexAttention.
+
 Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256] [--plot out.png]
 """
 
@@ -22,10 +27,23 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from progress import progress  # noqa: E402
+
 TOKENS = 16384
 HIDDEN = 2048
-PROVIDERS = ["flashop", "flashop-atomic", "flashop-autotune", "flashop-tma", "flashop-no-tma",
-             "sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
+# flashop with switches changed (flashop.config.override's keywords) while it is timed
+FLASHOP_VARIANTS = {
+    "flashop": {},
+    "flashop-atomic": {"dq_atomics": True},  # the backward adds dQ by atomics
+    "flashop-autotune": {"autotune": True},  # autotuned tiles instead of the table
+    "flashop-tma": {"tma": True},  # key/value tiles through tensor descriptors everywhere
+    "flashop-no-tma": {"tma": False},  # ... nowhere
+    "flashop-no-ws": {"warp_specialize": False},  # never the warp-specialized forward
+}
+PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
+PROVIDERS = [*FLASHOP_VARIANTS, *PEERS]
+DEFAULT_PROVIDERS = ["flashop", *PEERS]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -53,32 +71,15 @@ def make_inputs(B, N, H, D, layout):
             for _ in range(3)]
 
 
-def provider_flashop(N, causal):
+def provider_flashop(N, causal, switches=None):
+    """flashop.attention; ``switches`` (flashop.config.override's keywords) are in force
+    while bench_one times it."""
     flashop = import_flashop()
-    return (lambda q, k, v: flashop.attention(q, k, v, causal=causal)), "bnhd"
 
-
-def provider_flashop_atomic(N, causal):
-    """flashop with its opt-in backward that adds dQ by atomics (FLASHOP_DQ_ATOMICS=1)."""
-    fn, layout = provider_flashop(N, causal)
-    fn.launch_options = {"DQ_ATOMICS": True}
-    return fn, layout
-
-
-def provider_flashop_tma(N, causal, on=True):
-    """flashop with its forward's key and value tiles through tensor descriptors at every
-    head dim (FLASHOP_TMA=1), or with ``on=False`` at none (FLASHOP_TMA=0; by default they
-    are taken above head dim 128 on Hopper)."""
-    fn, layout = provider_flashop(N, causal)
-    fn.launch_options = {"TMA": on}
-    return fn, layout
-
-
-def provider_flashop_autotune(N, causal):
-    """flashop with autotuned tiles (FLASHOP_AUTOTUNE=1) instead of its table."""
-    fn, layout = provider_flashop(N, causal)
-    fn.launch_options = {"AUTOTUNE": True}
-    return fn, layout
+    def fn(q, k, v):
+        return flashop.attention(q, k, v, causal=causal)
+    fn.switches = dict(switches or {})
+    return fn, "bnhd"
 
 
 def provider_sdpa(backend, causal):
@@ -112,16 +113,8 @@ def provider_flex(N, causal):
 
 def make_provider(name, N, causal):
     """Return (forward callable taking q, k, v, input layout) for a provider."""
-    if name == "flashop":
-        return provider_flashop(N, causal)
-    if name == "flashop-atomic":
-        return provider_flashop_atomic(N, causal)
-    if name == "flashop-autotune":
-        return provider_flashop_autotune(N, causal)
-    if name == "flashop-tma":
-        return provider_flashop_tma(N, causal)
-    if name == "flashop-no-tma":
-        return provider_flashop_tma(N, causal, on=False)
+    if name in FLASHOP_VARIANTS:
+        return provider_flashop(N, causal, FLASHOP_VARIANTS[name])
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":
@@ -161,19 +154,15 @@ def _busy(run, seconds=0.3):
     torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def _launch_options(fn):
-    """flashop's launch options (``fn.launch_options``, e.g. DQ_ATOMICS) set while timing."""
-    options = getattr(fn, "launch_options", {})
-    launch = import_flashop().launch if options else None
-    saved = {name: getattr(launch, name) for name in options}
-    for name, value in options.items():
-        setattr(launch, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(launch, name, value)
+def switches_of(fn):
+    """The context in which ``fn`` is timed: ``flashop.config.override(**fn.switches)``
+    for a flashop provider with switches, else nothing."""
+    switches = getattr(fn, "switches", None)
+    if not switches:
+        return contextlib.nullcontext()
+    import_flashop()
+    from flashop import config
+    return config.override(**switches)
 
 
 def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
@@ -181,7 +170,7 @@ def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
     ``cuda_graph`` the forward is replayed from a CUDA graph (no host overhead)."""
     q, k, v = inputs
     out = {}
-    with _launch_options(fn):
+    with switches_of(fn):
         if "fwd" in passes:
             fn(q, k, v)  # warm-up (compiles / autotunes)
             torch.cuda.synchronize()
@@ -283,7 +272,8 @@ def parse_args(argv=None):
                    help="sequence lengths N, comma-separated (default 1024,4096,16384)")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
     p.add_argument("--providers", default=None,
-                   help=f"comma-separated subset of {','.join(PROVIDERS)}")
+                   help=f"comma-separated subset of {','.join(PROVIDERS)} (default "
+                        f"{','.join(DEFAULT_PROVIDERS)})")
     p.add_argument("--passes", default="fwd,bwd", help="comma-separated subset of fwd,bwd")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
@@ -307,7 +297,7 @@ def parse_args(argv=None):
         args.heads_dims = [64, 128]
     if args.seqlens is None:
         args.seqlens = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    args.providers = [x for x in (args.providers or ",".join(PROVIDERS)).split(",") if x]
+    args.providers = [x for x in (args.providers or ",".join(DEFAULT_PROVIDERS)).split(",") if x]
     args.passes = [x for x in args.passes.split(",") if x]
     for name in args.providers:
         if name not in PROVIDERS:
@@ -377,13 +367,10 @@ def main(argv=None):
 
     shapes = [(D, N, c) for D in args.heads_dims for N in args.seqlens for c in args.causal]
     rows = []
-    start = time.perf_counter()
-    for i, (D, N, causal) in enumerate(shapes, 1):
+    bar = progress(shapes, desc="grid", label=lambda s: f"D={s[0]} N={s[1]} causal={s[2]}")
+    for D, N, causal in bar:
         B, H = TOKENS // N, HIDDEN // D
-        elapsed = time.perf_counter() - start
-        left = f", about {elapsed / (i - 1) * (len(shapes) - i + 1):.0f} s left" if i > 1 else ""
-        print(f"[{i}/{len(shapes)}] D={D} N={N} causal={causal} (B={B}, H={H}); "
-              f"{elapsed:.0f} s so far{left}", flush=True)
+        bar.write(f"D={D} N={N} causal={causal} (B={B}, H={H})")
         torch.manual_seed(0)
         for name in args.providers:
             inputs = None
@@ -396,7 +383,7 @@ def main(argv=None):
                 lines = [x for x in str(e).splitlines() if x.strip()] or [""]
                 # Triton compile errors start with "at L:C:" and end with the cause.
                 msg = (lines[-1] if lines[0].rstrip().endswith(":") else lines[0]).strip()[:200]
-                print(f"  {name:<10} skipped: {type(e).__name__}: {msg}", flush=True)
+                bar.write(f"  {name:<16} skipped: {type(e).__name__}: {msg}")
                 times = {}
             for pass_, ms in times.items():
                 tflops = flops(B, H, N, D, causal, pass_) / (ms * 1e-3) / 1e12
@@ -404,7 +391,7 @@ def main(argv=None):
                              "triton": triton.__version__, "provider": name, "dtype": "bf16",
                              "D": D, "N": N, "B": B, "H": H, "causal": causal, "pass": pass_,
                              "ms": round(ms, 4), "tflops": round(tflops, 1)})
-                print(f"  {name:<10} {pass_}  {ms:8.3f} ms  {tflops:7.1f} TFLOP/s", flush=True)
+                bar.write(f"  {name:<16} {pass_}  {ms:8.3f} ms  {tflops:7.1f} TFLOP/s")
             del inputs
             torch.cuda.empty_cache()
         write_csv(out, rows)  # rewritten after every shape so a partial run keeps its results

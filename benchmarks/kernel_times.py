@@ -16,7 +16,10 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import TOKENS, HIDDEN, flops, import_flashop, int_list, make_provider  # noqa: E402
+from attention import (  # noqa: E402
+    HIDDEN, PROVIDERS, TOKENS, flops, import_flashop, int_list, make_provider, switches_of,
+)
+from progress import progress  # noqa: E402
 
 
 def kernel_times(fn, iters=10):
@@ -40,7 +43,8 @@ def main():
     p.add_argument("--D", type=int_list, default=[128])
     p.add_argument("--N", type=int_list, default=[4096, 16384])
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    p.add_argument("--providers", default="flashop,flex")
+    p.add_argument("--providers", default="flashop,flex",
+                   help=f"comma-separated subset of {','.join(PROVIDERS)}")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernel_times.py needs a CUDA GPU")
@@ -49,29 +53,31 @@ def main():
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}")
-    for D in args.D:
-        for N in args.N:
-            for causal in causals:
-                B, H = TOKENS // N, HIDDEN // D
-                for name in args.providers.split(","):
-                    fn, layout = make_provider(name, N, causal)
-                    shape = (B, N, H, D) if layout == "bnhd" else (B, H, N, D)
-                    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16,
-                                           requires_grad=True) for _ in range(3))
-                    out = fn(q, k, v)
-                    dout = torch.randn_like(out)
+    points = [(D, N, causal, name) for D in args.D for N in args.N for causal in causals
+              for name in args.providers.split(",")]
+    bar = progress(points, desc="kernel times",
+                   label=lambda p: f"D={p[0]} N={p[1]} causal={p[2]} {p[3]}")
+    for D, N, causal, name in bar:
+        B, H = TOKENS // N, HIDDEN // D
+        fn, layout = make_provider(name, N, causal)
+        shape = (B, N, H, D) if layout == "bnhd" else (B, H, N, D)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        with switches_of(fn):
+            out = fn(q, k, v)
+            dout = torch.randn_like(out)
 
-                    def bwd():
-                        q.grad = k.grad = v.grad = None
-                        out.backward(dout, retain_graph=True)
-                    for pass_, run in (("fwd", lambda: fn(q, k, v)), ("bwd", bwd)):
-                        times = kernel_times(run)
-                        total = sum(times.values())
-                        tf = flops(B, H, N, D, causal, pass_) / (total * 1e-6) * 1e-12
-                        print(f"D={D} N={N} causal={causal} {name} {pass_}: {total:8.1f} us "
-                              f"({tf:.0f} TFLOP/s of kernel time)")
-                        for kname, us in sorted(times.items(), key=lambda x: -x[1])[:6]:
-                            print(f"    {us:8.1f} us  {kname[:90]}")
+            def bwd():
+                q.grad = k.grad = v.grad = None
+                out.backward(dout, retain_graph=True)
+            for pass_, run in (("fwd", lambda: fn(q, k, v)), ("bwd", bwd)):
+                times = kernel_times(run)
+                total = sum(times.values())
+                tf = flops(B, H, N, D, causal, pass_) / (total * 1e-6) * 1e-12
+                bar.write(f"D={D} N={N} causal={causal} {name} {pass_}: {total:8.1f} us "
+                          f"({tf:.0f} TFLOP/s of kernel time)")
+                for kname, us in sorted(times.items(), key=lambda x: -x[1])[:6]:
+                    bar.write(f"    {us:8.1f} us  {kname[:90]}")
     return 0
 
 

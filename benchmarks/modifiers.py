@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import (  # noqa: E402
     HIDDEN, TOKENS, bench_one, gpu_slug, import_flashop, int_list, write_csv,
 )
+from progress import progress  # noqa: E402
 
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "variant", "dtype", "D", "N", "B", "H",
               "causal", "pass", "ms", "tflops"]
@@ -91,39 +92,46 @@ def main(argv=None):
     print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     D, rows = 128, []
     torch._functorch.config.donated_buffer = False  # compiled backward re-run with retain_graph
-    for N in args.seqlens:
+    steps = [(N, name) for N in args.seqlens for name in variants(1, 1, 1, "cpu")]
+    bar = progress(steps, desc="modifiers", label=lambda s: f"N={s[0]} {s[1]}")
+    current_N = None
+    for N, name in bar:
         B, H = TOKENS // N, HIDDEN // D
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=True) for _ in range(3))
-        for name, (causal, window, extra) in variants(N, H, B, "cuda").items():
-            pairs = attended_pairs(N, causal, window)
-            providers = [("flashop", lambda q, k, v, c=causal, w=window, e=extra:
-                          flashop.attention(q, k, v, causal=c, window_size=w, **e))]
-            if not args.no_flex and not extra:
-                fn = flex_fn(N, causal, window)
-                if fn is not None:
-                    providers.append(("flex", fn))
-            for provider, fn in providers:
-                try:
-                    times = bench_one(fn, (q, k, v), ("fwd", "bwd"), args.warmup, args.rep)
-                except Exception as e:  # noqa: BLE001 (report and go on)
-                    print(f"N={N} {name} {provider}: skipped: {type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[-1][:160]}", flush=True)
-                    continue
-                for pass_, ms in times.items():
-                    f = 4 * B * H * pairs * D * (2.5 if pass_ == "bwd" else 1.0)
-                    tflops = f / (ms * 1e-3) / 1e12
-                    rows.append(dict(gpu=gpu, torch=torch.__version__,
-                                     triton=triton.__version__, provider=provider,
-                                     variant=name, dtype="bf16", D=D, N=N, B=B, H=H,
-                                     causal=causal, **{"pass": pass_}, ms=round(ms, 4),
-                                     tflops=round(tflops, 1)))
-                    print(f"N={N:6d} {name:<22} {provider:<8} {pass_} {ms:8.3f} ms "
-                          f"{tflops:7.1f} TFLOP/s", flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
-        write_csv(out, rows, CSV_HEADER)  # after every length: a partial run keeps its rows
+        if N != current_N:
+            if current_N is not None:
+                write_csv(out, rows, CSV_HEADER)  # after every length: a partial run keeps its rows
+            current_N, q, k, v, cases = N, None, None, None, None
+            torch.cuda.empty_cache()
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            cases = variants(N, H, B, "cuda")
+        causal, window, extra = cases[name]
+        pairs = attended_pairs(N, causal, window)
+        providers = [("flashop", lambda q, k, v, c=causal, w=window, e=extra:
+                      flashop.attention(q, k, v, causal=c, window_size=w, **e))]
+        if not args.no_flex and not extra:
+            fn = flex_fn(N, causal, window)
+            if fn is not None:
+                providers.append(("flex", fn))
+        for provider, fn in providers:
+            try:
+                times = bench_one(fn, (q, k, v), ("fwd", "bwd"), args.warmup, args.rep)
+            except Exception as e:  # noqa: BLE001 (report and go on)
+                bar.write(f"N={N} {name} {provider}: skipped: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[-1][:160]}")
+                continue
+            for pass_, ms in times.items():
+                f = 4 * B * H * pairs * D * (2.5 if pass_ == "bwd" else 1.0)
+                tflops = f / (ms * 1e-3) / 1e12
+                rows.append(dict(gpu=gpu, torch=torch.__version__,
+                                 triton=triton.__version__, provider=provider,
+                                 variant=name, dtype="bf16", D=D, N=N, B=B, H=H,
+                                 causal=causal, **{"pass": pass_}, ms=round(ms, 4),
+                                 tflops=round(tflops, 1)))
+                bar.write(f"N={N:6d} {name:<22} {provider:<8} {pass_} {ms:8.3f} ms "
+                          f"{tflops:7.1f} TFLOP/s")
+    write_csv(out, rows, CSV_HEADER)
     print(f"results written to {out}", flush=True)
 
 

@@ -1,16 +1,18 @@
 """Sweep the tile sizes of each attention kernel on this GPU and print the fastest.
 
-The candidates are the autotuner's (``flashop.launch.TILE_CANDIDATES``, pruned to the GPU's
-shared memory).
+The candidates are the autotuner's (``flashop.tiles.TILE_CANDIDATES``, pruned to the GPU's
+shared memory), or those given with --tiles. Each candidate is forced on its kernel with
+``flashop.tiles.force(kind, tiles)`` while the call is timed.
 
 Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal, or --causal): the forward
 alone for forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's
-tiles at a time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ for
-"dkdv_atomic"). The chosen tiles go into flashop/launch.py by hand; the full sweep is
-written to --out as CSV.
+tiles at a time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ,
+``flashop.config.override(dq_atomics=True)``, for "dkdv_atomic"). Forward tiles are timed
+with the warp-specialized forward off (it has its own tiles, ``flashop.tiles.WS_TILES``). The chosen tiles go into
+flashop/tiles.py by hand; the full sweep is written to --out as CSV.
 
     python benchmarks/tune.py --heads-dims 64,128,256 --out tune.csv
-    python benchmarks/tune.py --heads-dims 128 --seqlen 1024 --causal --kinds fwd \
+    python benchmarks/tune.py --heads-dims 128 --seqlen 1024 --causal --kinds fwd \\
         --tiles 128x64x8x3,64x64x4x2
 """
 
@@ -22,31 +24,36 @@ import torch
 import triton
 from triton.testing import do_bench
 
-try:
-    import flashop  # noqa: F401 - registers torch.ops.flashop
-except ImportError:
-    sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-    import flashop  # noqa: F401
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import write_csv  # noqa: E402
-from flashop import launch
+from attention import import_flashop, write_csv  # noqa: E402
+from progress import progress  # noqa: E402
+
+import_flashop()  # registers torch.ops.flashop
+from flashop import config, tiles  # noqa: E402
+from flashop.launch_common import block_dim  # noqa: E402
+from flashop.tiles import TILE_CANDIDATES, Tiles, prune_tiles  # noqa: E402
+
+KINDS = tuple(TILE_CANDIDATES)  # fwd, dkdv, dkdv_atomic, dq
+FLOPS_FACTOR = {"fwd": 1.0, "dkdv": 2.5, "dq": 2.5, "dkdv_atomic": 2.5}
 
 
 def parse_tiles(spec):
     """``BLOCK_MxBLOCK_NxWARPSxSTAGES[xsplit],...`` -> [Tiles]."""
-    tiles = []
+    result = []
     for item in spec.split(","):
         parts = item.split("x")
-        split = parts[4:] == ["split"]
-        tiles.append(launch.Tiles(*map(int, parts[:4]), split_m=split))
-    return tiles
+        if len(parts) not in (4, 5) or parts[4:] not in ([], ["split"]):
+            raise ValueError(f"tile {item!r}: expected BLOCK_MxBLOCK_NxWARPSxSTAGES[xsplit], "
+                             f"e.g. 128x64x8x3 or 256x64x8x3xsplit")
+        result.append(Tiles(*map(int, parts[:4]), split_m=parts[4:] == ["split"]))
+    return result
 
 
 def candidates(kind, D):
-    """The autotuner's candidates (flashop.launch.TILE_CANDIDATES) that fit this GPU."""
-    block = launch._block_dim(D)
+    """The autotuner's candidates for ``kind`` that fit this GPU's shared memory."""
+    block = block_dim(D)
     props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
-    return launch.prune_tiles(kind, block, block, 2, props["max_shared_mem"])
+    return prune_tiles(kind, block, block, 2, props["max_shared_mem"])
 
 
 def graphed(fn):
@@ -63,11 +70,32 @@ def graphed(fn):
     return graph.replay
 
 
-def main():
+def kernel_calls(D, N, causal):
+    """{kind: (call, switches)}: the call whose time measures ``kind``'s tiles and the
+    flashop.config switches it runs under."""
+    B, H = 16384 // N, 2048 // D
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse, lse_log2 = torch.ops.flashop.attention_forward(q, k, v, causal=causal)
+    dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+
+    def forward():
+        return torch.ops.flashop.attention_forward(q, k, v, causal=causal)
+
+    def backward():
+        return torch.ops.flashop.attention_backward(dout, dlse, q, k, v, out, lse_log2,
+                                                    causal=causal)
+    # the forward's tiles are those of its non-warp-specialized kernels (the warp-specialized
+    # one has its own, WS_TILES)
+    return {"fwd": (forward, {"warp_specialize": False}), "dkdv": (backward, {"dq_atomics": False}),
+            "dq": (backward, {"dq_atomics": False}),
+            "dkdv_atomic": (backward, {"dq_atomics": True})}
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads-dims", default="64,128,256")
     parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--kinds", default="fwd,dkdv,dq,dkdv_atomic")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--causal", action="store_true",
                         help="under a causal bound (the tables' causal choices)")
     parser.add_argument("--tiles", default=None,
@@ -77,59 +105,50 @@ def main():
                         help="replay each candidate from a CUDA graph (kernel time without "
                              "the host's launch overhead, which short sequences otherwise show)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    kinds = [x for x in args.kinds.split(",") if x]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"unknown kinds {unknown}; choose from {','.join(KINDS)}")
+    given = parse_tiles(args.tiles) if args.tiles else None
     if not torch.cuda.is_available():
-        print("tune.py needs a CUDA GPU")
+        print("tune.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    default_tiles = launch.tiles_for
-    rows, best = [], {}
-    for D in (int(d) for d in args.heads_dims.split(",")):
-        N = args.seqlen
+    N = args.seqlen
+    heads_dims = [int(d) for d in args.heads_dims.split(",")]
+    steps = [(D, kind, t) for D in heads_dims for kind in kinds
+             for t in (given or candidates(kind, D))]
+    rows, best, calls = [], {}, {}
+    bar = progress(steps, desc="tiles", label=lambda s: f"D={s[0]} {s[1]} {s[2]}")
+    for D, kind, t in bar:
+        if D not in calls:
+            calls = {D: kernel_calls(D, N, args.causal)}  # one head dim's inputs at a time
+        fn, switches = calls[D][kind]
+        try:
+            with config.override(**switches), tiles.force(kind, t):
+                fn()
+                run = graphed(fn) if args.cuda_graph else fn
+                ms = do_bench(run, warmup=10, rep=40, return_mode="median")
+        except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
+            bar.write(f"  D={D} {kind} {t}: {type(e).__name__}")
+            continue
         B, H = 16384 // N, 2048 // D
-        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        out, lse, lse_log2 = torch.ops.flashop.attention_forward(q, k, v, causal=args.causal)
-        dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
-        fwd = lambda: torch.ops.flashop.attention_forward(  # noqa: E731
-            q, k, v, causal=args.causal)
-
-        def bwd(deterministic):
-            return lambda: launch.attention_backward(
-                dout, dlse, q, k, v, out, lse_log2, None, launch.PLAIN[args.causal], False,
-                deterministic=deterministic)
         flops = 4 * B * H * N * N * D // (2 if args.causal else 1)
-        kinds = (("fwd", fwd, 1.0), ("dkdv", bwd(True), 2.5), ("dq", bwd(True), 2.5),
-                 ("dkdv_atomic", bwd(False), 2.5))
-        for kind, fn, mult in (x for x in kinds if x[0] in args.kinds.split(",")):
-            results = []
-            for t in parse_tiles(args.tiles) if args.tiles else candidates(kind, D):
-                launch.tiles_for = (lambda kd, hd, dt, dev, t=t, kind=kind, **kw:
-                                    t if kd == kind else default_tiles(kd, hd, dt, dev, **kw))
-                try:
-                    fn()
-                    run = graphed(fn) if args.cuda_graph else fn
-                    ms = do_bench(run, warmup=10, rep=40, return_mode="median")
-                except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
-                    print(f"  D={D} {kind} {t}: {type(e).__name__}", flush=True)
-                    continue
-                finally:
-                    launch.tiles_for = default_tiles
-                tflops = mult * flops / ms * 1e-9
-                results.append((ms, t))
-                rows.append(dict(D=D, N=N, causal=args.causal, kind=kind, BLOCK_M=t.BLOCK_M,
-                                 BLOCK_N=t.BLOCK_N, split_m=t.split_m,
-                                 num_warps=t.num_warps, num_stages=t.num_stages,
-                                 ms=round(ms, 4), tflops=round(tflops, 1)))
-                print(f"  D={D} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s", flush=True)
-            if results:
-                best[(D, kind)] = min(results, key=lambda r: r[0])
+        tflops = FLOPS_FACTOR[kind] * flops / ms * 1e-9
+        rows.append(dict(D=D, N=N, causal=args.causal, kind=kind, BLOCK_M=t.BLOCK_M,
+                         BLOCK_N=t.BLOCK_N, split_m=t.split_m, num_warps=t.num_warps,
+                         num_stages=t.num_stages, ms=round(ms, 4), tflops=round(tflops, 1)))
+        bar.write(f"  D={D} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s")
+        if (D, kind) not in best or ms < best[(D, kind)][0]:
+            best[(D, kind)] = (ms, t)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{triton.__version__}; best tiles (B={16384 // args.seqlen}, N={args.seqlen}, "
+          f"{triton.__version__}; best tiles (B={16384 // N}, N={N}, "
           f"bf16, {'causal' if args.causal else 'non-causal'}):")
     for (D, kind), (ms, t) in sorted(best.items()):
-        cur = default_tiles(kind, D, torch.bfloat16, torch.device("cuda"), causal=args.causal)
-        print(f"  D={D:>3} {kind:>4}: {t}  {ms:.3f} ms   (current {cur})")
-    if args.out:
+        current = tiles.tiles_for(kind, D, torch.bfloat16, torch.device("cuda"),
+                                  causal=args.causal, short=tiles.is_short(N))
+        print(f"  D={D:>3} {kind:>11}: {t}  {ms:.3f} ms   (table: {current})")
+    if args.out and rows:
         write_csv(Path(args.out), rows, fieldnames=list(rows[0]))
     return 0
 

@@ -20,10 +20,12 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import bench_one, gpu_slug, import_flashop, write_csv  # noqa: E402
+from progress import progress  # noqa: E402
 
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "layout", "dtype", "D", "H", "tokens",
               "documents", "mean_len", "pass", "ms", "tflops"]
 TOKENS, H, D = 16384, 16, 128
+MIXES = ((256, 1024), (512, 4096), (1024, 8192))  # document lengths drawn from [lo, hi]
 
 
 def document_lengths(seed, lo, hi):
@@ -73,7 +75,8 @@ def main(argv=None):
         / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-varlen.csv")
     print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     rows = []
-    for lo, hi in ((256, 1024), (512, 4096), (1024, 8192)):
+    bar = progress(MIXES, desc="documents", label=lambda m: f"{m[0]}-{m[1]} tokens")
+    for lo, hi in bar:
         lens = document_lengths(0, lo, hi)
         mean = TOKENS / len(lens)
         pairs = causal_pairs(lens)
@@ -112,8 +115,8 @@ def main(argv=None):
                                  tokens=TOKENS, documents=len(doc_lens),
                                  mean_len=round(TOKENS / len(doc_lens)), **{"pass": pass_},
                                  ms=round(ms, 4), tflops=round(tflops, 1)))
-                print(f"docs {lo}-{hi} ({len(lens)} docs, mean {mean:.0f}) {provider:<8} "
-                      f"{layout:<14} {pass_} {ms:7.3f} ms {tflops:6.1f} TFLOP/s", flush=True)
+                bar.write(f"docs {lo}-{hi} ({len(lens)} docs, mean {mean:.0f}) {provider:<8} "
+                          f"{layout:<14} {pass_} {ms:7.3f} ms {tflops:6.1f} TFLOP/s")
     write_csv(out, rows, CSV_HEADER)
     print(f"results written to {out}", flush=True)
 

@@ -46,3 +46,69 @@ def test_from_csv_with_nothing_selected_fails(tmp_path, capsys):
     _write(tmp_path / "a.csv")
     assert attention.main(["--from-csv", str(tmp_path / "a.csv"), "--heads-dims", "256"]) == 1
     assert "no rows selected" in capsys.readouterr().err
+
+
+# --- the scripts import without a GPU; switches go through flashop.config ----------------
+
+import importlib  # noqa: E402
+import io  # noqa: E402
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+SCRIPTS = ["attention", "modifiers", "varlen", "tune", "kernel_times", "progress"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_scripts_import_without_a_gpu(name):
+    importlib.import_module(name)
+
+
+def test_flashop_providers_set_their_switches_only_while_timed():
+    from flashop import config
+    before = dict(vars(config.settings))
+    for name, switches in attention.FLASHOP_VARIANTS.items():
+        fn, layout = attention.make_provider(name, 1024, False)
+        assert layout == "bnhd" and fn.switches == switches
+        with attention.switches_of(fn):
+            for key, value in switches.items():
+                assert getattr(config.settings, key) == value
+        assert dict(vars(config.settings)) == before
+    assert attention.DEFAULT_PROVIDERS[0] == "flashop"
+    assert set(attention.DEFAULT_PROVIDERS) <= set(attention.PROVIDERS)
+
+
+def test_no_benchmark_assigns_flashop_module_globals():
+    """Switches and tiles are changed with flashop.config.override / flashop.tiles.force,
+    never by assigning (or setattr-ing) a flashop module's attributes."""
+    assignment = re.compile(r"^\s*(launch|tiles|config|api|ops|flashop)(\.\w+)+\s*=[^=]",
+                            re.MULTILINE)
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        assert not assignment.search(text), path.name
+        assert "setattr(" not in text, path.name
+
+
+def test_tune_parses_tiles_and_names_the_format_on_a_bad_one():
+    import tune
+    a, b = tune.parse_tiles("128x64x8x3,256x64x8x3xsplit")
+    assert (a.BLOCK_M, a.BLOCK_N, a.num_warps, a.num_stages, a.split_m) == (128, 64, 8, 3, False)
+    assert (b.BLOCK_M, b.split_m) == (256, True)
+    with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NxWARPSxSTAGES"):
+        tune.parse_tiles("128x64x8")
+
+
+def test_line_progress_counts_steps_and_estimates_the_rest():
+    import progress
+    err, seen = io.StringIO(), []
+    bar = progress.LineProgress(range(3), desc="grid", label=lambda i: f"step {i}", file=err)
+    for i in bar:
+        seen.append(i)
+    assert seen == [0, 1, 2]
+    lines = err.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "grid: [1/3] step 0", "grid: [2/3] step 1", "grid: [3/3] step 2"]
+    assert "left)" in lines[-1]
+    err = io.StringIO()
+    assert list(progress.LineProgress(iter("ab"), file=err)) == ["a", "b"]  # no length
+    assert [line.split(" (")[0] for line in err.getvalue().splitlines()] == ["[1]", "[2]"]

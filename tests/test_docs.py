@@ -1,0 +1,84 @@
+"""The documentation's links: every relative link and image in README.md, benchmarks/README.md
+and docs/ points at a file of the repository (and at a heading of it where it names one),
+and no link or path leaves the repository."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+                *(ROOT / "docs").rglob("*.md")])
+# the user docs: the paths they name in code spans must exist too (the notes name files of
+# their day, some of them since removed: those are kept in git history)
+USER_PAGES = [p for p in PAGES if "notes" not in p.relative_to(ROOT).parts]
+
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+PATH_IN_CODE = re.compile(r"`((?:benchmarks|docs|flashop|tests)/[\w./-]+)`")
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced blocks and code spans (no links are read from code)."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def slugs(text: str) -> set:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated anchor numbered -1, -2, ..."""
+    seen, result = {}, set()
+    for line in FENCE.sub("", text).splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        result.add(slug if n == 0 else f"{slug}-{n}")
+    return result
+
+
+def links(page: Path) -> list:
+    return LINK.findall(_prose(page.read_text()))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve_inside_the_repository(page):
+    bad = []
+    for target in links(page):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if ROOT not in resolved.parents and resolved != ROOT:
+            bad.append(f"{target}: outside the repository")
+        elif not resolved.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in slugs(resolved.read_text()):
+            bad.append(f"{target}: no heading #{anchor} in {resolved.relative_to(ROOT)}")
+    assert not bad, f"{page.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_named_in_user_docs_exist(page):
+    missing = [p for p in PATH_IN_CODE.findall(page.read_text())
+               if not (ROOT / p.rstrip("/.")).exists()]
+    assert not missing, f"{page.relative_to(ROOT)} names missing files: {missing}"
+
+
+def test_no_page_points_outside_the_repository():
+    for page in PAGES:
+        assert "../shared" not in page.read_text(), page.relative_to(ROOT)
+
+
+def test_the_readme_keeps_the_ci_test_command():
+    """.ci/run runs the README's test command; the two must not drift apart."""
+    assert "python -m pytest tests -n 2" in (ROOT / "README.md").read_text()
+    assert "python -m pytest tests -n 2" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_slugs_follow_githubs_rule():
+    assert slugs("# Score modifiers\n## Tiles and options\n## A, b's (c)\n## Tiles and options") \
+        == {"score-modifiers", "tiles-and-options", "a-bs-c", "tiles-and-options-1"}
