@@ -115,13 +115,13 @@ CASES = {
              alibi=(2,))],
     2: [Case(1, 32, 32, 2, 2, 16, 16, torch.float32, causal=True),
         Case(2, 32, 32, 1, 2, 32, 16, torch.float16),
-        Case(1, 48, 48, 2, 1, 16, 16, torch.float32, causal=True, window_size=(7, -1)),
-        Case(1, 32, 32, 1, 2, 16, 16, torch.float32, window_size=(3, 10), softcap=3.0),
-        Case(1, 32, 32, 1, 2, 16, 16, torch.float16, causal=True, alibi=(1, 2))],
-    4: [Case(1, 64, 64, 1, 4, 16, 16, torch.float32, causal=True),
-        Case(1, 64, 64, 2, 1, 16, 16, torch.float32, causal=True, window_size=(11, 0),
+        Case(1, 48, 48, 2, 1, 16, 16, torch.float16, causal=True, window_size=(7, -1),
+             alibi=(1, 2)),
+        Case(1, 32, 32, 1, 2, 16, 16, torch.float32, window_size=(3, 10), softcap=3.0)],
+    4: [Case(1, 32, 32, 1, 4, 16, 16, torch.float32, causal=True),
+        Case(1, 32, 32, 2, 1, 16, 16, torch.float32, causal=True, window_size=(5, 0),
              alibi=(2,)),
-        Case(1, 64, 64, 1, 2, 16, 16, torch.float16, window_size=(-1, 20))],
+        Case(1, 32, 32, 1, 2, 16, 16, torch.float16, window_size=(-1, 9), softcap=1.5)],
 }
 
 
