@@ -123,12 +123,22 @@ CASES = {
              alibi=(2,)),
         Case(1, 32, 32, 1, 2, 16, 16, torch.float16, window_size=(-1, 9), softcap=1.5)],
 }
+# on W GPUs (NCCL), longer sequences and bf16
+GPU_CASES = [
+    Case(2, 4096, 4096, 2, 4, 128, 128, torch.bfloat16, causal=True),
+    Case(1, 2048, 2048, 4, 2, 64, 64, torch.bfloat16, causal=True, window_size=(300, 0),
+         alibi=(8,)),
+    Case(1, 2048, 2048, 2, 2, 128, 128, torch.float16, window_size=(-1, 500), softcap=10.0),
+    Case(1, 1024, 1024, 2, 1, 32, 32, torch.float32),
+]
 
 
 def _check_errors(W):
     x = torch.zeros(1, 2 * W * 3, 2, 16)
     with pytest.raises(ValueError, match="divisible into 2 \\* world_size"):
         fd.shard_sequence(x[:, 1:])
+    with pytest.raises(ValueError, match="must be even"):
+        fd.gather_sequence(x[:, :5])
     with pytest.raises(ValueError, match="same length"):
         fd.ring_attention(x[:, :6], x[:, :6], x[:, :4])
     if W > 1:
@@ -136,12 +146,16 @@ def _check_errors(W):
             fd.ring_attention(x[:, :5], x[:, :5], x[:, :5])
 
 
-def _worker(rank, W, port, outdir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=W, timeout=datetime.timedelta(seconds=120))
+def _worker(rank, W, port, outdir, cases):
+    gpu = DEVICE == "cuda"
+    if gpu:
+        torch.cuda.set_device(rank)  # "cuda" (helpers.DEVICE) is this rank's GPU
+    dist.init_process_group("nccl" if gpu else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         _check_errors(W)
-        for n, case in enumerate(CASES[W]):
+        for n, case in enumerate(cases):
             (q, k, v), dout, dlse = make_inputs(case)
             mods = make_modifiers(case)
             shards = [fd.shard_sequence(t.detach()).requires_grad_() for t in (q, k, v)]
@@ -169,17 +183,31 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors")
-@pytest.mark.parametrize("W", [1, 2, 4])
-def test_ring_attention_matches_whole_sequence(W):
-    """Ring attention on W processes: out, lse and dq, dk, dv (gathered) pass the accuracy
-    rule against the whole sequence; with W = 1 they equal flashop.attention's bitwise."""
+def _run_and_check(W, cases):
     with tempfile.TemporaryDirectory() as outdir:
         # the children inherit TRITON_INTERPRET (tests/conftest.py) before importing flashop
-        mp.spawn(_worker, args=(W, _free_port(), outdir), nprocs=W, join=True)
-        for n, case in enumerate(CASES[W]):
+        mp.spawn(_worker, args=(W, _free_port(), outdir, cases), nprocs=W, join=True)
+        for n, case in enumerate(cases):
             out, lse, *grads = torch.load(os.path.join(outdir, f"{n}.pt"))
             inputs, dout, dlse = make_inputs(case)
             for result in check_attention(*inputs, dout, dlse, out, lse, grads,
                                           **make_modifiers(case), **case.options()):
                 assert result.ok, f"{case}: {result}"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors")
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_ring_attention_matches_whole_sequence(W):
+    """Ring attention on W processes: out, lse and dq, dk, dv (gathered) pass the accuracy
+    rule against the whole sequence; with W = 1 they equal flashop.attention's bitwise."""
+    _run_and_check(W, CASES[W])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA GPUs")
+@pytest.mark.parametrize("W", [1, 2, 4, 8])
+def test_ring_attention_on_gpus(W):
+    """As above on W GPUs over NCCL, in bf16, fp16 and fp32."""
+    if torch.cuda.device_count() < W:
+        pytest.skip(f"needs {W} GPUs")
+    _run_and_check(W, GPU_CASES)
