@@ -10,11 +10,15 @@ what runs on the device then (torch.profiler).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 START = time.perf_counter()
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashop
 
 
 def main() -> None:
