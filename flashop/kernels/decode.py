@@ -295,9 +295,10 @@ def attention_decode_merge_kernel(
     b_o = tl.load(o_part + o_p[:, None] * stride_pp + i_b * stride_pb + i_i * stride_ps
                   + i_h * stride_ph + o_dv[None, :], mask=m_p[:, None] & (o_dv[None, :] < DV),
                   other=0.0)
+    w_safe = tl.where(w_sum == 0.0, 1.0, w_sum)
     # [BLOCK_DV]
-    b_out = tl.sum(b_o * b_w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    b_out = tl.sum(b_o * b_w[:, None], 0) / w_safe
     tl.store(o + i_b * stride_ob + i_i * stride_os + i_h * stride_oh + o_dv,
              b_out.to(o.dtype.element_ty), mask=o_dv < DV)
-    b_lse_out = tl.where(w_sum == 0.0, float("-inf"), (m_sub + tl.math.log2(w_sum)) * LN2)
+    b_lse_out = tl.where(w_sum == 0.0, float("-inf"), (m_sub + tl.math.log2(w_safe)) * LN2)
     tl.store(lse + i_b * stride_lb + i_h * stride_lh + i_i, b_lse_out)
