@@ -386,3 +386,93 @@ def test_grad_mode_off_accepts_inputs_that_require_grad():
     with torch.no_grad():
         out = flashop.attention_with_kvcache(q.requires_grad_(), k_cache, v_cache, **kwargs)
     assert not out.requires_grad
+
+
+# --- GPU only -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged,page", [(False, 0), (True, 16), (True, 256)])
+@pytest.mark.parametrize("S_q,num_splits", [(1, 0), (1, 1), (4, 0), (33, 3)])
+def test_gpu_bf16_long_caches(paged, page, S_q, num_splits):
+    """bf16 on GPU tiles: lengths up to a full 4096-key cache, auto and forced splits,
+    decode and chunked queries, GQA 4."""
+    case = CacheCase((0, 1000, 4093 - S_q, 4096 - S_q), S_q, S_q, 8, 4, 128, 128,
+                     torch.bfloat16, paged=paged, page=page or 16, capacity=4096,
+                     causal=True, num_splits=num_splits)
+    check_cache_case(case)
+
+
+def _step_fn(case: CacheCase):
+    """A decode step on a fixed set of tensors: its inputs (updated in place between
+    calls), its caches, and a function returning (out, lse)."""
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    seqlens = kwargs.pop("cache_seqlens")
+
+    def step():
+        return flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                              **kwargs, return_lse=True)
+    return (q, k, v, seqlens), (k_cache, v_cache), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_replays_over_growing_lengths_equal_eager(paged):
+    """One CUDA graph of a decode step, replayed with new queries, keys and growing lengths
+    written into its inputs, gives eager's outputs and caches bit for bit: the launch
+    depends on no length."""
+    case = CacheCase((5, 300, 0), 1, 1, 2, 4, 128, 128, torch.bfloat16, paged=paged,
+                     page=16, capacity=1024, causal=True)
+    inputs, caches, step = _step_fn(case)
+    eager_inputs, eager_caches, eager_step = _step_fn(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up (compiles the kernels) on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    for x, y in zip(caches, eager_caches):
+        y.copy_(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for i in range(1, 40):
+        for x, y in zip(inputs[:3], eager_inputs[:3]):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            y.copy_(x)
+        inputs[3].copy_(torch.tensor([5 + i, 300 + 17 * i, i], dtype=torch.int32))
+        eager_inputs[3].copy_(inputs[3])
+        graph.replay()
+        expected = eager_step()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected))
+        assert all(torch.equal(a, b) for a, b in zip(caches, eager_caches))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_inductor_launches_the_decode_kernels():
+    """Under torch.compile the op is a triton_op: Inductor's code launches the append,
+    split-KV and merge kernels itself (no opaque call), with eager's results."""
+    from torch._inductor.utils import run_and_get_code
+
+    case = CacheCase((100, 2000), 1, 1, 2, 4, 128, 128, torch.bfloat16, paged=True, page=16,
+                     capacity=4096, causal=True, num_splits=4)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    caches = k_cache.clone(), v_cache.clone()
+    expected = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,
+                                              return_lse=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda *a: flashop.attention_with_kvcache(*a, **kwargs, return_lse=True),
+        fullgraph=True)
+    result, code = run_and_get_code(lambda: compiled(q, *caches, k, v))
+    code = "\n".join(code)
+    for kernel in ("kvcache_append_kernel", "attention_decode_kernel",
+                   "attention_decode_merge_kernel"):
+        assert kernel in code, f"{kernel} not in Inductor's code"
+    assert "flashop.attention_with_kvcache" not in code
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
