@@ -9,6 +9,7 @@ synchronization, can be captured in a CUDA graph, and compiles once for all leng
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,9 +45,10 @@ class DecodeTiles:
 def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype) -> DecodeTiles:
     """The split-KV kernel's tiles for ``rows = G * S_q`` query rows per KV head.
 
-    The kernel streams K and V: 64 keys per iteration with 4 stages in flight at head dims
-    up to 128 (16-bit: 32 KiB of K and V per stage), fewer keys or stages where the tiles
-    are larger. Under the interpreter, small tiles (every program runs in numpy)."""
+    The kernel streams K and V: 64 keys per iteration with 3 stages in flight at head dims
+    up to 128 (16-bit: 32 KiB of K and V per stage, so two programs fit an SM's shared
+    memory), fewer keys where the tiles are larger. Under the interpreter, small tiles
+    (every program runs in numpy)."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(min(block_m, 32), 16)
@@ -55,26 +57,44 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype) -> 
     if dtype == torch.float32:
         return DecodeTiles(block_m, 32 if head <= 128 else 16, 4, 2)
     if head <= 128:
-        return DecodeTiles(block_m, 64, 4, 4 if block_m <= 32 else 3)
+        return DecodeTiles(block_m, 64, 4, 3)
     return DecodeTiles(block_m, 32, 4, 3)
+
+
+def programs_per_sm(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int) -> int:
+    """Split-KV programs resident on one SM at once, as their staged K and V tiles allow
+    (about 200 KiB of shared memory per SM on Hopper; 1 or 2)."""
+    staged = t.num_stages * t.BLOCK_N * (block_d + block_dv) * itemsize
+    return 2 if 2 * staged <= 200 * 1024 else 1
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (looked up once); under the interpreter a
-    nominal 2, so that the tests' small batches take several splits."""
+    nominal 4, so that the tests' small batches take several splits."""
     if device.type != "cuda":
-        return 2
+        return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def auto_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
-    """Splits of each sequence's keys so that ``programs`` (B * H_kv * row tiles) times the
-    splits fill the GPU about three times over, each split keeping at least a few key tiles
-    of the cache's ``capacity`` (fewer, longer programs where the batch already fills it)."""
+def auto_splits(programs: int, capacity: int, block_n: int, slots: int) -> int:
+    """Splits of each sequence's keys for ``programs`` (B * H_kv * row tiles) programs per
+    split on ``slots`` resident programs (SMs times programs per SM).
+
+    Every split of a full cache does the same work, so the last wave's occupancy counts:
+    the fewest splits whose waves are within 5% of the best occupancy of any split count,
+    each split keeping at least four key tiles of the cache's ``capacity`` (one under the
+    interpreter). Many waves without splitting: one split."""
+    if programs >= 4 * slots:
+        return 1
     min_tiles = 1 if INTERPRETING else 4
     most = max(1, min(MAX_SPLITS, cdiv(capacity, block_n * min_tiles)))
-    return max(1, min(cdiv(3 * sm_count(device), max(programs, 1)), most))
+    occupancy = []
+    for s in range(1, most + 1):
+        waves = programs * s / slots
+        occupancy.append(waves / math.ceil(waves))
+    best = max(occupancy)
+    return next(s for s, occ in enumerate(occupancy, 1) if occ >= 0.95 * best)
 
 
 def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +194,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     t = decode_tiles(G * S_q, block_d, block_dv, q.dtype)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     if num_splits == 0:
-        num_splits = auto_splits(B * H_kv * row_tiles, capacity, t.BLOCK_N, q.device)
+        slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
+        num_splits = auto_splits(B * H_kv * row_tiles, capacity, t.BLOCK_N, slots)
     num_splits = min(num_splits, MAX_SPLITS)
     split = num_splits > 1
     if split:

@@ -235,19 +235,22 @@ def attention_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # [s_lo, s_mid_lo) edge tiles (a window's left bound), [s_mid_lo, s_mid_hi) inside,
+    # [s_mid_hi, s_hi) edge tiles (the keys' end, a right bound)
     for part in tl.static_range(3):
-        if part == 0:
-            start, end = s_lo, s_mid_lo
-        elif part == 1:
-            start, end = s_mid_lo, s_mid_hi
-        else:
-            start, end = s_mid_hi, s_hi
-        acc, l_i, m_i = _decode_key_tiles(
-            acc, l_i, m_i, b_q, k_base, v_base, block_table, o_i, m_r, alibi2, start, end,
-            L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale,
-            softcap_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, PAGE_SIZE,
-            IS_PAGED, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-            DOT_PRECISION)
+        if part != 0 or HAS_LEFT:
+            if part == 0:
+                start, end = s_lo, s_mid_lo
+            elif part == 1:
+                start, end = s_mid_lo, s_mid_hi
+            else:
+                start, end = s_mid_hi, s_hi
+            acc, l_i, m_i = _decode_key_tiles(
+                acc, l_i, m_i, b_q, k_base, v_base, block_table, o_i, m_r, alibi2, start,
+                end, L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                qk_scale, softcap_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                PAGE_SIZE, IS_PAGED, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                UPCAST, DOT_PRECISION)
 
     m_empty = l_i == 0.0
     l_safe = tl.where(m_empty, 1.0, l_i)
