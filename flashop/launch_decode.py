@@ -138,7 +138,7 @@ def kvcache_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         return
     k, v = unit_stride_last(k), unit_stride_last(v)
     paged = block_table is not None
-    page = k_cache.shape[1]
+    D, DV, page = int(D), int(DV), int(k_cache.shape[1])
     capacity = block_table.shape[1] * page if paged else page
     block_s = 16 if INTERPRETING else 32
     table = block_table if paged else cache_seqlens
@@ -184,25 +184,26 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     H_kv, DV = k_cache.shape[2], v_cache.shape[3]
     if out.numel() == 0:
         return out, lse
+    # what sets tiles, splits and compile-time arguments is a plain int (symbolic shapes
+    # under torch.compile(dynamic=True) are specialized here; the lengths never are)
+    D, DV, G, page = int(D), int(DV), int(H // H_kv), int(k_cache.shape[1])
     check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
                       (S_q, S_q))
-    G = H // H_kv
     paged = block_table is not None
-    page = k_cache.shape[1]
     capacity = block_table.shape[1] * page if paged else page
     block_d, block_dv = block_dim(D), block_dim(DV)
-    t = decode_tiles(G * S_q, block_d, block_dv, q.dtype)
+    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     if num_splits == 0:
         slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
-        num_splits = auto_splits(B * H_kv * row_tiles, capacity, t.BLOCK_N, slots)
+        num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
     num_splits = min(num_splits, MAX_SPLITS)
     split = num_splits > 1
     if split:
         o_part = q.new_empty(num_splits, B, S_q, H, DV, dtype=torch.float32)
         lse_part = q.new_empty(num_splits, B, H, S_q, dtype=torch.float32)
     else:  # not read: the kernel writes out and lse directly
-        o_part, lse_part = out, lse
+        o_part, lse_part = q, q
     alibi, alibi_strides, qk_scale, softcap_log2, left, right, flags = _modifier_args(
         mods, resolve_scale(scale, D), q)
     sp, lp = o_part.stride(), lse_part.stride()
