@@ -13,8 +13,10 @@ from flashop.api import (
 from flashop.kernels import INTERPRETING
 from flashop.padding import pad_input, unpad_input
 from flashop.reference import attention_reference, attention_varlen_reference
+from flashop.api import attention_with_kvcache  # noqa: E402
+from flashop.reference import attention_with_kvcache_reference  # noqa: E402
 
 __all__ = ["attention", "attention_with_lse", "attention_varlen", "attention_varlen_with_lse",
            "attention_reference", "attention_varlen_reference", "pad_input", "unpad_input",
-           "INTERPRETING"]
+           "INTERPRETING", "attention_with_kvcache", "attention_with_kvcache_reference"]
 __version__ = "0.1.0"

@@ -161,3 +161,68 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
     return ops.attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
         causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+
+
+# --- attention over a key/value cache (decoding) --------------------------------------------
+
+from flashop import ops_decode  # noqa: E402  (registers torch.ops.flashop.attention_with_kvcache)
+from flashop.validation_decode import check_no_grad  # noqa: E402
+
+
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                           k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
+                           cache_seqlens, cache_batch_idx: Optional[Tensor] = None,
+                           block_table: Optional[Tensor] = None, causal: bool = False,
+                           scale: Optional[float] = None,
+                           window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
+                           return_lse: bool = False):
+    """Attention of new queries over a key/value cache, appending new keys and values to it
+    first (FlashAttention's ``flash_attn_with_kvcache``); for inference (no gradient).
+
+    Args:
+        q: (B, S_q, H, D) queries, any S_q >= 1 (1 to decode one token; more for
+            speculative decoding or chunked prefill).
+        k_cache, v_cache: the cache, either dense, (B_cache, S_cache, H_kv, D) and
+            (B_cache, S_cache, H_kv, DV), or paged, (num_blocks, page_size, H_kv, D / DV)
+            with ``block_table``; page_size a power of two from 16 to 256. Unit stride in
+            the last dim. Written in place where ``k``, ``v`` are given.
+        k, v: (B, S_new, H_kv, D / DV) new keys and values, or None. They are written into
+            the cache at positions ``cache_seqlens[b] .. cache_seqlens[b] + S_new - 1`` of
+            each sequence before attending; nothing else in the caches changes. Positions
+            at or past the cache's capacity are dropped (docs/decoding.md).
+        cache_seqlens: (B,) int32 tensor on q's device (or a Python int for all): each
+            sequence's cached length before the append. Not advanced here: add S_new to it
+            for the next step.
+        cache_batch_idx: (B,) int32: the dense cache's row of each sequence (default row b).
+        block_table: (B, max_blocks) int32: sequence b's key ``j`` is in page
+            ``block_table[b, j // page_size]`` at row ``j % page_size``.
+        causal: bottom-right aligned over the sequence's ``L = cache_seqlens[b] + S_new``
+            keys: query ``i`` attends key ``j`` iff ``j <= i + L - S_q``.
+        scale, window_size, softcap, alibi_slopes: as :func:`attention`, with ``S_k = L``
+            per sequence (ALiBi distance ``|i + L - S_q - j|``).
+        num_splits: how many programs share each sequence's keys (split-KV, "flash
+            decoding"); 0 chooses from the GPU's size, the batch, H_kv and the cache's
+            capacity (never from the lengths, so a call needs no host synchronization).
+        return_lse: also return lse.
+
+    Sequence b attends its first ``cache_seqlens[b] + S_new`` keys; a sequence with no key
+    (an empty cache and nothing appended) gets output 0 and lse -inf. The lengths,
+    ``cache_batch_idx`` and ``block_table`` are not checked on the host (that would
+    synchronize): docs/decoding.md says what happens with values out of range.
+
+    Returns:
+        out (B, S_q, H, DV) in q's dtype; with ``return_lse``, ``(out, lse)`` with lse
+        (B, H, S_q) float32, natural log.
+    """
+    check_no_grad("flashop.attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache,
+                  k=k, v=v, alibi_slopes=alibi_slopes)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+    out, lse = ops_decode.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
+        causal=causal, scale=scale, window_size=window, softcap=softcap,
+        num_splits=num_splits)
+    return (out, lse) if return_lse else out

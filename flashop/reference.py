@@ -105,3 +105,89 @@ def attention_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
         return (q.new_zeros(*q.shape[:2], v.shape[-1], dtype=dtype),
                 q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype))
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# --- attention over a key/value cache (decoding) --------------------------------------------
+
+
+def kvcache_append_reference(k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                             v: Optional[Tensor], cache_seqlens: Tensor,
+                             cache_batch_idx: Optional[Tensor] = None,
+                             block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Copies of the caches with k, v (B, S_new, H_kv, .) written at positions
+    ``cache_seqlens[b] + s`` of each sequence's slots (row ``cache_batch_idx[b]`` or ``b`` of a
+    dense cache; pages ``block_table[b, pos // page_size]`` of a paged one). Positions at or
+    past the cache's capacity are dropped, as the kernel drops them."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    if k is None:
+        return k_cache, v_cache
+    B, S_new = k.shape[:2]
+    page = k_cache.shape[1]
+    capacity = page * block_table.shape[1] if block_table is not None else page
+    lengths = cache_seqlens.tolist()
+    for b in range(B):
+        for s in range(S_new):
+            pos = lengths[b] + s
+            if not 0 <= pos < capacity:
+                continue
+            if block_table is not None:
+                slot = (int(block_table[b, pos // page]), pos % page)
+            else:
+                slot = (b if cache_batch_idx is None else int(cache_batch_idx[b]), pos)
+            k_cache[slot] = k[b, s]
+            v_cache[slot] = v[b, s]
+    return k_cache, v_cache
+
+
+def gather_kvcache(cache: Tensor, length: int, b: int, cache_batch_idx: Optional[Tensor] = None,
+                   block_table: Optional[Tensor] = None) -> Tensor:
+    """Sequence ``b``'s first ``length`` cached positions (length, H_kv, .) in key order."""
+    if block_table is None:
+        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        return cache[row, :length]
+    page = cache.shape[1]
+    pages = block_table[b, :-(-length // page)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def attention_with_kvcache_reference(
+        q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+        v: Optional[Tensor] = None, *, cache_seqlens, cache_batch_idx: Optional[Tensor] = None,
+        block_table: Optional[Tensor] = None, causal: bool = False,
+        scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+        softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+        compute_dtype: Optional[torch.dtype] = torch.float32) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``flashop.attention_with_kvcache`` in plain PyTorch, leaving the caches
+    unchanged: the append is applied to copies (:func:`kvcache_append_reference`), each
+    sequence's ``L = cache_seqlens[b] + S_new`` keys are gathered, and
+    :func:`attention_reference` attends over them (query i at key position i + L - S_q, as
+    its bottom-right alignment puts it). out (B, S_q, H, DV) and lse (B, H, S_q) in
+    ``compute_dtype``. Every sequence must fit its cache (L <= capacity)."""
+    B, S_q, H, D = q.shape
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    k_cache, v_cache = kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens,
+                                                cache_batch_idx, block_table)
+    S_new = 0 if k is None else k.shape[1]
+    page = k_cache.shape[1]
+    capacity = page * block_table.shape[1] if block_table is not None else page
+    outs, lses = [], []
+    for b, cached in enumerate(cache_seqlens.tolist()):
+        L = cached + S_new
+        if L > capacity:
+            raise ValueError(f"sequence {b}: {L} keys do not fit the cache's {capacity}")
+        kb = gather_kvcache(k_cache, L, b, cache_batch_idx, block_table)
+        vb = gather_kvcache(v_cache, L, b, cache_batch_idx, block_table)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        o, l = attention_reference(q[b:b + 1], kb[None], vb[None], None, slopes, causal=causal,
+                                   scale=scale, window_size=window_size, softcap=softcap,
+                                   compute_dtype=compute_dtype)
+        outs.append(o)
+        lses.append(l)
+    dtype = q.dtype if compute_dtype is None else compute_dtype
+    if not outs:
+        return (q.new_zeros(0, S_q, H, v_cache.shape[-1], dtype=dtype),
+                q.new_zeros(0, H, S_q, dtype=dtype))
+    return torch.cat(outs), torch.cat(lses)

@@ -1,0 +1,193 @@
+"""Decoding one token over a key/value cache: flashop.attention_with_kvcache (dense cache,
+and paged with pages of 16 and 256 keys in random physical order) against SDPA on the dense
+cache, compiled FlexAttention with a BlockMask of the lengths, and flashop.attention over
+the dense cache, in the same run.
+
+bf16, H = 32 query heads, H_kv = 8, D = 128, one query per sequence, every sequence's cache
+full (L keys). The figure of merit is the K + V bytes read per second (GB/s) and that as a
+fraction of the GPU's measured copy bandwidth (a 2 GiB ``copy_``, read + write); times are
+medians of triton.testing.do_bench, replayed from CUDA graphs where the cache is small
+(under 256 MB; host time would dominate there), in microseconds per call. Points whose
+cache does not fit the GPU's memory are skipped.
+
+Usage: python benchmarks/decode.py [--quick] [--out PATH.csv]
+Tokens/s of a small model: python benchmarks/decode_model.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import gpu_slug, import_flashop, write_csv  # noqa: E402
+
+CSV_HEADER = ["gpu", "torch", "triton", "provider", "layout", "page", "B", "L", "H", "H_kv",
+              "D", "us", "gbps", "frac_copy"]
+H, H_KV, D = 32, 8, 128
+BATCHES = (1, 8, 64)
+LENGTHS = (4096, 16384, 65536, 131072)
+QUICK = [(1, 16384), (8, 65536)]
+PAGES = (16, 256)
+GRAPH_BYTES = 256 * 2**20  # below this much K + V, time CUDA-graph replays
+
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc)
+    except ImportError:
+        def plain():
+            for i, item in enumerate(items):
+                print(f"{desc}: {i + 1}/{len(items)} {item}", flush=True)
+                yield item
+        return plain()
+
+
+def time_us(fn, graph: bool) -> float:
+    """Median microseconds per call of ``fn``: CUDA-graph replays where ``graph`` (falling
+    back to plain launches where capture fails)."""
+    fn()  # compile, warm up
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+        except Exception as e:  # noqa: BLE001  (a provider that cannot be captured)
+            print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:80]}; timing launches)",
+                  file=sys.stderr)
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy_, counting its read and its write."""
+    n = 2**30  # bf16 elements: 2 GiB
+    src = torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50,
+                                 return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2 * n / (ms * 1e-3) / 1e9
+
+
+def providers(flashop, q, k_cache, v_cache, lengths, flex_fn):
+    """{(provider, layout, page): fn} over one dense cache (B, L, H_kv, D), which the paged
+    layouts view as B * L / page pages in random physical order (no extra memory)."""
+    B, L = k_cache.shape[:2]
+    fns = {("flashop", "dense", 0): lambda: flashop.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lengths)}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for page in PAGES:
+        pages = B * L // page
+        table = torch.randperm(pages, device="cuda", generator=gen).view(B, -1).to(torch.int32)
+        kp = k_cache.view(pages, page, H_KV, D)
+        vp = v_cache.view(pages, page, H_KV, D)
+        fns["flashop", "paged", page] = (
+            lambda kp=kp, vp=vp, table=table: flashop.attention_with_kvcache(
+                q, kp, vp, cache_seqlens=lengths, block_table=table))
+    qt = q.transpose(1, 2)  # (B, H, 1, D)
+    kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (B, H_kv, L, D)
+    fns["sdpa", "dense", 0] = lambda: F.scaled_dot_product_attention(qt, kt, vt,
+                                                                     enable_gqa=True)
+    if flex_fn is not None:
+        fns["flex", "dense", 0] = lambda: flex_fn(qt, kt, vt)
+    fns["flashop.attention", "dense", 0] = lambda: flashop.attention(q, k_cache, v_cache)
+    return fns
+
+
+def make_flex(B, L, lengths):
+    """Compiled FlexAttention with a BlockMask keeping each sequence's first lengths[b] keys
+    (Dynamo reset first: a new shape compiles afresh)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention)
+
+    def keep(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    mask = create_block_mask(keep, B, None, 1, L, device="cuda")
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def print_table(rows):
+    """One line per (B, L): GB/s and the fraction of copy bandwidth per provider/layout,
+    then flashop (dense) over SDPA."""
+    cols = []
+    for r in rows:
+        col = r["provider"] + ("" if r["layout"] == "dense" else f"-p{r['page']}")
+        if col not in cols:
+            cols.append(col)
+    table = {}
+    for r in rows:
+        col = r["provider"] + ("" if r["layout"] == "dense" else f"-p{r['page']}")
+        table.setdefault((r["B"], r["L"]), {})[col] = r
+    print(f"\n{'B':>3} {'L':>7}  " + "  ".join(f"{c:>20}" for c in cols) + "  flashop/sdpa")
+    for (B, L), by in sorted(table.items()):
+        cells = [f"{by[c]['us']:7.1f}us {by[c]['frac_copy']:5.0%}" if c in by else "-"
+                 for c in cols]
+        ratio = (f"{by['sdpa']['us'] / by['flashop']['us']:.2f}x"
+                 if "sdpa" in by and "flashop" in by else "-")
+        print(f"{B:>3} {L:>7}  " + "  ".join(f"{c:>20}" for c in cells) + f"  {ratio:>12}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"only {QUICK} (about a minute)")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
+    p.add_argument("--out", default=None,
+                   help="CSV path (default benchmarks/results/<date>-<gpu>-decode.csv)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
+        return 1
+    flashop = import_flashop()
+    gpu = torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else (
+        Path(__file__).resolve().parent / "results"
+        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-decode.csv")
+    copy_gbps = copy_bandwidth()
+    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | copy "
+          f"bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    points = QUICK if args.quick else [(B, L) for B in BATCHES for L in LENGTHS]
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows = []
+    for B, L in progress(points, "decode"):
+        kv_bytes = 2 * B * L * H_KV * D * 2
+        if kv_bytes > 0.35 * total:  # the caches, and room for the peers' workspace
+            print(f"  skip B={B} L={L}: K + V take {kv_bytes / 2**30:.1f} GiB", flush=True)
+            continue
+        torch.cuda.empty_cache()
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        k_cache = torch.randn(B, L, H_KV, D, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn(B, L, H_KV, D, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.full((B,), L, device="cuda", dtype=torch.int32)
+        flex_fn = None if args.no_flex else make_flex(B, L, lengths)
+        for (provider, layout, page), fn in providers(flashop, q, k_cache, v_cache, lengths,
+                                                      flex_fn).items():
+            try:
+                us = time_us(fn, graph=kv_bytes < GRAPH_BYTES)
+            except torch.OutOfMemoryError:
+                print(f"  {provider} {layout} B={B} L={L}: out of memory", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            gbps = kv_bytes / (us * 1e-6) / 1e9
+            rows.append(dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                             provider=provider, layout=layout, page=page, B=B, L=L, H=H,
+                             H_kv=H_KV, D=D, us=round(us, 2), gbps=round(gbps, 1),
+                             frac_copy=round(gbps / copy_gbps, 3)))
+        del q, k_cache, v_cache, flex_fn
+    write_csv(out, rows, CSV_HEADER)
+    print(f"wrote {out}")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

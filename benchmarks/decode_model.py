@@ -1,0 +1,248 @@
+"""A small Llama-style model (random weights: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU) that generates greedily with a key/value cache, and its tokens/s.
+
+Attention backends:
+- ``flashop``: prefill with ``flashop.attention``, decode with
+  ``flashop.attention_with_kvcache`` appending each token to a paged (``page`` > 0) or dense
+  cache in place;
+- ``sdpa``: plain PyTorch, a dense cache written by indexing and
+  ``F.scaled_dot_product_attention`` with a mask of each sequence's length.
+
+Both keep their caches and lengths in buffers, so a decode step compiles with
+``fullgraph=True`` and replays from CUDA graphs (``mode="reduce-overhead"``).
+
+    python benchmarks/decode_model.py --batch 8 --prompt 512 --steps 256   # tokens/s, GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flashop
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 256
+    dim: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    hidden: int = 256
+    max_len: int = 64  # cache positions per sequence
+    page: int = 16  # paged cache's page size; 0: dense cache
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rotary embedding of x (B, S, heads, D) at positions pos (B, S)."""
+    D = x.shape[-1]
+    freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    angle = pos.to(torch.float32)[..., None] * freq  # (B, S, D / 2)
+    cos = torch.cat([angle.cos()] * 2, -1)[:, :, None].to(x.dtype)
+    sin = torch.cat([angle.sin()] * 2, -1)[:, :, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str, batch: int):
+        super().__init__()
+        self.cfg, self.backend = cfg, backend
+        H, H_kv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, H * D, bias=False)
+        self.wk = nn.Linear(cfg.dim, H_kv * D, bias=False)
+        self.wv = nn.Linear(cfg.dim, H_kv * D, bias=False)
+        self.wo = nn.Linear(H * D, cfg.dim, bias=False)
+        if backend == "flashop" and cfg.page:
+            blocks = batch * cfg.max_len // cfg.page
+            shape = (blocks, cfg.page, H_kv, D)
+        else:
+            shape = (batch, cfg.max_len, H_kv, D)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, pos, lengths, block_table, prefill: bool):
+        B, S, _ = x.shape
+        cfg = self.cfg
+        q = rotary(self.wq(x).view(B, S, cfg.heads, -1), pos, cfg.rope_theta)
+        k = rotary(self.wk(x).view(B, S, cfg.kv_heads, -1), pos, cfg.rope_theta)
+        v = self.wv(x).view(B, S, cfg.kv_heads, -1)
+        if self.backend == "flashop":
+            if prefill:  # all sequences start empty: attend the prompt, then store it
+                o = flashop.attention(q, k, v, causal=True)
+                self._store(k, v, pos, block_table)
+            else:
+                o = flashop.attention_with_kvcache(
+                    q, self.k_cache, self.v_cache, k, v, cache_seqlens=lengths,
+                    block_table=block_table, causal=True)
+        else:
+            self._store(k, v, pos, None)
+            # each query attends the cached keys up to its own position
+            keep = (torch.arange(cfg.max_len, device=x.device)[None, None, :]
+                    <= pos[:, :, None])  # (B, S, max_len)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2),
+                attn_mask=keep[:, None], enable_gqa=True).transpose(1, 2)
+        return self.wo(o.reshape(B, S, -1))
+
+    def _store(self, k, v, pos, block_table):
+        """Write k, v (B, S, H_kv, D) at positions pos (B, S) of the cache."""
+        B, S = pos.shape
+        if block_table is None:
+            rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)
+            self.k_cache[rows, pos] = k
+            self.v_cache[rows, pos] = v
+            return
+        page = self.cfg.page
+        pages = torch.gather(block_table, 1, (pos // page).to(torch.int64))
+        slots = (pages * page + pos % page).reshape(-1).to(torch.int64)
+        self.k_cache.view(-1, *k.shape[2:])[slots] = k.reshape(-1, *k.shape[2:])
+        self.v_cache.view(-1, *v.shape[2:])[slots] = v.reshape(-1, *v.shape[2:])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str, batch: int):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
+        self.attn = Attention(cfg, backend, batch)
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+    def forward(self, x, pos, lengths, block_table, prefill):
+        x = x + self.attn(self.attn_norm(x), pos, lengths, block_table, prefill)
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLlama(nn.Module):
+    """Greedy generation over a static cache of ``cfg.max_len`` positions per sequence
+    (paged with pages in random physical order for the flashop backend where cfg.page > 0).
+    ``lengths`` (B,) int32 is each sequence's cached length, advanced in place by each step."""
+
+    def __init__(self, cfg: ModelConfig, backend: str = "flashop", batch: int = 1):
+        super().__init__()
+        self.cfg, self.backend = cfg, backend
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg, backend, batch) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int32),
+                             persistent=False)
+        table = None
+        if backend == "flashop" and cfg.page:
+            per_seq = cfg.max_len // cfg.page
+            order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(0))
+            table = order.view(batch, per_seq).to(torch.int32)
+        self.register_buffer("block_table", table, persistent=False)
+
+    def _run(self, tokens, pos, prefill):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, pos, self.lengths, self.block_table, prefill)
+        return self.head(self.norm(x))
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Logits of the prompt (B, P), whose keys fill the empty caches."""
+        B, P = prompt.shape
+        self.lengths.zero_()
+        pos = torch.arange(P, device=prompt.device, dtype=torch.int32)[None].expand(B, P)
+        logits = self._run(prompt, pos, prefill=True)
+        self.lengths.add_(P)
+        return logits
+
+    def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of one new token per sequence (B, 1), appended to the caches."""
+        logits = self._run(tokens, self.lengths[:, None], prefill=False)
+        self.lengths.add_(1)
+        return logits
+
+
+@torch.no_grad()
+def generate(model: TinyLlama, prompt: torch.Tensor, steps: int, step_fn=None) -> torch.Tensor:
+    """Greedy tokens (B, steps) after the prompt; ``step_fn`` (default model.decode_step)
+    may be a compiled decode step."""
+    step_fn = step_fn or model.decode_step
+    tok = model.prefill(prompt)[:, -1].argmax(-1)
+    out = [tok]
+    for _ in range(steps - 1):
+        tok = step_fn(tok[:, None].clone())[:, -1].argmax(-1)
+        out.append(tok)
+    return torch.stack(out, 1)
+
+
+def build(cfg: ModelConfig, backend: str, batch: int, device, dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyLlama(cfg, backend, batch)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--page", type=int, default=16, help="flashop's page size (0: dense)")
+    parser.add_argument("--modes", default="eager,reduce-overhead",
+                        help="comma-separated: eager, default (torch.compile), reduce-overhead")
+    args = parser.parse_args(argv)
+    device, dtype = "cuda", torch.bfloat16
+    cfg = ModelConfig(vocab=32000, dim=args.dim, layers=args.layers, heads=args.heads,
+                      kv_heads=args.kv_heads, hidden=4 * args.dim,
+                      max_len=args.prompt + args.steps, page=args.page)
+    if cfg.page:
+        cfg = ModelConfig(**{**cfg.__dict__, "max_len": -(-cfg.max_len // cfg.page) * cfg.page})
+    prompt = torch.randint(0, cfg.vocab, (args.batch, args.prompt), device=device)
+    print(f"B={args.batch} prompt={args.prompt} steps={args.steps} dim={cfg.dim} "
+          f"heads={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} layers={cfg.layers} "
+          f"page={cfg.page} {torch.cuda.get_device_name()}")
+    tokens = {}
+    for backend in ("flashop", "sdpa"):
+        model = build(cfg, backend, args.batch, device, dtype)
+        for mode in args.modes.split(","):
+            torch._dynamo.reset()
+            step = model.decode_step
+            if mode != "eager":
+                step = torch.compile(model.decode_step, fullgraph=True, mode=mode)
+            generate(model, prompt, 8, step)  # compile and warm up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens[backend, mode] = generate(model, prompt, args.steps, step)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            print(f"{backend:8s} {mode:16s} {args.batch * args.steps / seconds:10.0f} tokens/s "
+                  f"(prefill included, {seconds * 1e3:.1f} ms)")
+    same = torch.equal(tokens["flashop", "eager"], tokens["sdpa", "eager"]) \
+        if ("flashop", "eager") in tokens and ("sdpa", "eager") in tokens else None
+    if same is not None:
+        print(f"flashop's greedy tokens equal SDPA's (bf16): {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

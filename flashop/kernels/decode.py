@@ -1,0 +1,307 @@
+"""Attention over a key/value cache (decoding): the append of new keys and values into the
+cache, the split-KV ("flash decoding") attention kernel and the merge of its splits.
+
+Vocabulary as in common.py, plus: ``L`` a sequence's keys (``cache_seqlens[b] + S_new``),
+``capacity`` the keys its cache can hold (``S_cache``, or ``max_blocks * PAGE_SIZE`` for a
+paged cache), ``PAGE_SIZE`` the keys of one page. A paged cache's key ``j`` of sequence
+``b`` lives in page ``block_table[b, j // PAGE_SIZE]`` at row ``j % PAGE_SIZE``.
+
+Scores are in base-2 units inside the kernels; lse is written in natural-log units, except
+the splits' partial lse (base 2), which only the merge reads.
+"""
+
+import triton
+import triton.language as tl
+
+from flashop.kernels.common import LN2, LOG2E, attention_scores, dot_operand, load_tile
+
+
+@triton.jit
+def kvcache_append_kernel(
+    k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_tb,
+    S_new, capacity,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+):
+    """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise) for the BLOCK_S
+    new tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
+    outside the named slots is written. ``slot`` is row ``cache_batch_idx[b]`` (or ``b``)
+    of a dense cache, or the page ``block_table[b, pos // PAGE_SIZE]`` of a paged one.
+
+    The cache offsets are computed here, not in a helper: torch < 2.13's mutation analysis
+    follows a helper's results to all of its arguments (see common.py)."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_pos = tl.load(cache_seqlens + i_b) + o_s
+    m_s = (o_s < S_new) & (o_pos >= 0) & (o_pos < capacity)
+    o_pos = tl.where(m_s, o_pos, 0)
+    if IS_PAGED:
+        i_page = tl.load(block_table + i_b * stride_tb + o_pos // PAGE_SIZE, mask=m_s,
+                         other=0).to(tl.int64)
+        o_row = o_pos % PAGE_SIZE
+        o_kc = i_page * stride_kcb + o_row * stride_kcs
+        o_vc = i_page * stride_vcb + o_row * stride_vcs
+    else:
+        i_row = i_b
+        if HAS_BATCH_IDX:
+            i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
+        o_kc = i_row * stride_kcb + o_pos.to(tl.int64) * stride_kcs
+        o_vc = i_row * stride_vcb + o_pos.to(tl.int64) * stride_vcs
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_k = m_s[:, None] & (o_d[None, :] < D)
+    m_v = m_s[:, None] & (o_dv[None, :] < DV)
+    # [BLOCK_S, BLOCK_D]
+    b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_s[:, None] * stride_ks
+                  + o_d[None, :], mask=m_k)
+    tl.store(k_cache + i_h * stride_kch + o_kc[:, None] + o_d[None, :], b_k, mask=m_k)
+    # [BLOCK_S, BLOCK_DV]
+    b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
+                  + o_dv[None, :], mask=m_v)
+    tl.store(v_cache + i_h * stride_vch + o_vc[:, None] + o_dv[None, :], b_v, mask=m_v)
+
+
+@triton.jit
+def _decode_key_tiles(
+    acc, l_i, m_i, b_q, k_cache, v_cache, block_table, o_i, m_r, alibi2, start, end, L_read,
+    L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, softcap_log2, left,
+    right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+    EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tiles in [start, end) (multiples of BLOCK_N from a multiple of BLOCK_N)
+    into the running (acc, l_i, m_i) of the query rows. ``k_cache`` / ``v_cache`` point at
+    this KV head (and, dense, this sequence's row); ``block_table`` at this sequence's
+    pages. ``EDGE_TILE`` tiles may reach past the ``L_read`` readable keys or cross the
+    window / causal bounds; the others are inside for every row and skip that masking."""
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        m_n = o_n < L_read
+        if IS_PAGED:
+            if PAGE_SIZE >= BLOCK_N:  # the tile lies in one page
+                i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
+                o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            else:  # the tile spans BLOCK_N // PAGE_SIZE pages: each key's own page
+                if EDGE_TILE:
+                    i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n,
+                                     other=0).to(tl.int64)
+                else:
+                    i_page = tl.load(block_table + o_n // PAGE_SIZE).to(tl.int64)
+                o_row = o_n % PAGE_SIZE
+            o_kn = i_page * stride_kcb + o_row * stride_kcs
+            o_vn = i_page * stride_vcb + o_row * stride_vcs
+        else:
+            o_kn = o_n.to(tl.int64) * stride_kcs
+            o_vn = o_n.to(tl.int64) * stride_vcs
+        # K^T tile [BLOCK_D, BLOCK_N]
+        b_kt = load_tile(k_cache + o_kn[None, :] + o_d[:, None], m_n[None, :],
+                         o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
+        # [ROWS, BLOCK_N]
+        b_qk = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
+        b_s, _ = attention_scores(
+            b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
+            left, right, softcap_log2, alibi2[:, None], 0.0, k_cache, 0, 0, EDGE_TILE,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, 0)
+        # V tile [BLOCK_N, BLOCK_DV]
+        b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None],
+                        o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
+        # online softmax [ROWS]
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        if EDGE_TILE:
+            # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        b_p = tl.math.exp2(b_s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        # [ROWS, BLOCK_DV]
+        acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
+                     acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_decode_kernel(
+    q, k_cache, v_cache, o, lse, o_part, lse_part, cache_seqlens, cache_batch_idx,
+    block_table, alibi,
+    stride_qb, stride_qs, stride_qh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    stride_pp, stride_pb, stride_ps, stride_ph,
+    stride_lpp, stride_lpb, stride_lph,
+    stride_tb, stride_ab, stride_ah,
+    S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Attention of q[b, i, h] over the first ``L = cache_seqlens[b] + S_new`` keys of
+    sequence b's cache, query i at key position ``i + L - S_q``; grid (splits, H_kv *
+    row tiles, B).
+
+    A program's query tile is BLOCK_M rows ``r = i * G + g`` of the G query heads of one KV
+    head (grouped-query heads packed: each key tile is read once for all of them) at S_q
+    positions. The keys the tile attends (window / causal bounds, at most ``capacity``) are
+    cut into ``splits`` runs of whole key tiles, one per program; a run past the keys is
+    empty. Where ``SPLIT``, each program writes its run's normalized output (fp32) to
+    ``o_part`` [split, b, i, h] and its base-2 lse to ``lse_part`` [split, b, h, i] (-inf
+    and 0 for an empty run); attention_decode_merge_kernel combines them. Else (one split)
+    it writes ``o`` and the natural-log ``lse`` [b, h, i] directly. Rows that attend no key
+    get 0 and -inf.
+
+    The lengths are read here: the launch depends on shapes only, so it can be captured in a
+    CUDA graph and compiled once for all lengths.
+    """
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
+    i_split = tl.program_id(0).to(tl.int64)
+    n_splits = tl.num_programs(0)
+    i_b = tl.program_id(2).to(tl.int64)
+    rows = G * S_q
+    n_row_tiles = tl.cdiv(rows, BLOCK_M)
+    i_hk = (tl.program_id(1) // n_row_tiles).to(tl.int64)
+    start_r = (tl.program_id(1) % n_row_tiles) * BLOCK_M
+
+    L = tl.load(cache_seqlens + i_b) + S_new
+    L_read = tl.minimum(L, capacity)  # keys past the cache's capacity are never read
+    off = L - S_q  # query i sits at key position i + off
+
+    o_r = start_r + tl.arange(0, BLOCK_M)
+    m_r = o_r < rows
+    o_i = o_r // G  # query index
+    o_h = i_hk * G + o_r % G  # query head
+    o_d = tl.arange(0, BLOCK_D)
+    # [BLOCK_M, BLOCK_D]
+    b_q = tl.load(q + i_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh
+                  + o_d[None, :], mask=m_r[:, None] & (o_d[None, :] < D), other=0.0)
+    b_q = dot_operand(b_q, UPCAST)
+    alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi2 = -tl.load(alibi + i_b * stride_ab + o_h * stride_ah, mask=m_r,
+                          other=0.0) * LOG2E
+
+    # the keys of the tile's first and last query: [lo, hi), unmasked in [u_lo, u_hi)
+    i_first = start_r // G
+    i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
+    hi = L_read
+    u_hi = (L_read // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(i_last + off + right + 1, 0))
+        u_hi = tl.minimum(u_hi, (tl.maximum(i_first + off + right + 1, 0) // BLOCK_N)
+                          * BLOCK_N)
+    lo = 0
+    u_lo = 0
+    if HAS_LEFT:
+        lo = (tl.minimum(tl.maximum(i_first + off - left, 0), hi) // BLOCK_N) * BLOCK_N
+        u_lo = tl.cdiv(tl.maximum(i_last + off - left, 0), BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    # this split's run of key tiles
+    tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), n_splits)
+    s_lo = tl.minimum(lo + i_split * tiles_per_split * BLOCK_N, hi)
+    s_hi = tl.minimum(s_lo + tiles_per_split * BLOCK_N, hi)
+    s_mid_lo = tl.minimum(tl.maximum(u_lo, s_lo), s_hi)
+    s_mid_hi = tl.minimum(tl.maximum(u_hi, s_mid_lo), s_hi)
+
+    if IS_PAGED:
+        k_base = k_cache + i_hk * stride_kch
+        v_base = v_cache + i_hk * stride_vch
+        block_table += i_b * stride_tb
+    else:
+        i_row = i_b
+        if HAS_BATCH_IDX:
+            i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
+        k_base = k_cache + i_row * stride_kcb + i_hk * stride_kch
+        v_base = v_cache + i_row * stride_vcb + i_hk * stride_vch
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # [s_lo, s_mid_lo) edge tiles (a window's left bound), [s_mid_lo, s_mid_hi) inside,
+    # [s_mid_hi, s_hi) edge tiles (the keys' end, a right bound)
+    for part in tl.static_range(3):
+        if part != 0 or HAS_LEFT:
+            if part == 0:
+                start, end = s_lo, s_mid_lo
+            elif part == 1:
+                start, end = s_mid_lo, s_mid_hi
+            else:
+                start, end = s_mid_hi, s_hi
+            acc, l_i, m_i = _decode_key_tiles(
+                acc, l_i, m_i, b_q, k_base, v_base, block_table, o_i, m_r, alibi2, start,
+                end, L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                qk_scale, softcap_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                PAGE_SIZE, IS_PAGED, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                UPCAST, DOT_PRECISION)
+
+    m_empty = l_i == 0.0
+    l_safe = tl.where(m_empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_o = m_r[:, None] & (o_dv[None, :] < DV)
+    if SPLIT:
+        tl.store(o_part + i_split * stride_pp + i_b * stride_pb + o_i[:, None] * stride_ps
+                 + o_h[:, None] * stride_ph + o_dv[None, :], b_o, mask=m_o)
+        tl.store(lse_part + i_split * stride_lpp + i_b * stride_lpb + o_h * stride_lph + o_i,
+                 b_lse2, mask=m_r)
+    else:
+        tl.store(o + i_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh
+                 + o_dv[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
+        tl.store(lse + i_b * stride_lb + o_h * stride_lh + o_i, b_lse2 * LN2, mask=m_r)
+
+
+@triton.jit
+def attention_decode_merge_kernel(
+    o_part, lse_part, o, lse,
+    stride_pp, stride_pb, stride_ps, stride_ph,
+    stride_lpp, stride_lpb, stride_lph,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    n_splits,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    """o[b, i, h] and lse[b, h, i] from the splits' partial outputs and base-2 lses, each
+    weighted by exp2(lse_split - lse); grid (S_q, H, B). All splits empty: 0 and -inf."""
+    i_i = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    o_p = tl.arange(0, BLOCK_SPLITS)
+    m_p = o_p < n_splits
+    # [BLOCK_SPLITS]
+    b_lse = tl.load(lse_part + o_p * stride_lpp + i_b * stride_lpb + i_h * stride_lph + i_i,
+                    mask=m_p, other=float("-inf"))
+    m = tl.max(b_lse, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    b_w = tl.math.exp2(b_lse - m_sub)
+    w_sum = tl.sum(b_w, 0)
+    o_dv = tl.arange(0, BLOCK_DV)
+    # [BLOCK_SPLITS, BLOCK_DV]
+    b_o = tl.load(o_part + o_p[:, None] * stride_pp + i_b * stride_pb + i_i * stride_ps
+                  + i_h * stride_ph + o_dv[None, :], mask=m_p[:, None] & (o_dv[None, :] < DV),
+                  other=0.0)
+    w_safe = tl.where(w_sum == 0.0, 1.0, w_sum)
+    # [BLOCK_DV]
+    b_out = tl.sum(b_o * b_w[:, None], 0) / w_safe
+    tl.store(o + i_b * stride_ob + i_i * stride_os + i_h * stride_oh + o_dv,
+             b_out.to(o.dtype.element_ty), mask=o_dv < DV)
+    b_lse_out = tl.where(w_sum == 0.0, float("-inf"), (m_sub + tl.math.log2(w_safe)) * LN2)
+    tl.store(lse + i_b * stride_lb + i_h * stride_lh + i_i, b_lse_out)

@@ -1,0 +1,245 @@
+"""Launchers of the key/value-cache kernels (flashop/kernels/decode.py): the append of new
+keys and values, the split-KV attention and the merge of its splits.
+
+Every choice here (tiles, number of splits, grid) depends on shapes, the dtype and the
+device only, never on the values of ``cache_seqlens``: a call needs no host
+synchronization, can be captured in a CUDA graph, and compiles once for all lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.library import wrap_triton
+
+from flashop.kernels import INTERPRETING
+from flashop.kernels.decode import (
+    attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
+)
+from flashop.launch_common import (
+    block_dim, cdiv, check_row_offsets, dtype_constexprs, next_power_of_2, resolve_scale,
+    unit_stride_last,
+)
+from flashop.options import Modifiers
+
+LOG2E = 1.4426950408889634
+# At most this many splits of one sequence's keys (the merge reads them in one block)
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tiles of the split-KV kernel: BLOCK_M query rows (the G heads of one KV head times
+    S_q positions, padded to a power of two >= 16 for tl.dot), BLOCK_N keys per iteration."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype) -> DecodeTiles:
+    """The split-KV kernel's tiles for ``rows = G * S_q`` query rows per KV head.
+
+    The kernel streams K and V: 64 keys per iteration with 3 stages in flight at head dims
+    up to 128 (16-bit: 32 KiB of K and V per stage, so two programs fit an SM's shared
+    memory), fewer keys where the tiles are larger. Under the interpreter, small tiles
+    (every program runs in numpy)."""
+    block_m = max(16, next_power_of_2(rows))
+    if INTERPRETING:
+        return DecodeTiles(min(block_m, 32), 16)
+    block_m = min(block_m, 64)
+    head = max(block_d, block_dv)
+    if dtype == torch.float32:
+        return DecodeTiles(block_m, 32 if head <= 128 else 16, 4, 2)
+    if head <= 128:
+        return DecodeTiles(block_m, 64, 4, 3)
+    return DecodeTiles(block_m, 32, 4, 3)
+
+
+def programs_per_sm(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int) -> int:
+    """Split-KV programs resident on one SM at once, as their staged K and V tiles allow
+    (about 200 KiB of shared memory per SM on Hopper; 1 or 2)."""
+    staged = t.num_stages * t.BLOCK_N * (block_d + block_dv) * itemsize
+    return 2 if 2 * staged <= 200 * 1024 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (looked up once); under the interpreter a
+    nominal 4, so that the tests' small batches take several splits."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_splits(programs: int, capacity: int, block_n: int, slots: int) -> int:
+    """Splits of each sequence's keys for ``programs`` (B * H_kv * row tiles) programs per
+    split on ``slots`` resident programs (SMs times programs per SM).
+
+    Every split of a full cache does the same work, so the last wave's occupancy counts:
+    the fewest splits whose waves are within 5% of the best occupancy of any split count,
+    each split keeping at least four key tiles of the cache's ``capacity`` (one under the
+    interpreter). Many waves without splitting: one split."""
+    if programs >= 4 * slots:
+        return 1
+    min_tiles = 1 if INTERPRETING else 4
+    most = max(1, min(MAX_SPLITS, cdiv(capacity, block_n * min_tiles)))
+    occupancy = []
+    for s in range(1, most + 1):
+        waves = programs * s / slots
+        occupancy.append(waves / math.ceil(waves))
+    best = max(occupancy)
+    return next(s for s, occ in enumerate(occupancy, 1) if occ >= 0.95 * best)
+
+
+def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs' allocation, shared by the op and its fake: out (B, S_q, H, DV) in q's
+    dtype and lse (B, H, S_q) fp32, both contiguous."""
+    B, S_q, H, _ = q.shape
+    out = q.new_empty(B, S_q, H, v_cache.shape[-1])
+    lse = q.new_empty(B, H, S_q, dtype=torch.float32)
+    return out, lse
+
+
+def _modifier_args(mods: Modifiers, sm_scale: float, alibi_dummy: torch.Tensor):
+    """(alibi tensor, its (batch, head) strides, qk_scale, softcap_log2, left, right,
+    flags). Scores in base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under a
+    softcap (then ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
+    left, right = mods.window_size
+    if mods.causal:
+        right = 0
+    alibi, alibi_strides = alibi_dummy, (0, 0)
+    if mods.alibi_slopes is not None:
+        alibi = mods.alibi_slopes
+        alibi_strides = alibi.stride() if alibi.dim() == 2 else (0, alibi.stride(0))
+    if mods.softcap > 0:
+        qk_scale, softcap_log2 = sm_scale / mods.softcap, mods.softcap * LOG2E
+    else:
+        qk_scale, softcap_log2 = sm_scale * LOG2E, 0.0
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
+                 HAS_ALIBI=mods.alibi_slopes is not None)
+    return alibi, alibi_strides, qk_scale, softcap_log2, max(left, 0), max(right, 0), flags
+
+
+def kvcache_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                   cache_batch_idx: Optional[torch.Tensor],
+                   block_table: Optional[torch.Tensor]) -> None:
+    """Write k, v (B, S_new, H_kv, .) into the caches at positions cache_seqlens[b] + s,
+    in place; positions past the cache's capacity are dropped."""
+    B, S_new, H_kv, D = k.shape
+    DV = v.shape[-1]
+    if B == 0 or S_new == 0 or H_kv == 0:
+        return
+    k, v = unit_stride_last(k), unit_stride_last(v)
+    paged = block_table is not None
+    D, DV, page = int(D), int(DV), int(k_cache.shape[1])
+    capacity = block_table.shape[1] * page if paged else page
+    block_s = 16 if INTERPRETING else 32
+    table = block_table if paged else cache_seqlens
+    wrap_triton(kvcache_append_kernel)[(cdiv(S_new, block_s), H_kv, B)](
+        k=k, v=v, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
+        block_table=table,
+        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
+        stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
+        stride_kcb=k_cache.stride(0), stride_kcs=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0), stride_vcs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
+        stride_tb=table.stride(0) if paged else 0,
+        S_new=S_new, capacity=capacity,
+        D=D, DV=DV, BLOCK_D=block_dim(D), BLOCK_DV=block_dim(DV), BLOCK_S=block_s,
+        PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
+        HAS_BATCH_IDX=cache_batch_idx is not None,
+        num_warps=4, num_stages=1,
+    )
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                           cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
+                           block_table: Optional[torch.Tensor], scale: Optional[float],
+                           mods: Modifiers, num_splits: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k, v into the caches (in place), then attend; returns (out, lse) as
+    kvcache_outputs allocates them. ``num_splits`` 0 picks the splits (auto_splits)."""
+    cache_seqlens = cache_seqlens.contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if block_table is not None:
+        block_table = unit_stride_last(block_table)
+    S_new = 0
+    if k is not None:
+        S_new = k.shape[1]
+        kvcache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table)
+    q = unit_stride_last(q)
+    out, lse = kvcache_outputs(q, v_cache)
+    B, S_q, H, D = q.shape
+    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
+    if out.numel() == 0:
+        return out, lse
+    # what sets tiles, splits and compile-time arguments is a plain int (symbolic shapes
+    # under torch.compile(dynamic=True) are specialized here; the lengths never are)
+    D, DV, G, page = int(D), int(DV), int(H // H_kv), int(k_cache.shape[1])
+    check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
+                      (S_q, S_q))
+    paged = block_table is not None
+    capacity = block_table.shape[1] * page if paged else page
+    block_d, block_dv = block_dim(D), block_dim(DV)
+    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype)
+    row_tiles = cdiv(G * S_q, t.BLOCK_M)
+    if num_splits == 0:
+        slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
+        num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
+    num_splits = min(num_splits, MAX_SPLITS)
+    split = num_splits > 1
+    if split:
+        o_part = q.new_empty(num_splits, B, S_q, H, DV, dtype=torch.float32)
+        lse_part = q.new_empty(num_splits, B, H, S_q, dtype=torch.float32)
+    else:  # not read: the kernel writes out and lse directly
+        o_part, lse_part = q, q
+    alibi, alibi_strides, qk_scale, softcap_log2, left, right, flags = _modifier_args(
+        mods, resolve_scale(scale, D), q)
+    sp, lp = o_part.stride(), lse_part.stride()
+    wrap_triton(attention_decode_kernel)[(num_splits, H_kv * row_tiles, B)](
+        q=q, k_cache=k_cache, v_cache=v_cache, o=out, lse=lse, o_part=o_part,
+        lse_part=lse_part, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
+        block_table=block_table if paged else cache_seqlens, alibi=alibi,
+        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+        stride_kcb=k_cache.stride(0), stride_kcs=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0), stride_vcs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
+        stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+        stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        stride_pp=sp[0] if split else 0, stride_pb=sp[1] if split else 0,
+        stride_ps=sp[2] if split else 0, stride_ph=sp[3] if split else 0,
+        stride_lpp=lp[0] if split else 0, stride_lpb=lp[1] if split else 0,
+        stride_lph=lp[2] if split else 0,
+        stride_tb=block_table.stride(0) if paged else 0,
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
+        S_q=S_q, S_new=S_new, capacity=capacity, G=G, qk_scale=qk_scale,
+        softcap_log2=softcap_log2, left=left, right=right,
+        D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
+        PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
+        HAS_BATCH_IDX=cache_batch_idx is not None, **flags, SPLIT=split,
+        **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    if split:
+        wrap_triton(attention_decode_merge_kernel)[(S_q, H, B)](
+            o_part=o_part, lse_part=lse_part, o=out, lse=lse,
+            stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
+            stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
+            stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+            stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+            n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
+            BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1,
+        )
+    return out, lse

@@ -1,0 +1,159 @@
+"""Input checks of attention over a key/value cache, shared by the op and its fake.
+
+Only what the shapes, dtypes and devices show is checked: the values of cache_seqlens,
+cache_batch_idx and block_table stay on the device (reading them would synchronize with the
+host and break CUDA graph capture). docs/decoding.md says what happens when they are wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashop.options import PLAIN
+from flashop.validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_modifiers
+
+OP = "flashop.attention_with_kvcache"
+MAX_NUM_SPLITS = 128
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                         block_table, scale: Optional[float], mods, num_splits: int, *,
+                         interpreting: bool, op: str = OP) -> None:
+    """Validate q (B, S_q, H, D); a dense cache (B_cache, S_cache, H_kv, D / DV) or a paged
+    one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks); k, v
+    (B, S_new, H_kv, D / DV) or neither; int32 cache_seqlens (B,) and cache_batch_idx (B,);
+    scale, the modifiers and num_splits."""
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError(f"{op}: pass both k and v (the new keys and values to append) or "
+                         f"neither, got k {'None' if k is None else _shape(k)} and v "
+                         f"{'None' if v is None else _shape(v)}")
+    if k is not None:
+        tensors.update(k=k, v=v)
+    layout = {"q": "(batch, seqlen_q, heads, head_dim)",
+              "k_cache": "(batch_cache, seqlen_cache, kv_heads, head_dim) or (num_blocks, "
+                         "page_size, kv_heads, head_dim)",
+              "k": "(batch, seqlen_new, kv_heads, head_dim)"}
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            kind = layout[name.replace("v", "k")]
+            raise ValueError(f"{op}: {name} must be a 4-D tensor {kind}, got shape "
+                             f"{_shape(t)}")
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) != 1:
+        got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+        raise ValueError(f"{op}: q, the caches and k, v must have the same dtype, got {got}; "
+                         f"cast them to one of float16, bfloat16, float32")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 or "
+                         f"float32")
+    index = {"cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
+             "block_table": block_table,
+             "alibi_slopes": None if mods is None else mods.alibi_slopes}
+    devices = {n: t.device for n, t in {**tensors, **index}.items() if t is not None}
+    if len(set(devices.values())) != 1:
+        got = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"{op}: all tensors must be on one device, got {got}")
+    if q.device.type not in ("cuda", "meta") and not interpreting:
+        raise RuntimeError(
+            f"{op}: the inputs are on {q.device}, but flashop's Triton kernels run on CUDA "
+            f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
+            f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
+            f"testing), or call flashop.attention_with_kvcache_reference")
+
+    B, S_q, H, D = q.shape
+    caches = f"q {_shape(q)}, k_cache {_shape(k_cache)}, v_cache {_shape(v_cache)}"
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"{op}: k_cache and v_cache must agree in their first three dims "
+                         f"(blocks or batch, positions, kv_heads), got {caches}")
+    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
+    if k_cache.shape[3] != D:
+        raise ValueError(f"{op}: q and k_cache must have the same head dim (dim 3), got "
+                         f"{caches}")
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(
+            f"{op}: the number of query heads ({H}) must be a multiple of the cache's number "
+            f"of key/value heads ({H_kv}) for grouped-query attention, got {caches}")
+    if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
+        raise ValueError(f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} "
+                         f"for q and k and {DV} for v ({caches})")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.size(-1) > 1 and cache.stride(-1) != 1:
+            raise ValueError(
+                f"{op}: {name} must have unit stride in its last dim (it is written in "
+                f"place, so it cannot be copied), got strides {cache.stride()}")
+
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError(f"{op}: cache_batch_idx selects rows of a dense cache; with a "
+                             f"block_table (paged cache) map the sequences' pages instead")
+        if (block_table.dim() != 2 or block_table.dtype != torch.int32
+                or block_table.shape[0] != B):
+            raise ValueError(
+                f"{op}: block_table must be a 2-D int32 tensor (batch, max_blocks) = ({B}, "
+                f"...) of page indices into the caches' first dim, got {block_table.dtype} of "
+                f"shape {_shape(block_table)}")
+        page = k_cache.shape[1]
+        if page < 16 or page > 256 or page & (page - 1):
+            raise ValueError(
+                f"{op}: the paged cache's page size (k_cache dim 1) must be a power of two "
+                f"from 16 to 256, got {page} ({caches})")
+        capacity = block_table.shape[1] * page
+    else:
+        if cache_batch_idx is not None:
+            if (cache_batch_idx.dim() != 1 or cache_batch_idx.dtype != torch.int32
+                    or cache_batch_idx.shape[0] != B):
+                raise ValueError(
+                    f"{op}: cache_batch_idx must be a 1-D int32 tensor of {B} cache rows "
+                    f"(one per sequence of q), got {cache_batch_idx.dtype} of shape "
+                    f"{_shape(cache_batch_idx)}")
+        elif k_cache.shape[0] < B:
+            raise ValueError(
+                f"{op}: the dense cache has {k_cache.shape[0]} rows (dim 0) for a batch of "
+                f"{B} sequences: sequence b uses row b; pass cache_batch_idx to pick rows, or "
+                f"a larger cache ({caches})")
+        capacity = k_cache.shape[1]
+    if (cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32
+            or cache_seqlens.shape[0] != B):
+        raise ValueError(
+            f"{op}: cache_seqlens must be a 1-D int32 tensor of {B} lengths (one per "
+            f"sequence; or a Python int for all), got {cache_seqlens.dtype} of shape "
+            f"{_shape(cache_seqlens)}")
+
+    if k is not None:
+        S_new = k.shape[1]
+        new = f"k {_shape(k)}, v {_shape(v)}"
+        if _shape(k) != (B, S_new, H_kv, D) or _shape(v) != (B, S_new, H_kv, DV):
+            raise ValueError(
+                f"{op}: k and v must be (batch, seqlen_new, kv_heads, head_dim) = ({B}, "
+                f"S_new, {H_kv}, {D}) and ({B}, S_new, {H_kv}, {DV}) to match q and the "
+                f"caches, got {new} ({caches})")
+        if S_new > capacity:
+            raise ValueError(
+                f"{op}: {S_new} new keys do not fit a cache of {capacity} positions per "
+                f"sequence ({new}, {caches}); allocate a larger cache")
+
+    if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"{op}: num_splits must be 0 (chosen from the GPU and the shapes) "
+                         f"or from 1 to {MAX_NUM_SPLITS}, got {num_splits}")
+    if mods is not None and mods is not PLAIN[mods.causal]:
+        check_modifiers(q, mods, op, B, S_q, capacity, H)
+
+
+def check_no_grad(op: str, **tensors) -> None:
+    """The cache kernels have no backward: inputs requiring grad (grad mode on) are refused."""
+    if not torch.is_grad_enabled():
+        return
+    needing = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    if needing:
+        raise RuntimeError(
+            f"{op}: is for inference and has no backward, but {', '.join(needing)} "
+            f"require(s) grad; call it under torch.no_grad() / torch.inference_mode(), or "
+            f"detach the inputs (for training use flashop.attention)")

@@ -1,0 +1,478 @@
+"""attention_with_kvcache: out and lse against the reference under the accuracy rule, the
+whole cache after the append bit for bit, dense and paged caches, opcheck, a compiled decode
+loop that compiles once, and the errors on bad input."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch.library import opcheck
+
+import flashop
+from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
+from flashop.testing import accuracy
+from helpers import DEVICE, poisoned_outputs
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    """One call: B sequences of S_q queries over caches of ``lengths`` (before the append of
+    S_new keys); paged with pages of ``page`` keys (``max_blocks`` per sequence, in random
+    physical order among ``spare`` extra pages), or dense with ``S_cache`` positions per row
+    and rows picked by ``batch_idx`` from ``B + spare`` rows."""
+
+    lengths: tuple
+    S_q: int
+    S_new: int
+    H_kv: int
+    G: int
+    D: int
+    DV: int
+    dtype: torch.dtype
+    paged: bool = False
+    page: int = 16
+    capacity: int = 64  # S_cache, or max_blocks * page
+    spare: int = 1
+    batch_idx: bool = False
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[tuple] = None  # shape of the slopes: (H,) or (B, H)
+    num_splits: int = 0
+
+    @property
+    def B(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def H(self) -> int:
+        return self.H_kv * self.G
+
+
+def make_call(case: CacheCase, seed: int = 0):
+    """(q, k_cache, v_cache, k, v) and the keyword arguments of attention_with_kvcache."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen).to(case.dtype)
+
+    B = case.B
+    q = randn(B, case.S_q, case.H, case.D)
+    kwargs = dict(cache_seqlens=torch.tensor(case.lengths, dtype=torch.int32, device=DEVICE),
+                  causal=case.causal, window_size=case.window_size, softcap=case.softcap,
+                  num_splits=case.num_splits)
+    if case.paged:
+        max_blocks = case.capacity // case.page
+        blocks = B * max_blocks + case.spare
+        k_cache = randn(blocks, case.page, case.H_kv, case.D)
+        v_cache = randn(blocks, case.page, case.H_kv, case.DV)
+        order = torch.randperm(blocks, device=DEVICE, generator=gen)[:B * max_blocks]
+        kwargs["block_table"] = order.view(B, max_blocks).to(torch.int32)
+    else:
+        k_cache = randn(B + case.spare, case.capacity, case.H_kv, case.D)
+        v_cache = randn(B + case.spare, case.capacity, case.H_kv, case.DV)
+        if case.batch_idx:
+            rows = torch.randperm(B + case.spare, device=DEVICE, generator=gen)[:B]
+            kwargs["cache_batch_idx"] = rows.to(torch.int32)
+    k = v = None
+    if case.S_new > 0:
+        k = randn(B, case.S_new, case.H_kv, case.D)
+        v = randn(B, case.S_new, case.H_kv, case.DV)
+    if case.alibi is not None:
+        kwargs["alibi_slopes"] = torch.rand(case.alibi, device=DEVICE, generator=gen)
+    return (q, k_cache, v_cache, k, v), kwargs
+
+
+def check_cache_case(case: CacheCase, seed: int = 0):
+    """flashop's out and lse (outputs poisoned) under the accuracy rule against the fp64
+    reference and plain PyTorch in the case's dtype; both caches after the call bit for bit
+    against the expected append."""
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case, seed)
+    index = {n: kwargs.get(n) for n in ("cache_seqlens", "cache_batch_idx", "block_table")}
+    expected = kvcache_append_reference(k_cache, v_cache, k, v, **index)
+    ref = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
+                                           compute_dtype=torch.float64)
+    plain = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
+                                             compute_dtype=None)
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,
+                                                  return_lse=True)
+    assert out.dtype == case.dtype and out.shape == (case.B, case.S_q, case.H, case.DV)
+    assert lse.dtype == torch.float32 and lse.shape == (case.B, case.H, case.S_q)
+    for name, actual, r, p in (("out", out, ref[0], plain[0]), ("lse", lse, ref[1], plain[1])):
+        result = accuracy(name, actual, r, p, 2, case.dtype)
+        assert result.ok, str(result)
+    assert torch.equal(k_cache, expected[0]), "k_cache differs from the expected append"
+    assert torch.equal(v_cache, expected[1]), "v_cache differs from the expected append"
+
+
+def kwargs_ref(kwargs: dict) -> dict:
+    return {n: a for n, a in kwargs.items() if n != "num_splits"}
+
+
+@st.composite
+def cache_cases(draw):
+    paged = draw(st.booleans())
+    page = draw(st.sampled_from([16, 32]))
+    capacity = page * draw(st.integers(1, 4)) if paged else draw(st.integers(1, 90))
+    S_new = draw(st.sampled_from([0, 0, 1, 1, 2, 5]))
+    S_new = min(S_new, capacity)
+    B = draw(st.integers(1, 3))
+    # lengths from empty to full (after the append), the ends drawn often
+    length = st.one_of(st.just(0), st.just(capacity - S_new), st.integers(0, capacity - S_new))
+    lengths = tuple(draw(length) for _ in range(B))
+    S_q = draw(st.sampled_from([1, 1, 2, 3, 7]))
+    G = draw(st.sampled_from([1, 2, 4]))
+    H_kv = draw(st.integers(1, 2))
+    D = draw(st.sampled_from([16, 32, 40, 64]))
+    DV = draw(st.sampled_from([D, D, 24]))
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    causal = draw(st.booleans())
+    left = draw(st.sampled_from([-1, -1, 0, 5, 20]))
+    right = -1 if causal else draw(st.sampled_from([-1, -1, 0, 3]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
+    alibi = draw(st.sampled_from([None, None, (H_kv * G,), (B, H_kv * G)]))
+    return CacheCase(lengths, S_q, S_new, H_kv, G, D, DV, dtype, paged=paged, page=page,
+                     capacity=capacity, spare=draw(st.integers(0, 2)),
+                     batch_idx=not paged and draw(st.booleans()), causal=causal,
+                     window_size=(left, right), softcap=softcap, alibi=alibi,
+                     num_splits=draw(st.sampled_from([0, 1, 2, 3])))
+
+
+@given(cache_cases(), st.integers(0, 2**16))
+def test_kvcache_matches_reference(case, seed):
+    check_cache_case(case, seed)
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+def test_every_page_size(page):
+    """Every power-of-two page size from 16 to 256 is accepted and gives the reference's
+    results; lengths end mid-page and the append crosses a page boundary."""
+    check_cache_case(CacheCase((page - 2, 2 * page - 9), 2, 3, 2, 2, 32, 32, torch.float16,
+                               paged=True, page=page, capacity=2 * page, causal=True,
+                               num_splits=2))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_empty_caches_give_zero_and_minus_infinity(num_splits):
+    """Sequences with no key (empty cache, nothing appended) get out 0 and lse -inf, beside
+    a sequence that has keys; splits past a sequence's keys merge cleanly."""
+    case = CacheCase((0, 37, 0), 2, 0, 2, 2, 16, 16, torch.float32, capacity=48,
+                     num_splits=num_splits)
+    (q, k_cache, v_cache, _, _), kwargs = make_call(case)
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, **kwargs,
+                                                  return_lse=True)
+    assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+    assert torch.isneginf(lse[[0, 2]]).all() and torch.isfinite(lse[1]).all()
+    check_cache_case(case)
+
+
+def test_python_int_lengths_and_appends_past_capacity_are_dropped():
+    """cache_seqlens as a Python int applies to every sequence; new keys past the cache's
+    capacity are not written anywhere (the rest of the cache is unchanged)."""
+    case = CacheCase((5, 5), 1, 4, 1, 2, 16, 16, torch.float32, capacity=8)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    kwargs["cache_seqlens"] = 5
+    before = k_cache.clone(), v_cache.clone()
+    flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert torch.equal(k_cache[:2, 5:], k[:, :3]) and torch.equal(v_cache[:2, 5:], v[:, :3])
+    assert torch.equal(k_cache[:2, :5], before[0][:2, :5])
+    assert torch.equal(k_cache[2:], before[0][2:]) and torch.equal(v_cache[2:], before[1][2:])
+
+
+def test_decode_loop_matches_reference_step_by_step():
+    """A paged decode loop appending one token at a time (the caller advances the
+    lengths) equals the reference at every step."""
+    case = CacheCase((3, 0), 1, 1, 2, 2, 16, 16, torch.float32, paged=True, page=16,
+                     capacity=32, causal=True)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    seqlens = kwargs.pop("cache_seqlens")
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for _ in range(20):
+        q, k, v = (torch.randn(x.shape, device=DEVICE, generator=gen) for x in (q, k, v))
+        ref_out, _ = attention_with_kvcache_reference(q, k_cache, v_cache, k, v,
+                                                      cache_seqlens=seqlens,
+                                                      **kwargs_ref(kwargs))
+        out = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                             **kwargs)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        seqlens += 1
+
+
+# --- the operator ---------------------------------------------------------------------------
+
+OPCHECK_CASES = [
+    CacheCase((5, 30), 2, 3, 2, 2, 40, 24, torch.float32, capacity=40, batch_idx=True,
+              causal=True, num_splits=2),
+    CacheCase((17, 0), 1, 2, 1, 4, 16, 16, torch.float16, paged=True, page=16, capacity=48,
+              window_size=(8, 0), softcap=3.0, alibi=(4,)),
+]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=["dense", "paged"])
+def test_opcheck(case):
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    args = (q, k_cache, v_cache, kwargs.pop("cache_seqlens"), k, v,
+            kwargs.pop("cache_batch_idx", None), kwargs.pop("block_table", None),
+            kwargs.pop("alibi_slopes", None))
+    kwargs["window_size"] = list(kwargs["window_size"])
+    opcheck(torch.ops.flashop.attention_with_kvcache.default, args, kwargs)
+
+
+def test_schema_declares_the_cache_mutation():
+    schema = str(torch.ops.flashop.attention_with_kvcache.default._schema)
+    assert schema == (
+        "flashop::attention_with_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, "
+        "Tensor cache_seqlens, Tensor? k=None, Tensor? v=None, Tensor? cache_batch_idx=None, "
+        "Tensor? block_table=None, Tensor? alibi_slopes=None, *, bool causal=False, "
+        "float? scale=None, SymInt[]? window_size=None, float softcap=0., "
+        "SymInt num_splits=0) -> (Tensor, Tensor)")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiled_decode_loop_compiles_once(paged):
+    """A decode step under torch.compile(fullgraph=True, dynamic=True) over growing lengths:
+    one compilation, the eager call's outputs and caches."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    case = CacheCase((4, 9), 1, 1, 1, 2, 16, 16, torch.float32, paged=paged, capacity=32,
+                     causal=True)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    seqlens = kwargs.pop("cache_seqlens")
+    table = kwargs.get("block_table")
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        out = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                             block_table=table, causal=True)
+        seqlens.add_(1)  # the caller advances the lengths, in place on the device
+        return out * 2
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    caches = k_cache.clone(), v_cache.clone()
+    lengths = seqlens.clone()
+    frames = []
+    for i in range(4):
+        q, k, v = (x + i for x in (q, k, v))
+        out = compiled(q, *caches, k, v, lengths)
+        frames.append(counter.frame_count)
+        expected = step(q, k_cache, v_cache, k, v, seqlens)
+        torch.testing.assert_close(out, expected)
+        assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+        assert torch.equal(lengths, seqlens)
+    assert frames == frames[:1] * 4, f"recompiled: frames compiled after each step {frames}"
+    # one graph holds the whole step (as in test_compile.py, an empty one may come first)
+    graphs = [g for g in counter.graphs if len(g.graph.nodes) > 0]
+    assert len(graphs) == 1
+    assert any("flashop.attention_with_kvcache" in str(n.target) for n in graphs[0].graph.nodes)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _error(**changes):
+    """The message raised by a call with the arguments of a small valid call changed."""
+    case = CacheCase((3, 5), 1, 1, 2, 2, 16, 16, torch.float16, capacity=32)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, **kwargs)
+    args.update(changes)
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        flashop.attention_with_kvcache(**args)
+    return str(info.value)
+
+
+def _t(*shape, dtype=torch.float16):
+    return torch.zeros(*shape, device=DEVICE, dtype=dtype)
+
+
+OP = "flashop.attention_with_kvcache: "
+ERRORS = {
+    "rank": (dict(q=_t(2, 4, 16)),
+             "q must be a 4-D tensor (batch, seqlen_q, heads, head_dim), got shape (2, 4, 16)"),
+    "dtype": (dict(v_cache=_t(3, 32, 2, 16, dtype=torch.bfloat16)),
+              "q, the caches and k, v must have the same dtype, got q torch.float16, k_cache "
+              "torch.float16, v_cache torch.bfloat16, k torch.float16, v torch.float16; cast "
+              "them to one of float16, bfloat16, float32"),
+    "only k": (dict(v=None),
+               "pass both k and v (the new keys and values to append) or neither, got k "
+               "(2, 1, 2, 16) and v None"),
+    "heads": (dict(q=_t(2, 1, 3, 16)),
+              "the number of query heads (3) must be a multiple of the cache's number of "
+              "key/value heads (2) for grouped-query attention, got q (2, 1, 3, 16), k_cache "
+              "(3, 32, 2, 16), v_cache (3, 32, 2, 16)"),
+    "head dim": (dict(q=_t(2, 1, 4, 32)),
+                 "q and k_cache must have the same head dim (dim 3), got q (2, 1, 4, 32), "
+                 "k_cache (3, 32, 2, 16), v_cache (3, 32, 2, 16)"),
+    "new keys": (dict(k=_t(2, 1, 1, 16), v=_t(2, 1, 1, 16)),
+                 "k and v must be (batch, seqlen_new, kv_heads, head_dim) = (2, S_new, 2, 16) "
+                 "and (2, S_new, 2, 16) to match q and the caches, got k (2, 1, 1, 16), v "
+                 "(2, 1, 1, 16) (q (2, 1, 4, 16), k_cache (3, 32, 2, 16), v_cache (3, 32, 2, "
+                 "16))"),
+    "too many new keys": (dict(k=_t(2, 33, 2, 16), v=_t(2, 33, 2, 16)),
+                          "33 new keys do not fit a cache of 32 positions per sequence (k (2, "
+                          "33, 2, 16), v (2, 33, 2, 16), q (2, 1, 4, 16), k_cache (3, 32, 2, "
+                          "16), v_cache (3, 32, 2, 16)); allocate a larger cache"),
+    "seqlens dtype": (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64, device=DEVICE)),
+                      "cache_seqlens must be a 1-D int32 tensor of 2 lengths (one per "
+                      "sequence; or a Python int for all), got torch.int64 of shape (2,)"),
+    "seqlens shape": (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+                      "cache_seqlens must be a 1-D int32 tensor of 2 lengths (one per "
+                      "sequence; or a Python int for all), got torch.int32 of shape (3,)"),
+    "batch idx": (dict(cache_batch_idx=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)),
+                  "cache_batch_idx must be a 1-D int32 tensor of 2 cache rows (one per "
+                  "sequence of q), got torch.int32 of shape (2, 1)"),
+    "small dense cache": (dict(k_cache=_t(1, 32, 2, 16), v_cache=_t(1, 32, 2, 16)),
+                          "the dense cache has 1 rows (dim 0) for a batch of 2 sequences: "
+                          "sequence b uses row b; pass cache_batch_idx to pick rows, or a "
+                          "larger cache (q (2, 1, 4, 16), k_cache (1, 32, 2, 16), v_cache (1, "
+                          "32, 2, 16))"),
+    "page size": (dict(k_cache=_t(6, 24, 2, 16), v_cache=_t(6, 24, 2, 16),
+                       block_table=torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)),
+                  "the paged cache's page size (k_cache dim 1) must be a power of two from 16 "
+                  "to 256, got 24 (q (2, 1, 4, 16), k_cache (6, 24, 2, 16), v_cache (6, 24, 2, "
+                  "16))"),
+    "block table": (dict(k_cache=_t(6, 16, 2, 16), v_cache=_t(6, 16, 2, 16),
+                         block_table=torch.zeros(2, 3, dtype=torch.int64, device=DEVICE)),
+                    "block_table must be a 2-D int32 tensor (batch, max_blocks) = (2, ...) of "
+                    "page indices into the caches' first dim, got torch.int64 of shape (2, 3)"),
+    "batch idx with pages": (
+        dict(k_cache=_t(6, 16, 2, 16), v_cache=_t(6, 16, 2, 16),
+             block_table=torch.zeros(2, 3, dtype=torch.int32, device=DEVICE),
+             cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)),
+        "cache_batch_idx selects rows of a dense cache; with a block_table (paged cache) map "
+        "the sequences' pages instead"),
+    "strided cache": (dict(k_cache=_t(3, 32, 2, 32)[..., ::2]),
+                      "k_cache must have unit stride in its last dim (it is written in place, "
+                      "so it cannot be copied), got strides (2048, 64, 32, 2)"),
+    "splits": (dict(num_splits=-1),
+               "num_splits must be 0 (chosen from the GPU and the shapes) or from 1 to 128, "
+               "got -1"),
+    "window": (dict(causal=True, window_size=(4, 2)),
+               "causal=True attends no key after the query, but window_size=(4, 2) asks for 2 "
+               "after it; pass window_size=(4, 0) (or -1) with causal=True, or causal=False "
+               "for a two-sided window"),
+    "alibi": (dict(alibi_slopes=torch.ones(3, device=DEVICE)),
+              "alibi_slopes must have shape (H,) = (4,) or (B, H) = (2, 4), got (3,)"),
+    "grad": (dict(q=_t(2, 1, 4, 16).requires_grad_()),
+             "is for inference and has no backward, but q require(s) grad; call it under "
+             "torch.no_grad() / torch.inference_mode(), or detach the inputs (for training "
+             "use flashop.attention)"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_error_messages(name):
+    changes, message = ERRORS[name]
+    assert _error(**changes) == OP + message
+
+
+def test_mixed_devices():
+    message = _error(cache_seqlens=torch.zeros(2, dtype=torch.int32, device="meta"))
+    assert re.fullmatch(re.escape(OP + "all tensors must be on one device, got q on ") + ".*"
+                        + re.escape("cache_seqlens on meta"), message), message
+
+
+def test_grad_mode_off_accepts_inputs_that_require_grad():
+    case = CacheCase((3, 5), 1, 0, 1, 2, 16, 16, torch.float32, capacity=8)
+    (q, k_cache, v_cache, _, _), kwargs = make_call(case)
+    with torch.no_grad():
+        out = flashop.attention_with_kvcache(q.requires_grad_(), k_cache, v_cache, **kwargs)
+    assert not out.requires_grad
+
+
+# --- GPU only -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged,page", [(False, 0), (True, 16), (True, 256)])
+@pytest.mark.parametrize("S_q,num_splits", [(1, 0), (1, 1), (4, 0), (33, 3)])
+def test_gpu_bf16_long_caches(paged, page, S_q, num_splits):
+    """bf16 on GPU tiles: lengths up to a full 4096-key cache, auto and forced splits,
+    decode and chunked queries, GQA 4."""
+    case = CacheCase((0, 1000, 4093 - S_q, 4096 - S_q), S_q, S_q, 8, 4, 128, 128,
+                     torch.bfloat16, paged=paged, page=page or 16, capacity=4096,
+                     causal=True, num_splits=num_splits)
+    check_cache_case(case)
+
+
+def _step_fn(case: CacheCase):
+    """A decode step on a fixed set of tensors: its inputs (updated in place between
+    calls), its caches, and a function returning (out, lse)."""
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    seqlens = kwargs.pop("cache_seqlens")
+
+    def step():
+        return flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                              **kwargs, return_lse=True)
+    return (q, k, v, seqlens), (k_cache, v_cache), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_replays_over_growing_lengths_equal_eager(paged):
+    """One CUDA graph of a decode step, replayed with new queries, keys and growing lengths
+    written into its inputs, gives eager's outputs and caches bit for bit: the launch
+    depends on no length."""
+    case = CacheCase((5, 300, 0), 1, 1, 2, 4, 128, 128, torch.bfloat16, paged=paged,
+                     page=16, capacity=1024, causal=True)
+    inputs, caches, step = _step_fn(case)
+    eager_inputs, eager_caches, eager_step = _step_fn(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up (compiles the kernels) on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    for x, y in zip(caches, eager_caches):
+        y.copy_(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for i in range(1, 40):
+        for x, y in zip(inputs[:3], eager_inputs[:3]):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            y.copy_(x)
+        inputs[3].copy_(torch.tensor([5 + i, 300 + 17 * i, i], dtype=torch.int32))
+        eager_inputs[3].copy_(inputs[3])
+        graph.replay()
+        expected = eager_step()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected))
+        assert all(torch.equal(a, b) for a, b in zip(caches, eager_caches))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_inductor_launches_the_decode_kernels():
+    """Under torch.compile the op is a triton_op: Inductor's code launches the append,
+    split-KV and merge kernels itself (no opaque call), with eager's results."""
+    from torch._inductor.utils import run_and_get_code
+
+    case = CacheCase((100, 2000), 1, 1, 2, 4, 128, 128, torch.bfloat16, paged=True, page=16,
+                     capacity=4096, causal=True, num_splits=4)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    caches = k_cache.clone(), v_cache.clone()
+    expected = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,
+                                              return_lse=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda *a: flashop.attention_with_kvcache(*a, **kwargs, return_lse=True),
+        fullgraph=True)
+    result, code = run_and_get_code(lambda: compiled(q, *caches, k, v))
+    code = "\n".join(code)
+    for kernel in ("kvcache_append_kernel", "attention_decode_kernel",
+                   "attention_decode_merge_kernel"):
+        assert kernel in code, f"{kernel} not in Inductor's code"
+    assert "flashop.attention_with_kvcache" not in code
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
