@@ -20,3 +20,6 @@ __all__ = ["attention", "attention_with_lse", "attention_varlen", "attention_var
            "attention_reference", "attention_varlen_reference", "pad_input", "unpad_input",
            "INTERPRETING", "attention_with_kvcache", "attention_with_kvcache_reference"]
 __version__ = "0.1.0"
+
+# PyTorch SDPA's flash-attention registry: "flashop" registered, not activated (torch >= 2.11)
+from flashop import sdpa as _sdpa  # noqa: E402,F401

@@ -1,0 +1,217 @@
+"""flashop as an attention implementation of Hugging Face transformers (5.x).
+
+Importing this module registers flashop with transformers' ``AttentionInterface`` (the
+attention function) and ``AttentionMaskInterface`` (the mask function) under the name
+:data:`ATTN_IMPLEMENTATION`::
+
+    import flashop.transformers
+    model = AutoModelForCausalLM.from_pretrained(
+        name, attn_implementation=flashop.transformers.ATTN_IMPLEMENTATION)
+    # or model.set_attn_implementation(flashop.transformers.ATTN_IMPLEMENTATION)
+
+The name is ``"FlashOp"``: transformers sends every implementation whose name contains
+``"flash"`` (lower case) to its flash-attention kernel loader, which cannot load flashop.
+
+How each attention call runs (queries and keys arrive as (batch, heads, seq, head_dim) and
+are read through transposed views, GQA without repeating K/V):
+
+- no padding: ``flashop.attention`` with ``causal``, ``window_size=(sliding_window - 1, 0)``
+  (transformers' window keeps keys ``q - sliding_window < k <= q``), ``softcap``, ``scaling``;
+- a padded batch (the mask function passes the 2-D padding mask through): the real tokens
+  are packed and run by ``flashop.attention_varlen`` (no work on padding); packing reads the
+  token positions on the host, as flash-attn's path does;
+- packed sequences (``DataCollatorWithFlattening``): with ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` (``return_flash_attn_kwargs=True``) one ``attention_varlen`` call
+  without host synchronization; with only ``position_ids`` the boundaries are found on the
+  host;
+- one query per sequence (decoding; :func:`decode_attention`): ``flashop.attention`` with a
+  boolean key mask, no host synchronization, so static caches decode under
+  ``torch.compile``; the static cache's slots past the current length are masked out;
+- a 4-D mask given by the caller: ``flashop.attention`` with that mask.
+
+Not supported, raising an error that names them: attention dropout (``dropout > 0``, in
+training with ``attention_dropout`` set), attention sinks (``s_aux``, gpt-oss), and masks
+combined with extra mask functions (e.g. bidirectional image-token overlays). Chunked
+attention (Llama 4) is not represented.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import flashop
+
+ATTN_IMPLEMENTATION = "FlashOp"
+
+__all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "attention_mask", "decode_attention"]
+
+
+# --- the mask function ----------------------------------------------------------------------
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                   mask_function=None, attention_mask: Optional[Tensor] = None,
+                   use_vmap: bool = False, device=None, **kwargs) -> Optional[Tensor]:
+    """transformers' mask function for flashop: a (batch, L) boolean key mask, or None.
+
+    Key slot ``j < L`` of the keys the attention receives is attended iff ``mask[b, j]``;
+    slots from ``L`` on (a static cache's unwritten, zero-filled slots) never are; the
+    queries are the last ``q_length`` slots before ``L``. None: every key is attended (the
+    keys end with the queries). Causality and windows are not in the mask: the attention
+    applies them. Reads nothing on the host except, outside torch.compile, whether a given
+    padding mask is all ones (to drop it, as transformers' flash-attention mask does) and a
+    static cache's length for a multi-token step without a padding mask.
+    """
+    if use_vmap:
+        # set by transformers when a model adds mask functions of its own (or_/and_mask_function)
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}: this model combines the causal mask "
+            f"with extra mask functions (e.g. bidirectional image tokens), which flashop cannot "
+            f"represent; use attn_implementation='sdpa' for it")
+    if attention_mask is not None:
+        mask = attention_mask[:, -kv_length:].bool()
+        if (mask.shape[1] == kv_length and not torch.compiler.is_compiling()
+                and bool(mask.all())):
+            return None
+        return mask
+    valid = q_offset + q_length - kv_offset  # keys written so far, the queries' included
+    if isinstance(valid, int):
+        if valid == kv_length:
+            return None
+        return torch.ones(batch_size, valid, dtype=torch.bool, device=device)
+    # a static cache's length is a tensor: decoding masks its unwritten slots without reading
+    # it; a longer step reads it on the host (prefill runs outside torch.compile)
+    if q_length == 1:
+        slots = torch.arange(kv_length, device=device)
+        return (slots < valid.to(slots.device)).expand(batch_size, kv_length)
+    return torch.ones(batch_size, int(valid), dtype=torch.bool, device=device)
+
+
+# --- the attention function -----------------------------------------------------------------
+
+
+def _check_unsupported(dropout: float, s_aux: Optional[Tensor]) -> None:
+    if dropout > 0.0:
+        # dropout: wire flashop's attention dropout here once its kernels have it
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}: attention dropout={dropout} is not "
+            f"supported (flashop has no dropout yet); set the config's attention_dropout to 0.0 "
+            f"or call model.eval()")
+    if s_aux is not None:
+        # sinks: wire flashop's attention sinks here once its kernels have them
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}: attention sinks (s_aux) are not "
+            f"supported yet; use attn_implementation='eager' or 'sdpa' for this model")
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], *,
+                     scale: Optional[float], window: Optional[int], softcap: float) -> Tensor:
+    """One query per sequence (a decoding step) against the cached keys: q (B, 1, H, D),
+    k/v (B, S_k, H_kv, D), ``key_mask`` (B, L <= S_k) or None as :func:`attention_mask`
+    returns it. Reads nothing on the host."""
+    if key_mask is None:
+        window_size = (-1, -1) if window is None else (window - 1, 0)
+        return flashop.attention(q, k, v, causal=True, scale=scale, window_size=window_size,
+                                 softcap=softcap)
+    L = key_mask.shape[1]
+    k, v = k[:, :L], v[:, :L]
+    keep = key_mask
+    if window is not None:
+        # the query sits at its sequence's last attended slot
+        slots = torch.arange(L, device=key_mask.device)
+        last = torch.where(key_mask, slots, -1).amax(dim=1, keepdim=True)
+        keep = keep & (slots > last - window)
+    return flashop.attention(q, k, v, keep[:, None, None, :], scale=scale, softcap=softcap)
+
+
+def _padded_attention(q, k, v, key_mask, *, causal, scale, window_size, softcap):
+    """A padded batch as a packed one: the real queries and keys gathered, one
+    attention_varlen call, the outputs scattered back (zeros at padded queries)."""
+    B, S_q, H, _ = q.shape
+    L = key_mask.shape[1]
+    q_mask = key_mask[:, L - S_q:]
+    k, v = k[:, :L], v[:, :L]
+    # the positions of the real tokens: the one host synchronization (as in flash-attn)
+    q_idx = q_mask.flatten().nonzero().flatten()
+    k_idx = key_mask.flatten().nonzero().flatten()
+    cu_q = torch.nn.functional.pad(q_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                                   (1, 0))
+    cu_k = torch.nn.functional.pad(
+        key_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    out = flashop.attention_varlen(
+        q.flatten(0, 1).index_select(0, q_idx), k.flatten(0, 1).index_select(0, k_idx),
+        v.flatten(0, 1).index_select(0, k_idx), cu_q, cu_k, S_q, L, causal=causal,
+        scale=scale, window_size=window_size, softcap=softcap)
+    return flashop.pad_input(out, q_idx, B, S_q)
+
+
+def _sequence_starts(position_ids: Tensor) -> Optional[tuple[Tensor, int]]:
+    """(cu_seqlens, longest length) of a batch of one packed row, from where its positions
+    restart; None if the row holds one sequence. Reads the boundaries on the host."""
+    pos = position_ids.reshape(-1)
+    restart = torch.ones_like(pos, dtype=torch.bool)
+    restart[1:] = pos[1:] != pos[:-1] + 1
+    starts = restart.nonzero().flatten()
+    if starts.numel() <= 1:
+        return None
+    total = torch.tensor([pos.numel()], device=pos.device)
+    cu = torch.cat((starts, total)).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+    B, S_q = q.shape[:2]
+    if isinstance(max_q, Tensor):
+        max_q = int(max_q)
+    if isinstance(max_k, Tensor):
+        max_k = int(max_k)
+    out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                   cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                                   **options)
+    return out.view(B, S_q, *out.shape[1:])
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor], dropout: float = 0.0,
+                      scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None, is_causal: Optional[bool] = None,
+                      s_aux: Optional[Tensor] = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention function for flashop: query (B, H, S_q, D), key and value
+    (B, H_kv, S_k, D), ``attention_mask`` as :func:`attention_mask` returns it (or a 4-D
+    mask). Returns ((B, S_q, H, D) output, None)."""
+    _check_unsupported(dropout, s_aux)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    softcap = float(softcap or 0.0)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # a mask built by the caller holds causality and windows itself
+        return flashop.attention(q, k, v, attention_mask, scale=scaling, softcap=softcap), None
+    window = sliding_window if causal else None
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    options = dict(causal=causal, scale=scaling, window_size=window_size, softcap=softcap)
+    if q.shape[1] == 1 and causal:
+        return decode_attention(q, k, v, attention_mask, scale=scaling, window=window,
+                                softcap=softcap), None
+    if attention_mask is not None:
+        return _padded_attention(q, k, v, attention_mask, **options), None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
+        return _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, **options), None
+    position_ids = kwargs.get("position_ids")
+    if (position_ids is not None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1
+            and position_ids.numel() == q.shape[1]):
+        packing = _sequence_starts(position_ids)
+        if packing is not None:
+            cu, longest = packing
+            return _packed_attention(q, k, v, cu, cu, longest, longest, **options), None
+    return flashop.attention(q, k, v, **options), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention_mask)

@@ -1,0 +1,56 @@
+"""torch.export and AOTInductor with flashop inside a module.
+
+On the CPU (interpreter) flashop's operators are opaque custom ops: ``torch.export`` keeps
+them as ``torch.ops.flashop`` calls, and an AOTInductor package calls them back through the
+dispatcher (so flashop must be imported where the package is loaded). On a GPU they are
+``triton_op``s whose Triton kernels AOTInductor compiles into the package."""
+
+import pytest
+import torch
+
+import flashop
+from helpers import DEVICE
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, -1, self.head_dim).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=2)
+        return flashop.attention(q, k, v, causal=True).flatten(2)
+
+
+def test_export_keeps_flashops_operator():
+    module = TinyAttention().to(DEVICE)
+    x = torch.randn(2, 10, 32, device=DEVICE)
+    program = torch.export.export(module, (x,))
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert torch.ops.flashop.attention_forward.default in targets, targets
+    torch.testing.assert_close(program.module()(x), module(x), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_aoti_package_gives_eager_outputs(tmp_path, dtype):
+    module = TinyAttention(dim=256, heads=4, kv_heads=2).to("cuda", dtype)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        expected = module(x)
+        program = torch.export.export(module, (x,))
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(tmp_path / "attention.pt2"))
+        loaded = torch._inductor.aoti_load_package(path)
+        torch.testing.assert_close(loaded(x), expected)
+    # the package holds flashop's Triton kernels, not a call back into Python
+    import zipfile
+
+    names = " ".join(zipfile.ZipFile(path).namelist())
+    sources = "".join(zipfile.ZipFile(path).read(n).decode(errors="ignore")
+                      for n in zipfile.ZipFile(path).namelist() if n.endswith((".cpp", ".py")))
+    assert "attention_fwd_kernel" in names + sources

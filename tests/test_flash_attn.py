@@ -1,0 +1,138 @@
+"""flashop.flash_attn: flash-attn 2.x's signatures, results and lse layouts on flashop."""
+
+import inspect
+
+import pytest
+import torch
+
+import flashop
+from flashop import flash_attn as fa
+from flashop.testing import check_attention, check_attention_varlen
+from helpers import DEVICE, poisoned_outputs
+
+# flash-attn 2.x's public signatures (flash_attn/flash_attn_interface.py): name, default
+_TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+         ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+         ("deterministic", False), ("return_attn_probs", False)]
+_REQUIRED = inspect.Parameter.empty
+SIGNATURES = {
+    "flash_attn_func": [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _TAIL,
+    "flash_attn_qkvpacked_func": [("qkv", _REQUIRED)] + _TAIL,
+    "flash_attn_kvpacked_func": [("q", _REQUIRED), ("kv", _REQUIRED)] + _TAIL,
+    "flash_attn_varlen_func": (
+        [(n, _REQUIRED) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
+                                  "max_seqlen_q", "max_seqlen_k")]
+        + _TAIL + [("block_table", None)]),
+    "flash_attn_varlen_qkvpacked_func": (
+        [(n, _REQUIRED) for n in ("qkv", "cu_seqlens", "max_seqlen")] + _TAIL),
+    "flash_attn_varlen_kvpacked_func": (
+        [(n, _REQUIRED) for n in ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                  "max_seqlen_k")] + _TAIL),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signature_is_flash_attns(name):
+    params = inspect.signature(getattr(fa, name)).parameters.values()
+    assert [(p.name, p.default) for p in params] == SIGNATURES[name]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+
+
+def _randn(*shape, gen, dtype=torch.float16):
+    return torch.randn(*shape, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("options", [
+    dict(causal=True),
+    dict(causal=True, window_size=(5, 0), softcap=3.0),
+    dict(window_size=(3, 2), alibi=True, softmax_scale=0.2),
+])
+def test_flash_attn_func_matches_reference(options):
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    B, S_q, S_k, H, H_kv, D = 2, 19, 23, 4, 2, 16
+    q, k, v = _randn(B, S_q, H, D, gen=gen), _randn(B, S_k, H_kv, D, gen=gen), \
+        _randn(B, S_k, H_kv, D, gen=gen)
+    options = dict(options)
+    slopes = torch.rand(H, device=DEVICE, generator=gen) if options.pop("alibi", False) else None
+    dout = torch.randn(B, S_q, H, D, device=DEVICE, generator=gen).half()
+    dlse = torch.randn(B, H, S_q, device=DEVICE, generator=gen)
+    with poisoned_outputs():
+        out, lse, probs = fa.flash_attn_func(q, k, v, 0.0, alibi_slopes=slopes,
+                                             return_attn_probs=True, **options)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert probs is None and lse.shape == (B, H, S_q) and lse.dtype == torch.float32
+    scale = options.pop("softmax_scale", None)
+    for result in check_attention(q, k, v, dout, dlse, out, lse, grads, alibi_slopes=slopes,
+                                  scale=scale, **options):
+        assert result.ok, str(result)
+    # without return_attn_probs: the output alone, the same values
+    assert torch.equal(fa.flash_attn_func(q, k, v, alibi_slopes=slopes, softmax_scale=scale,
+                                          **options), out)
+
+
+def test_packed_layouts_give_flash_attn_func_results_and_grads():
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    B, S, H, D = 2, 17, 2, 8
+    qkv = _randn(B, S, 3, H, D, gen=gen)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
+    expected = flashop.attention(q, k, v, causal=True)
+    assert torch.equal(out, expected)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(expected, (q, k, v), dout), 2))
+
+    q = _randn(B, 11, 4, D, gen=gen)
+    kv = _randn(B, S, 2, H, D, gen=gen)
+    out = fa.flash_attn_kvpacked_func(q, kv, causal=True)
+    assert torch.equal(out, flashop.attention(q, kv[:, :, 0], kv[:, :, 1], causal=True))
+    (dkv,) = torch.autograd.grad(out, kv, torch.ones_like(out))
+    assert dkv.shape == kv.shape and torch.isfinite(dkv).all()
+
+
+def _cu(lens):
+    return torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def test_varlen_functions_match_reference_and_each_other():
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    lens_q, lens_k = [5, 0, 13], [9, 4, 13]
+    H, H_kv, D = 4, 2, 16
+    q = _randn(sum(lens_q), H, D, gen=gen)
+    k, v = _randn(sum(lens_k), H_kv, D, gen=gen), _randn(sum(lens_k), H_kv, D, gen=gen)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    dout = torch.randn(sum(lens_q), H, D, device=DEVICE, generator=gen).half()
+    dlse = torch.randn(H, sum(lens_q), device=DEVICE, generator=gen)
+    with poisoned_outputs():
+        out, lse, probs = fa.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, window_size=(4, 0),
+            return_attn_probs=True)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert probs is None and lse.shape == (H, sum(lens_q))
+    for result in check_attention_varlen(q, k, v, cu_q, cu_k, dout, dlse, out, lse, grads,
+                                         causal=True, window_size=(4, 0)):
+        assert result.ok, str(result)
+
+    kv = torch.stack((k, v), 1).detach()
+    assert torch.equal(fa.flash_attn_varlen_kvpacked_func(
+        q, kv, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, window_size=(4, 0)), out)
+
+    qkv = torch.stack((q, q.flip(0), q.roll(1, 0)), 1).detach()
+    cu = _cu([6, 12])
+    expected = flashop.attention_varlen(*qkv.unbind(1), cu, cu, 12, 12, softcap=2.0)
+    assert torch.equal(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 12, softcap=2.0), expected)
+
+
+def test_unsupported_arguments_raise_naming_them():
+    q = torch.zeros(1, 4, 2, 8, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1 is not supported"):
+        fa.flash_attn_func(q, q, q, 0.1)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        cu = _cu([4])
+        fa.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4,
+                                  block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"qkv \(batch, seqlen, 3, nheads, headdim\)"):
+        fa.flash_attn_qkvpacked_func(q)
+    with flashop.config.override(dq_atomics=True), \
+            pytest.raises(RuntimeError, match="deterministic=True"):
+        fa.flash_attn_func(q, q, q, deterministic=True)

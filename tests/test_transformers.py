@@ -1,0 +1,259 @@
+"""flashop.transformers: tiny random-weight transformers models (no download) run through
+flashop give eager's logits (within the accuracy rule), greedy tokens and gradients.
+
+Models are built from configs (hidden 32, 2 layers, vocab 100); the kernels run in the
+interpreter on the CPU, so every kernel call costs about half a second: keep batches,
+sequences and generated lengths short."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashop  # noqa: E402
+import flashop.transformers as ft  # noqa: E402
+from flashop.testing import accuracy  # noqa: E402
+from helpers import DEVICE  # noqa: E402
+
+from transformers import (  # noqa: E402
+    AttentionInterface, AutoModelForCausalLM, CompileConfig, DataCollatorWithFlattening,
+    Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config,
+)
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+try:  # transformers >= 5.2x; earlier ones test for "flash" in the name themselves
+    from transformers.utils.generic import is_flash_attention_requested
+except ImportError:  # pragma: no cover
+    def is_flash_attention_requested(requested_attention_implementation):
+        return "flash" in requested_attention_implementation
+
+_COMMON = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               max_position_embeddings=64, pad_token_id=0)
+
+
+def tiny_config(kind: str, **changes):
+    configs = {
+        "llama": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     **_COMMON),
+        "qwen2": lambda: Qwen2Config(num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                     **_COMMON),
+        "mistral": lambda: MistralConfig(num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=16, sliding_window=4, **_COMMON),
+        # softcap 1.0: the tiny model's scores are small, a larger cap would not bend them
+        "gemma2": lambda: Gemma2Config(num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                                       attn_logit_softcapping=1.0, **_COMMON),
+    }
+    config = configs[kind]()
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
+
+
+def tiny_model(kind: str, implementation=ft.ATTN_IMPLEMENTATION, **changes):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **changes),
+                                             attn_implementation=implementation)
+    return model.to(DEVICE).eval()
+
+
+def left_padded_batch(lengths, S, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 100, (len(lengths), S), generator=gen)
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, S - n:] = 1
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def positions(mask):
+    """Each token's position in its sequence (as generate() computes them)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def per_row_reference(model, ids, mask, fn):
+    """``fn(model(row))`` summed over the rows, each row run alone (no padding) in float64
+    with the positions it has in the batch: the reference no padding can disturb."""
+    model.double().set_attn_implementation("eager")
+    results = []
+    for b in range(ids.shape[0]):
+        keep = mask[b].bool()
+        logits = model(ids[b, keep][None], position_ids=positions(mask[b])[keep][None]).logits
+        results.append(fn(b, logits[0]))
+    return results
+
+
+def assert_accurate(name, actual, ref, plain, factor=2):
+    result = accuracy(name, actual, ref, plain, factor, torch.float32)
+    assert result.ok, str(result)
+
+
+def test_registered_under_a_name_transformers_does_not_send_to_flash_attn(tmp_path):
+    name = ft.ATTN_IMPLEMENTATION
+    assert AttentionInterface()[name] is ft.attention_forward
+    assert AttentionMaskInterface()[name] is ft.attention_mask
+    assert not is_flash_attention_requested(requested_attention_implementation=name)
+    # the three ways to choose it
+    model = tiny_model("llama", implementation="eager")
+    model.set_attn_implementation(name)
+    assert model.config._attn_implementation == name
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name)
+    assert loaded.config._attn_implementation == name
+    assert tiny_model("qwen2").config._attn_implementation == name
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2"])
+def test_left_padded_logits_match_eager(kind):
+    """Left-padded batch (one row padded, one full; S=12 > the window of 4): flashop's
+    logits at the real tokens against a float64 per-row reference, eager's as the bound."""
+    model = tiny_model(kind)
+    ids, mask = left_padded_batch([9, 12], 12)
+    keep = mask.bool()
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions(mask)).logits[keep]
+        model.set_attn_implementation("eager")
+        plain = model(ids, attention_mask=mask, position_ids=positions(mask)).logits[keep]
+        ref = torch.cat(per_row_reference(model, ids, mask, lambda b, x: x))
+    assert_accurate("logits", out, ref, plain)
+
+
+def test_training_step_gradients_match_eager():
+    """A padded batch's loss backward in train mode: every parameter's gradient within 3x
+    eager's error to a float64 per-row reference."""
+    ids, mask = left_padded_batch([7, 10], 10, seed=1)
+    weights = torch.randn(2, 10, 100, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def loss(b, logits):  # one row's loss from its real tokens' logits
+        return (logits * weights[b, mask[b].bool()]).sum()
+
+    def batch_loss(model):
+        logits = model(ids, attention_mask=mask, position_ids=positions(mask)).logits
+        return sum(loss(b, logits[b, mask[b].bool()]) for b in range(2))
+
+    model = tiny_model("qwen2").train()
+    batch_loss(model).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_attn_implementation("eager")
+    batch_loss(model).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    sum(per_row_reference(model, ids, mask, loss)).backward()
+    for n, p in model.named_parameters():
+        assert_accurate(f"d{n}", grads[n], p.grad, plain[n], factor=3)
+
+
+@pytest.mark.parametrize("kind,cache", [("mistral", "dynamic"), ("gemma2", "static")])
+def test_greedy_generate_gives_eagers_tokens(kind, cache):
+    """Left-padded prompts, 4 new tokens past the window of 4: the dynamic cache (Mistral's
+    sliding layers) and the static cache (Gemma 2's zero-filled full and rolling sliding
+    layers, which must not be attended past their current length)."""
+    model = tiny_model(kind)
+    ids, mask = left_padded_batch([5, 7], 7, seed=3)
+    options = dict(max_new_tokens=4, do_sample=False, cache_implementation=cache)
+    tokens = model.generate(ids, attention_mask=mask, **options)
+    model.set_attn_implementation("eager")
+    assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
+
+
+@pytest.mark.compile
+def test_static_cache_generate_compiles_fullgraph():
+    """generate() with a static cache and a compiled forward (fullgraph: no host reads in the
+    decoding steps; aot_eager, as the interpreter's ops are opaque) gives eager's tokens."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 6], 6, seed=4)
+    options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
+    compile_config._compile_all_devices = True  # compile on the CPU too
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(ids, attention_mask=mask, compile_config=compile_config,
+                              **options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # decoding compiled
+    model.set_attn_implementation("eager")
+    assert torch.equal(compiled, model.generate(ids, attention_mask=mask, **options))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_static_cache_generate_compiled_by_inductor_on_gpu():
+    """On a GPU generate() compiles the static-cache decoding steps with Inductor itself."""
+    model = tiny_model("gemma2")
+    ids, mask = left_padded_batch([5, 9], 9, seed=7)
+    options = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    tokens = model.generate(ids, attention_mask=mask, **options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    model.set_attn_implementation("eager")
+    assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
+
+
+def test_packed_sequences_match_separate_runs():
+    """DataCollatorWithFlattening's one-row batch: with its cu_seq_lens/max_length kwargs,
+    compiled with fullgraph (no host reads), and with position_ids alone, the logits equal
+    each sequence run alone."""
+    model = tiny_model("mistral")
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(1, 100, (n,), generator=gen).tolist() for n in (5, 8, 3)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": s} for s in sequences], return_tensors="pt")
+    inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+              for k, v in batch.items() if k != "labels"}
+    assert isinstance(inputs["max_length_q"], int)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        forward = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+        packed = forward(**inputs).logits[0]
+        by_positions = model(inputs["input_ids"], position_ids=inputs["position_ids"]).logits[0]
+        model.set_attn_implementation("eager")
+        plain = torch.cat([model(torch.tensor([s], device=DEVICE)).logits[0]
+                           for s in sequences])
+        model.double()
+        ref = torch.cat([model(torch.tensor([s], device=DEVICE)).logits[0] for s in sequences])
+    assert_accurate("logits (cu_seq_lens)", packed, ref, plain)
+    assert_accurate("logits (position_ids)", by_positions, ref, plain)
+
+
+def test_unsupported_features_raise_naming_them():
+    model = tiny_model("llama", attention_dropout=0.1).train()
+    ids, _ = left_padded_batch([4], 4)
+    with pytest.raises(NotImplementedError, match=r"attention dropout=0\.1 is not supported"):
+        model(ids)
+    attn = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 8, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=r"attention sinks \(s_aux\)"):
+        ft.attention_forward(attn, q, q[:, :2], q[:, :2], None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="extra mask functions"):
+        ft.attention_mask(1, 3, 3, use_vmap=True)
+
+
+def test_mask_function_marks_static_cache_slots_without_reading_them():
+    """A decoding step on a static cache (its length a tensor): the key mask covers the
+    written slots only; multi-token steps and dynamic caches get the mask's length."""
+    length = torch.tensor(5)
+    mask = ft.attention_mask(2, 1, 8, q_offset=length, kv_offset=0)
+    assert mask.shape == (2, 8) and mask[:, :6].all() and not mask[:, 6:].any()
+    assert ft.attention_mask(2, 3, 8, q_offset=length).shape == (2, 8)
+    assert ft.attention_mask(2, 3, 8, q_offset=2).shape == (2, 5)
+    assert ft.attention_mask(2, 3, 5, q_offset=2) is None  # a dynamic cache
+    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert torch.equal(ft.attention_mask(2, 1, 6, attention_mask=padding), padding.bool())
+    assert ft.attention_mask(2, 4, 4, attention_mask=torch.ones(2, 4)) is None
+
+
+def test_decode_attention_masks_unwritten_slots_and_the_window():
+    """decode_attention against the reference on the attended slots only: garbage written
+    past each row's length must not change the output."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, 4, 8, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 9, 2, 8, generator=gen).to(DEVICE) for _ in range(2))
+    key_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [1] * 7 + [0, 0]],
+                            dtype=torch.bool, device=DEVICE)
+    k[:, 7:], v[:, 7:] = 1e4, -1e4  # a static cache's slots past the current length
+    out = ft.decode_attention(q, k, v, key_mask, scale=None, window=3, softcap=0.0)
+    keep = key_mask.clone()
+    keep[:, :4] = False  # the window of 3 ending at the query's slot 6
+    expected, _ = flashop.attention_reference(q, k, v, keep[:, None, None, :])
+    torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-5, atol=1e-5)
