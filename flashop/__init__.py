@@ -1,25 +1,28 @@
 """flashop: FlashAttention-2 in Triton, registered as PyTorch operators.
 
 Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_lse``, the
-``attention_forward`` and ``attention_backward`` operators they are built on, and their
+``attention_forward`` and ``attention_backward`` operators they are built on, their
 packed-batch versions (``attention_varlen``, ``attention_varlen_with_lse``,
-``attention_varlen_forward``, ``attention_varlen_backward``). See README.md and docs/ for
-the API and its conventions.
+``attention_varlen_forward``, ``attention_varlen_backward``) and the decoding operator
+``attention_with_kvcache``; it also registers "flashop" with SDPA's flash-attention
+registry (torch >= 2.11), without activating it. See README.md and docs/ for the API and
+its conventions; ``flashop.config`` holds the FLASHOP_* switches.
 """
 
+from flashop import config
 from flashop.api import (
-    attention, attention_varlen, attention_varlen_with_lse, attention_with_lse,
+    attention, attention_varlen, attention_varlen_with_lse, attention_with_kvcache,
+    attention_with_lse,
 )
 from flashop.kernels import INTERPRETING
 from flashop.padding import pad_input, unpad_input
-from flashop.reference import attention_reference, attention_varlen_reference
-from flashop.api import attention_with_kvcache  # noqa: E402
-from flashop.reference import attention_with_kvcache_reference  # noqa: E402
+from flashop.reference import (
+    attention_reference, attention_varlen_reference, attention_with_kvcache_reference,
+)
+from flashop import sdpa as _sdpa  # noqa: F401  (registers, does not activate)
 
 __all__ = ["attention", "attention_with_lse", "attention_varlen", "attention_varlen_with_lse",
-           "attention_reference", "attention_varlen_reference", "pad_input", "unpad_input",
-           "INTERPRETING", "attention_with_kvcache", "attention_with_kvcache_reference"]
+           "attention_with_kvcache", "attention_reference", "attention_varlen_reference",
+           "attention_with_kvcache_reference", "pad_input", "unpad_input", "INTERPRETING",
+           "config"]
 __version__ = "0.1.0"
-
-# PyTorch SDPA's flash-attention registry: "flashop" registered, not activated (torch >= 2.11)
-from flashop import sdpa as _sdpa  # noqa: E402,F401
