@@ -34,11 +34,12 @@ def test_greedy_tokens_equal_plain_pytorch_attention(page):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_decode_step_compiles_fullgraph_and_replays_from_cuda_graphs(mode):
     """The decode step under torch.compile(fullgraph=True) (and CUDA graphs) gives the eager
-    tokens, in bf16 with a paged cache."""
+    tokens with a paged cache. In fp32: in bf16 Inductor's fusions of the rest of the model
+    round differently from eager, and greedy tokens may part at a near tie."""
     cfg = ModelConfig(max_len=64, page=16)
-    eager = _tokens(cfg, "flashop", batch=4, steps=40, dtype=torch.bfloat16)
+    eager = _tokens(cfg, "flashop", batch=4, steps=40)
     torch._dynamo.reset()
-    compiled = _tokens(cfg, "flashop", batch=4, steps=40, dtype=torch.bfloat16,
+    compiled = _tokens(cfg, "flashop", batch=4, steps=40,
                        step_fn=lambda m: torch.compile(m.decode_step, fullgraph=True,
                                                        mode=mode))
     assert torch.equal(compiled, eager)
