@@ -28,6 +28,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--profile", type=int, default=0, help="profile this call (1-based)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--spin", type=float, default=0.0,
+                        help="keep the GPU busy this many seconds before call 2 (after a "
+                             "compile the GPU idles at low clocks, which slows the calls "
+                             "right after it)")
     args = parser.parse_args()
     import flashop
 
@@ -45,7 +49,21 @@ def main() -> None:
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 
+    def sm_clock() -> str:
+        try:
+            return f"{torch.cuda.clock_rate()} MHz"
+        except Exception:  # noqa: BLE001  (no NVML)
+            return "?"
+
     for i in range(1, args.calls + 1):
+        if i == 2 and args.spin:
+            a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+            end = time.perf_counter() + args.spin
+            while time.perf_counter() < end:
+                for _ in range(10):
+                    a @ a
+                torch.cuda.synchronize()
+            print(f"after {args.spin} s of matmuls: SM clock {sm_clock()}")
         if i == args.profile:
             import cProfile
             import pstats
@@ -64,10 +82,16 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
             print(tp.key_averages().table(sort_by="cpu_time_total", row_limit=20))
             continue
+        clock = sm_clock()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start = time.perf_counter()
+        begin.record()
         call()
+        end.record()
+        host = (time.perf_counter() - start) * 1e3
         torch.cuda.synchronize()
-        print(f"call {i}: {(time.perf_counter() - start) * 1e3:.2f} ms")
+        print(f"call {i}: {(time.perf_counter() - start) * 1e3:.2f} ms (host {host:.2f} ms, "
+              f"device {begin.elapsed_time(end):.2f} ms; SM clock before: {clock})")
 
 
 if __name__ == "__main__":
