@@ -88,7 +88,7 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
         B, S_q, H, _ = q.shape
         mask = mods.attn_mask.expand(B, H, S_q, k.shape[1])
         if mask.dtype == torch.bool:
-            mask, mask_kind = mask.view(torch.uint8), 2
+            mask_kind = 2
         else:
             mask_kind = 1
         args.update(attn_mask=mask, **dict(zip(("stride_amb", "stride_amh", "stride_amq",

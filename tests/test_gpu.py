@@ -50,8 +50,7 @@ def test_inductor_sees_the_triton_kernels():
     dq = q.grad
     q.grad = None
     torch._dynamo.reset()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flashop.launch, "DQ_ATOMICS", True)
+    with flashop.config.override(dq_atomics=True):
         _, code = run_and_get_code(lambda: loss(q, k).backward())
     code = "\n".join(code)
     assert "attention_bwd_dq_kernel" not in code
@@ -137,8 +136,7 @@ def test_warp_specialized_forward_under_inductor_and_in_cuda_graphs():
 
     torch._dynamo.reset()
     dynamic = torch.compile(flashop.attention_with_lse, fullgraph=True, dynamic=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flashop.launch, "WARP_SPECIALIZE", False)
+    with flashop.config.override(warp_specialize=False):
         split = flashop.attention_with_lse(q, k, v)
     result, code = run_and_get_code(lambda: dynamic(q, k, v))
     assert "attention_fwd_ws_kernel" not in "\n".join(code)
