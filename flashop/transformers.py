@@ -85,7 +85,7 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         return attention_mask  # counts made by this function, passed back in by the model
     if attention_mask is not None:
         mask = attention_mask[:, -kv_length:].bool()
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (q_length != 1 and mask.shape[1] != kv_length):
             return mask
         # one host read: is the mask all ones / is every row ones then zeros (no left padding)
         all_ones, prefix = torch.stack((mask.all(), (mask[:, 1:] <= mask[:, :-1]).all())).tolist()
