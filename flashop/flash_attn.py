@@ -12,24 +12,29 @@ materializes them. Causal masks and windows are aligned to the bottom-right corn
 flash-attn >= 2.1.
 
 What flashop does not implement raises ``NotImplementedError`` naming the argument:
-``dropout_p > 0`` (no dropout yet) and ``block_table`` (paged KV caches).
-``deterministic`` is accepted: flashop's backward is deterministic unless
+``dropout_p > 0`` (no dropout yet) and ``block_table`` of ``flash_attn_varlen_func`` (paged
+KV caches). ``deterministic`` is accepted: flashop's backward is deterministic unless
 ``FLASHOP_DQ_ATOMICS=1`` (``flashop.config``) opts into dQ by atomics, which
 ``deterministic=True`` then refuses.
-``flash_attn_with_kvcache`` is not provided yet.
+
+``flash_attn_with_kvcache`` (decoding over a dense or paged KV cache, appending new keys and
+values in place) runs ``flashop.attention_with_kvcache``; it raises ``NotImplementedError``
+for ``rotary_cos``/``rotary_sin`` (apply the rotary embedding to q and k before the call)
+and ``cache_leftpad``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from flashop import api, config
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
 def _check_unsupported(name: str, dropout_p: float, deterministic: bool,
@@ -156,3 +161,55 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None,
+                            cache_seqlens: Optional[Union[int, Tensor]] = None,
+                            cache_batch_idx: Optional[Tensor] = None,
+                            cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache`` on :func:`flashop.attention_with_kvcache`:
+    q (batch, seqlen, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache,
+    nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with
+    ``block_table`` (batch, max_num_blocks_per_seq) int32 (flashop takes pages of 16 to 256
+    keys, a power of two). ``k``, ``v`` (batch, seqlen_new, nheads_k, headdim), when given,
+    are written into the caches in place at positions ``cache_seqlens[b]`` onwards before
+    attending. ``cache_seqlens``: an int or (batch,) int32, each sequence's cached length; None
+    attends the whole cache (every position of its row, or of its pages), and then ``k``,
+    ``v`` cannot be given. For inference: the output carries no gradient, as in flash-attn.
+    Returns out (batch, seqlen, nheads, headdim), or ``(out, softmax_lse)`` with
+    ``return_softmax_lse=True``, softmax_lse (batch, nheads, seqlen) float32, natural log.
+
+    ``rotary_cos``/``rotary_sin`` (rotary embedding inside the kernel) and
+    ``cache_leftpad`` raise ``NotImplementedError``; ``rotary_interleaved`` only matters with
+    rotary embeddings and is otherwise ignored.
+    """
+    name = "flashop.flash_attn.flash_attn_with_kvcache"
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError(
+            f"{name}: rotary_cos/rotary_sin (the rotary embedding applied inside the kernel) "
+            f"are not supported; rotate q and k before the call (at positions cache_seqlens, "
+            f"cache_seqlens + 1, ...) and pass rotary_cos=None, rotary_sin=None")
+    if cache_leftpad is not None:
+        raise NotImplementedError(
+            f"{name}: cache_leftpad (caches whose sequences start after left padding) is not "
+            f"supported; store each sequence from position 0 of its cache row (or pages)")
+    if cache_seqlens is None:
+        if k is not None or v is not None:
+            raise ValueError(
+                f"{name}: k and v (new keys and values to append) need cache_seqlens, the "
+                f"position each sequence's new keys are written at; pass cache_seqlens")
+        # None: every sequence attends all the positions its cache row (or pages) holds
+        cache_seqlens = (k_cache.shape[1] if block_table is None
+                         else block_table.shape[-1] * k_cache.shape[1])
+    # flash-attn's kernel has no autograd: its output carries no gradient either
+    with torch.no_grad():
+        return api.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal,
+            scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
+            alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse)

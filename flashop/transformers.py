@@ -24,9 +24,13 @@ are read through transposed views, GQA without repeating K/V):
   ``max_length_q/k`` (``return_flash_attn_kwargs=True``) one ``attention_varlen`` call
   without host synchronization; with only ``position_ids`` the boundaries are found on the
   host;
-- one query per sequence (decoding; :func:`decode_attention`): ``flashop.attention`` with a
-  boolean key mask, no host synchronization, so static caches decode under
-  ``torch.compile``; the static cache's slots past the current length are masked out;
+- one query per sequence (decoding; :func:`decode_attention`), no host synchronization, so
+  static caches decode under ``torch.compile``: where each row's valid keys are the first
+  ones of its cache (no left padding: dynamic caches, static caches whose unwritten slots
+  follow the written ones, sliding windows whose padding has left the window),
+  ``flashop.attention_with_kvcache`` over the cache as transformers wrote it (no append),
+  with ``cache_seqlens`` the valid keys per row; a left-padded batch: ``flashop.attention``
+  with a boolean key mask;
 - a 4-D mask given by the caller: ``flashop.attention`` with that mask.
 
 Not supported, raising an error that names them: attention dropout (``dropout > 0``, in
@@ -57,15 +61,19 @@ __all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "attention_mask", "decode
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                    mask_function=None, attention_mask: Optional[Tensor] = None,
                    use_vmap: bool = False, device=None, **kwargs) -> Optional[Tensor]:
-    """transformers' mask function for flashop: a (batch, L) boolean key mask, or None.
+    """transformers' mask function for flashop: None, a (batch, L) boolean key mask, or for a
+    one-query step whose valid keys are each row's first ones, (batch,) int32 key counts.
 
     Key slot ``j < L`` of the keys the attention receives is attended iff ``mask[b, j]``;
     slots from ``L`` on (a static cache's unwritten, zero-filled slots) never are; the
-    queries are the last ``q_length`` slots before ``L``. None: every key is attended (the
+    queries are the last ``q_length`` slots before ``L``. Counts ``n``: row b attends its
+    first ``n[b]`` slots, its query at slot ``n[b] - 1``. None: every key is attended (the
     keys end with the queries). Causality and windows are not in the mask: the attention
     applies them. Reads nothing on the host except, outside torch.compile, whether a given
-    padding mask is all ones (to drop it, as transformers' flash-attention mask does) and a
-    static cache's length for a multi-token step without a padding mask.
+    padding mask is all ones (to drop it, as transformers' flash-attention mask does) or,
+    for a one-query step, holds no left padding (generate() builds a static cache's masks
+    outside its compiled forward, so compiled decoding gets counts too), and a static cache's
+    length for a multi-token step without a padding mask.
     """
     if use_vmap:
         # set by transformers when a model adds mask functions of its own (or_/and_mask_function)
@@ -73,23 +81,36 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             f"attn_implementation={ATTN_IMPLEMENTATION!r}: this model combines the causal mask "
             f"with extra mask functions (e.g. bidirectional image tokens), which flashop cannot "
             f"represent; use attn_implementation='sdpa' for it")
+    if attention_mask is not None and attention_mask.dim() == 1:
+        return attention_mask  # counts made by this function, passed back in by the model
     if attention_mask is not None:
         mask = attention_mask[:, -kv_length:].bool()
-        if (mask.shape[1] == kv_length and not torch.compiler.is_compiling()
-                and bool(mask.all())):
+        if torch.compiler.is_compiling() or (q_length != 1 and mask.shape[1] != kv_length):
+            return mask
+        # one host read: is the mask all ones / is every row ones then zeros (no left padding)
+        all_ones, prefix = torch.stack((mask.all(), (mask[:, 1:] <= mask[:, :-1]).all())).tolist()
+        if all_ones and mask.shape[1] == kv_length:
             return None
+        if q_length == 1 and prefix:
+            return mask.sum(1, dtype=torch.int32)
         return mask
     valid = q_offset + q_length - kv_offset  # keys written so far, the queries' included
     if isinstance(valid, int):
         if valid == kv_length:
             return None
+        if q_length == 1:
+            return torch.full((batch_size,), valid, dtype=torch.int32, device=device)
         return torch.ones(batch_size, valid, dtype=torch.bool, device=device)
-    # a static cache's length is a tensor: decoding masks its unwritten slots without reading
+    # a static cache's length is a tensor: decoding counts its written slots without reading
     # it; a longer step reads it on the host (prefill runs outside torch.compile)
     if q_length == 1:
-        slots = torch.arange(kv_length, device=device)
-        return (slots < valid.to(slots.device)).expand(batch_size, kv_length)
+        return valid.to(device=device, dtype=torch.int32).reshape(1).repeat(batch_size)
     return torch.ones(batch_size, int(valid), dtype=torch.bool, device=device)
+
+
+def _key_mask(counts: Tensor, S_k: int) -> Tensor:
+    """(batch,) key counts as the (batch, S_k) boolean key mask they stand for."""
+    return torch.arange(S_k, device=counts.device) < counts[:, None]
 
 
 # --- the attention function -----------------------------------------------------------------
@@ -112,12 +133,33 @@ def _check_unsupported(dropout: float, s_aux: Optional[Tensor]) -> None:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], *,
                      scale: Optional[float], window: Optional[int], softcap: float) -> Tensor:
     """One query per sequence (a decoding step) against the cached keys: q (B, 1, H, D),
-    k/v (B, S_k, H_kv, D), ``key_mask`` (B, L <= S_k) or None as :func:`attention_mask`
-    returns it. Reads nothing on the host."""
-    if key_mask is None:
-        window_size = (-1, -1) if window is None else (window - 1, 0)
-        return flashop.attention(q, k, v, causal=True, scale=scale, window_size=window_size,
-                                 softcap=softcap)
+    k/v (B, S_k, H_kv, D) (transposed views of transformers' (B, H_kv, S, D) caches),
+    ``key_mask`` as :func:`attention_mask` returns it: None (all S_k keys), (B,) int32
+    counts (row b's first ``key_mask[b]`` keys), or a (B, L <= S_k) boolean mask. Reads
+    nothing on the host.
+
+    None and counts run ``flashop.attention_with_kvcache`` with ``cache_seqlens`` the counts
+    (S_k for None) and no k/v to append: transformers has already written the new token's
+    key and value into its cache (the static cache in place, the dynamic cache by
+    concatenation), and the views' strides are passed as they are. For the dynamic cache this
+    beats ``flashop.attention``, though its keys are exactly the valid ones: with one query
+    per sequence, ``flashop.attention`` has one program per (sequence, KV head) walk all the
+    keys, while the split-KV decoding kernel spreads them over the GPU; both read each key
+    once. A boolean mask (left padding, which the decoding kernel cannot skip) runs
+    ``flashop.attention`` with the mask, as does anything needing a gradient.
+    """
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if key_mask is None or key_mask.dim() == 1:
+        if not needs_grad and k.stride(-1) == 1 and v.stride(-1) == 1:
+            counts = k.shape[1] if key_mask is None else key_mask
+            return flashop.attention_with_kvcache(q, k, v, cache_seqlens=counts, causal=True,
+                                                  scale=scale, window_size=window_size,
+                                                  softcap=softcap)
+        if key_mask is None:
+            return flashop.attention(q, k, v, causal=True, scale=scale,
+                                     window_size=window_size, softcap=softcap)
+        key_mask = _key_mask(key_mask, k.shape[1])
     L = key_mask.shape[1]
     k, v = k[:, :L], v[:, :L]
     keep = key_mask
@@ -197,6 +239,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if q.shape[1] == 1 and causal:
         return decode_attention(q, k, v, attention_mask, scale=scaling, window=window,
                                 softcap=softcap), None
+    if attention_mask is not None and attention_mask.dim() == 1:
+        attention_mask = _key_mask(attention_mask, k.shape[1])
     if attention_mask is not None:
         return _padded_attention(q, k, v, attention_mask, **options), None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

@@ -28,6 +28,14 @@ SIGNATURES = {
     "flash_attn_varlen_kvpacked_func": (
         [(n, _REQUIRED) for n in ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                                   "max_seqlen_k")] + _TAIL),
+    "flash_attn_with_kvcache": (
+        [(n, _REQUIRED) for n in ("q", "k_cache", "v_cache")]
+        + [(n, None) for n in ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                               "cache_batch_idx", "cache_leftpad", "block_table",
+                               "softmax_scale")]
+        + [("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
+           ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+           ("return_softmax_lse", False)]),
 }
 
 
@@ -136,3 +144,75 @@ def test_unsupported_arguments_raise_naming_them():
     with flashop.config.override(dq_atomics=True), \
             pytest.raises(RuntimeError, match="deterministic=True"):
         fa.flash_attn_func(q, q, q, deterministic=True)
+
+
+def _cache_call(gen, B=2, S_q=2, S_new=2, H_kv=2, G=2, D=16, rows=3, S_cache=32):
+    """q, dense caches of ``rows`` rows (random contents) and new keys/values, fp16."""
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen).half()
+    q = randn(B, S_q, H_kv * G, D)
+    k_cache, v_cache = randn(rows, S_cache, H_kv, D), randn(rows, S_cache, H_kv, D)
+    k, v = randn(B, S_new, H_kv, D), randn(B, S_new, H_kv, D)
+    return q, k_cache, v_cache, k, v
+
+
+def test_flash_attn_with_kvcache_appends_in_place_and_equals_attention_with_kvcache():
+    """Appending k, v: the caller's caches hold them afterwards (nothing else changed), and
+    out, lse (flash-attn's (batch, nheads, seqlen)) and the caches equal
+    flashop.attention_with_kvcache's on copies, with flash-attn's positional arguments."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q, k_cache, v_cache, k, v = _cache_call(gen)
+    lengths = torch.tensor([5, 20], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    slopes = torch.rand(4, device=DEVICE, generator=gen)
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()
+    before = k_cache.clone()
+    # flash-attn's positions: ..., cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    # softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, ...
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, None, None, lengths, rows,
+                                          None, None, 0.3, True, (8, 0), 2.0, True, slopes, 0,
+                                          True)
+    expected, expected_lse = flashop.attention_with_kvcache(
+        q, k_copy, v_copy, k, v, cache_seqlens=lengths, cache_batch_idx=rows, scale=0.3,
+        causal=True, window_size=(8, 0), softcap=2.0, alibi_slopes=slopes, return_lse=True)
+    assert lse.shape == (2, 4, 2) and lse.dtype == torch.float32
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
+    for b, (row, n) in enumerate(((2, 5), (0, 20))):
+        assert torch.equal(k_cache[row, n:n + 2], k[b]) and torch.equal(v_cache[row, n:n + 2],
+                                                                        v[b])
+    written = torch.zeros_like(before, dtype=torch.bool)
+    written[2, 5:7] = written[0, 20:22] = True
+    assert torch.equal(k_cache[~written], before[~written])
+
+
+def test_flash_attn_with_kvcache_without_append():
+    """cache_seqlens as an int over a paged cache; None attends every position of the row
+    (flash-attn's default); q requiring grad gives an output without grad, as flash-attn's."""
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    q, k_cache, v_cache, _, _ = _cache_call(gen, S_q=1, rows=4, S_cache=16)
+    block_table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32, device=DEVICE)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=21,
+                                     block_table=block_table, causal=True)
+    assert torch.equal(out, flashop.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=21, block_table=block_table, causal=True))
+
+    q = q.requires_grad_()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, softcap=1.5)
+    assert not out.requires_grad
+    full = torch.full((2,), 16, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(out, flashop.attention_with_kvcache(
+        q.detach(), k_cache, v_cache, cache_seqlens=full, softcap=1.5))
+
+
+def test_flash_attn_with_kvcache_unsupported_arguments_raise_naming_them():
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k_cache, v_cache, k, v = _cache_call(gen, S_cache=16)
+    cos = torch.ones(16, 8, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="rotary_cos/rotary_sin"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, cos, cache_seqlens=2)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2,
+                                   cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="k and v .* need cache_seqlens"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v)

@@ -7,6 +7,7 @@ sequences and generated lengths short."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,30 +158,57 @@ def test_greedy_generate_gives_eagers_tokens(kind, cache):
     assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
 
 
+class AttentionCalls(TorchDispatchMode):
+    """Records (operator name, number of queries) of every flashop attention operator run."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("flashop::attention"):
+            self.calls.append((name.split("::")[1], args[0].shape[1]))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.compile
-def test_static_cache_generate_compiles_fullgraph():
+@pytest.mark.parametrize("lengths,decode_op", [([4, 6], "attention_forward"),
+                                               ([6, 6], "attention_with_kvcache")])
+def test_static_cache_generate_compiles_fullgraph(lengths, decode_op):
     """generate() with a static cache and a compiled forward (fullgraph: no host reads in the
-    decoding steps; aot_eager, as the interpreter's ops are opaque) gives eager's tokens."""
+    decoding steps; aot_eager, as the interpreter's ops are opaque) gives eager's tokens: a
+    left-padded batch decodes with the boolean key mask, an unpadded one with the decoding
+    operator."""
     model = tiny_model("llama")
-    ids, mask = left_padded_batch([4, 6], 6, seed=4)
+    ids, mask = left_padded_batch(lengths, 6, seed=4)
     options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
-    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
+    graph_ops = []
+
+    def aot_eager_recording(gm, example_inputs, **kwargs):  # the flashop ops of each graph
+        graph_ops.append([str(node.target).split(".")[1] for node in gm.graph.nodes
+                          if str(node.target).startswith("flashop.")])
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compile_config = CompileConfig(fullgraph=True, backend=aot_eager_recording)
     compile_config._compile_all_devices = True  # compile on the CPU too
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = model.generate(ids, attention_mask=mask, compile_config=compile_config,
                               **options)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # decoding compiled
+    assert graph_ops and all(ops == [decode_op] * 2 for ops in graph_ops)  # one per layer
     model.set_attn_implementation("eager")
     assert torch.equal(compiled, model.generate(ids, attention_mask=mask, **options))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-def test_static_cache_generate_compiled_by_inductor_on_gpu():
+@pytest.mark.parametrize("lengths", [[5, 9], [9, 9]])  # masked / decoding operator
+def test_static_cache_generate_compiled_by_inductor_on_gpu(lengths):
     """On a GPU generate() compiles the static-cache decoding steps with Inductor itself."""
     model = tiny_model("gemma2")
-    ids, mask = left_padded_batch([5, 9], 9, seed=7)
+    ids, mask = left_padded_batch(lengths, 9, seed=7)
     options = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -230,16 +258,21 @@ def test_unsupported_features_raise_naming_them():
 
 
 def test_mask_function_marks_static_cache_slots_without_reading_them():
-    """A decoding step on a static cache (its length a tensor): the key mask covers the
-    written slots only; multi-token steps and dynamic caches get the mask's length."""
+    """A decoding step on a static cache (its length a tensor): each row's count of written
+    slots, made on the device; multi-token steps and dynamic caches get the mask's length;
+    a left-padded decoding step a boolean mask, an unpadded one counts."""
     length = torch.tensor(5)
-    mask = ft.attention_mask(2, 1, 8, q_offset=length, kv_offset=0)
-    assert mask.shape == (2, 8) and mask[:, :6].all() and not mask[:, 6:].any()
+    counts = ft.attention_mask(2, 1, 8, q_offset=length, kv_offset=0)
+    assert counts.dtype == torch.int32 and counts.tolist() == [6, 6]
+    assert ft.attention_mask(2, 1, 8, attention_mask=counts) is counts  # passed back in
+    assert ft.attention_mask(2, 1, 8, q_offset=4).tolist() == [5, 5]
     assert ft.attention_mask(2, 3, 8, q_offset=length).shape == (2, 8)
     assert ft.attention_mask(2, 3, 8, q_offset=2).shape == (2, 5)
     assert ft.attention_mask(2, 3, 5, q_offset=2) is None  # a dynamic cache
     padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     assert torch.equal(ft.attention_mask(2, 1, 6, attention_mask=padding), padding.bool())
+    unpadded = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert ft.attention_mask(2, 1, 6, attention_mask=unpadded).tolist() == [3, 4]
     assert ft.attention_mask(2, 4, 4, attention_mask=torch.ones(2, 4)) is None
 
 
@@ -257,3 +290,43 @@ def test_decode_attention_masks_unwritten_slots_and_the_window():
     keep[:, :4] = False  # the window of 3 ending at the query's slot 6
     expected, _ = flashop.attention_reference(q, k, v, keep[:, None, None, :])
     torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,cache", [("llama", "static"), ("llama", "dynamic"),
+                                        ("gemma2", "static")])
+def test_decode_steps_run_attention_with_kvcache(kind, cache):
+    """An unpadded batch: every decoding step's attention is the decoding operator over the
+    cache as transformers wrote it (static: zero-filled slots past each row's length; Gemma
+    2's rolling sliding layers with their window and softcap), tokens equal to eager's."""
+    model = tiny_model(kind)
+    ids, mask = left_padded_batch([6, 6], 6, seed=8)
+    options = dict(max_new_tokens=3, do_sample=False, cache_implementation=cache)
+    with AttentionCalls() as recorded:
+        tokens = model.generate(ids, attention_mask=mask, **options)
+    decode = [name for name, S_q in recorded.calls if S_q == 1]
+    assert decode == ["attention_with_kvcache"] * (2 * 2)  # 2 steps x 2 layers
+    model.set_attn_implementation("eager")
+    assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
+
+
+def test_decode_attention_counts_match_the_masked_path():
+    """Counts (the decoding operator) give the boolean mask's result on the same slots:
+    garbage past each row's count is never attended; a window; gradients take the mask."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 1, 4, 8, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 2, 9, 8, generator=gen).to(DEVICE).transpose(1, 2)
+            for _ in range(2))  # transformers' (B, H_kv, S, D) caches, as views
+    counts = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
+    k[0, 5:], v[0, 5:] = 1e4, -1e4
+    for window in (None, 3):
+        options = dict(scale=None, window=window, softcap=0.0)
+        with AttentionCalls() as recorded:
+            out = ft.decode_attention(q, k, v, counts, **options)
+        assert [name for name, _ in recorded.calls] == ["attention_with_kvcache"]
+        expected = ft.decode_attention(q, k, v, ft._key_mask(counts, 9), **options)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    q.requires_grad_()
+    with AttentionCalls() as recorded:
+        out = ft.decode_attention(q, k, v, counts, **options)
+    assert [name for name, _ in recorded.calls] == ["attention_forward"]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
