@@ -186,11 +186,13 @@ def attention_scores(
     else:
         b_s = f1 * f2
     if ATTN_MASK_KIND == 2:
-        # triton<=3.6: no ``other``: with it, triton pipelined this 1-byte load into copies it then
-        # could not lower, under a two-sided window with unit key stride (a compile error)
+        # a boolean mask is read as bytes (int8): triton<=3.6 could not lower its pipelined
+        # 1-bit loads. triton<=3.6: no ``other`` either: with it, triton pipelined this 1-byte
+        # load into copies it then could not lower, under a two-sided window with unit key
+        # stride (a compile error)
         m_qk = m_q & m_k
-        b_keep = tl.where(m_qk, tl.load(p_attn_mask + o_q * stride_amq + o_k * stride_amk,
-        mask=m_qk), 0)
+        p_keep = (p_attn_mask + o_q * stride_amq + o_k * stride_amk).to(tl.pointer_type(tl.int8))
+        b_keep = tl.where(m_qk, tl.load(p_keep, mask=m_qk), 0)
         b_s = tl.where(b_keep != 0, b_s, float("-inf"))
     if EDGE_TILE:
         m_keep = m_k
