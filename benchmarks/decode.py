@@ -6,8 +6,8 @@ the dense cache, in the same run.
 bf16, H = 32 query heads, H_kv = 8, D = 128, one query per sequence, every sequence's cache
 full (L keys). The figure of merit is the K + V bytes read per second (GB/s) and that as a
 fraction of the GPU's measured copy bandwidth (a 2 GiB ``copy_``, read + write); times are
-medians of triton.testing.do_bench, replayed from CUDA graphs where the cache is small
-(under 256 MB; host time would dominate there), in microseconds per call. Points whose
+medians of triton.testing.do_bench over CUDA-graph replays (as a serving loop runs a decode
+step: host time left out), in microseconds per call; ``--eager`` times plain calls instead. Points whose
 cache does not fit the GPU's memory are skipped.
 
 Usage: python benchmarks/decode.py [--quick] [--out PATH.csv]
@@ -35,7 +35,6 @@ BATCHES = (1, 8, 64)
 LENGTHS = (4096, 16384, 65536, 131072)
 QUICK = [(1, 16384), (8, 65536)]
 PAGES = (16, 256)
-GRAPH_BYTES = 256 * 2**20  # below this much K + V, time CUDA-graph replays
 
 
 def progress(items, desc):
@@ -141,6 +140,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"only {QUICK} (about a minute)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
+    p.add_argument("--eager", action="store_true",
+                   help="time plain calls (host time included) instead of CUDA-graph replays")
     p.add_argument("--out", default=None,
                    help="CSV path (default benchmarks/results/<date>-<gpu>-decode.csv)")
     args = p.parse_args(argv)
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
         for (provider, layout, page), fn in providers(flashop, q, k_cache, v_cache, lengths,
                                                       flex_fn).items():
             try:
-                us = time_us(fn, graph=kv_bytes < GRAPH_BYTES)
+                us = time_us(fn, graph=not args.eager)
             except torch.OutOfMemoryError:
                 print(f"  {provider} {layout} B={B} L={L}: out of memory", flush=True)
                 torch.cuda.empty_cache()

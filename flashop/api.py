@@ -221,8 +221,17 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
     window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
-    out, lse = ops_decode.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        causal=causal, scale=scale, window_size=window, softcap=softcap,
-        num_splits=num_splits)
+    if _direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+               alibi_slopes):
+        # eagerly, the operator's body itself: no dispatcher or functionalization layers
+        # (a decode step's host time, as for attention's direct path)
+        with set_wrap_triton_enabled(False):
+            out, lse = ops_decode.run_attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
+                alibi_slopes, causal, scale, window, softcap, num_splits)
+    else:
+        out, lse = ops_decode.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
+            alibi_slopes, causal=causal, scale=scale, window_size=window, softcap=softcap,
+            num_splits=num_splits)
     return (out, lse) if return_lse else out

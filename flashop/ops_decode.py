@@ -47,6 +47,16 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            scale: Optional[float] = None,
                            window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
                            num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    return run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
+                                      cache_batch_idx, block_table, alibi_slopes, causal,
+                                      scale, window_size, softcap, num_splits)
+
+
+def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
+                               block_table, alibi_slopes, causal, scale, window_size, softcap,
+                               num_splits):
+    """attention_with_kvcache's body: checks, then the kernels; (out, lse). Also run
+    directly by the Python API's eager path (flashop/api.py)."""
     mods = _check(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
                   alibi_slopes, causal, scale, window_size, softcap, num_splits)
     return launch_decode.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
