@@ -25,12 +25,16 @@ from torch._library.triton import set_wrap_triton_enabled
 from flashop import config, ops  # registers torch.ops.flashop.*
 
 
+# a learned sink or bias is an nn.Parameter: a plain tensor to the dispatcher
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
 def _direct(*tensors: Optional[Tensor]) -> bool:
     """Whether a call with these tensors takes the direct eager path: plain tensors (no
     subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
     compiler or tracer, a dispatch mode, a functorch transform)."""
     return (config.settings.direct_eager and not torch.compiler.is_compiling()
-            and all(t is None or type(t) is Tensor for t in tensors)
+            and all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._are_functorch_transforms_active()
             and not torch._C._get_tracing_state())

@@ -134,6 +134,10 @@ def test_direct_eager_path_matches_the_operator_with_sinks():
         results.append((out, lse, *torch.autograd.grad((out, lse), wrt, (dout, dlse))))
     for direct, op in zip(*results):
         assert torch.equal(direct, op)
+    # a learned sink (an nn.Parameter) keeps the direct path
+    out = flashop.attention(q, k, v, sinks=nn.Parameter(mods["sinks"].detach()),
+                            **case.options())
+    assert type(out.grad_fn).__name__ == "_DirectAttentionBackward"
 
 
 class SinkAttention(nn.Module):
