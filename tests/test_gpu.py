@@ -50,8 +50,7 @@ def test_inductor_sees_the_triton_kernels():
     dq = q.grad
     q.grad = None
     torch._dynamo.reset()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flashop.launch, "DQ_ATOMICS", True)
+    with flashop.config.override(dq_atomics=True):
         _, code = run_and_get_code(lambda: loss(q, k).backward())
     code = "\n".join(code)
     assert "attention_bwd_dq_kernel" not in code

@@ -26,6 +26,10 @@ except ImportError:  # (not installed everywhere) the messages as written must m
             self.assertEqual(actual, expect)
 
 
+# an eighth of the profile's examples under the interpreter (slow), half on a GPU
+EXAMPLES = max(settings.default.max_examples // (2 if DEVICE == "cuda" else 8), 5)
+
+
 @st.composite
 def cases_with_sinks(draw, dtype):
     case = draw(modified_cases(dtype))
@@ -33,7 +37,7 @@ def cases_with_sinks(draw, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@settings(max_examples=max(settings.default.max_examples // 4, 5))
+@settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_sinks_with_modifiers_match_reference(dtype, data, seed):
     check_case(data.draw(cases_with_sinks(dtype)), seed)
