@@ -44,6 +44,10 @@ def variants(N, H, B, device):
         "causal gate": (True, (-1, -1), dict(g=g)),
         "causal bool mask": (True, (-1, -1), dict(attn_mask=keep)),
         "causal bf16 bias": (True, (-1, -1), dict(attn_mask=bias)),
+        # training features: learned sinks (with their gradient) and dropout
+        "causal sinks": (True, (-1, -1), dict(sinks=torch.zeros(H, device=device,
+                                                                requires_grad=True))),
+        "causal dropout 0.1": (True, (-1, -1), dict(dropout_p=0.1)),
     }
 
 

@@ -25,12 +25,16 @@ from torch._library.triton import set_wrap_triton_enabled
 from flashop import config, ops  # registers torch.ops.flashop.*
 
 
+# a learned sink or bias is an nn.Parameter: a plain tensor to the dispatcher
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
 def _direct(*tensors: Optional[Tensor]) -> bool:
     """Whether a call with these tensors takes the direct eager path: plain tensors (no
     subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
     compiler or tracer, a dispatch mode, a functorch transform)."""
     return (config.settings.direct_eager and not torch.compiler.is_compiling()
-            and all(t is None or type(t) is Tensor for t in tensors)
+            and all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._are_functorch_transforms_active()
             and not torch._C._get_tracing_state())
@@ -41,28 +45,30 @@ class _DirectAttention(torch.autograd.Function):
     operator's registered autograd does it (flashop/ops.py); returns (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, alibi_slopes, g, causal, scale, window_size,
-                softcap):
+    def forward(ctx, q, k, v, attn_mask, alibi_slopes, g, sinks, seed, causal, scale,
+                window_size, softcap, dropout_p):
         # wrap_triton launches the kernels as they are (as in a triton_op's eager call)
         with set_wrap_triton_enabled(False):
             out, lse, lse_log2 = ops.run_forward(q, k, v, attn_mask, alibi_slopes, g, causal,
-                                                 scale, window_size, softcap)
-        ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g), out, lse_log2,
-                           dict(causal=causal, scale=scale, window_size=window_size,
-                                softcap=softcap))
+                                                 scale, window_size, softcap, sinks, seed,
+                                                 dropout_p)
+        ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g, sinks, seed), out, lse,
+                           lse_log2, dict(causal=causal, scale=scale, window_size=window_size,
+                                          softcap=softcap, dropout_p=dropout_p))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = ops.attention_grads(ctx.saved_tensors, ctx.needs_input_grad[:6], ctx.kwargs,
+        grads = ops.attention_grads(ctx.saved_tensors, ctx.needs_input_grad[:8], ctx.kwargs,
                                     dout, dlse)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
-              causal: bool = False, scale: Optional[float] = None,
-              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0) -> Tensor:
+              alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None, *, causal: bool = False,
+              scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+              softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
     """Scaled dot-product attention, FlashAttention-2 style; differentiable.
 
     Args:
@@ -86,6 +92,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
             unbounded. Key tiles outside the window are skipped.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` (after scaling,
             before the additive terms and masks).
+        sinks: (H,) attention sinks (gpt-oss; transformers' ``s_aux``), float32 or the
+            inputs' dtype: head ``h``'s logit ``sinks[h]`` joins every query's softmax
+            denominator and attends nothing. Differentiable.
+        dropout_p: dropout on the attention probabilities (as SDPA's and FlashAttention's):
+            each is zeroed with probability ``dropout_p`` and the rest scaled by
+            ``1 / (1 - dropout_p)``; the mask comes from torch's generator of q's device
+            (``torch.manual_seed`` reproduces it). Pass 0 (the default) in evaluation.
 
     Queries that attend no key (all masked) get output 0. docs/modifiers.md has the exact
     formula and the order in which the modifiers apply.
@@ -94,37 +107,45 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         (B, S_q, H, DV) tensor in the inputs' dtype (float16, bfloat16 or float32). Any
         strides are accepted; only a non-unit stride in the last dimension causes a copy.
     """
-    if _direct(q, k, v, attn_mask, alibi_slopes, g):
-        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, causal, scale,
-                                      window_size, softcap)[0]
-    return ops.attention(q, k, v, attn_mask, alibi_slopes, g, causal=causal, scale=scale,
-                         window_size=window_size, softcap=softcap)
+    if _direct(q, k, v, attn_mask, alibi_slopes, g, sinks):
+        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, sinks,
+                                      ops.dropout_seed(q, dropout_p), causal, scale,
+                                      window_size, softcap, dropout_p)[0]
+    return ops.attention(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
+                         scale=scale, window_size=window_size, softcap=softcap,
+                         dropout_p=dropout_p)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                       alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
-                       causal: bool = False, scale: Optional[float] = None,
-                       window_size: Sequence[int] = (-1, -1), softcap: float = 0.0
+                       alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                       sinks: Optional[Tensor] = None, *, causal: bool = False,
+                       scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+                       softcap: float = 0.0, dropout_p: float = 0.0
                        ) -> tuple[Tensor, Tensor]:
     """As :func:`attention`, also returning the log-sum-exp of the scores.
 
     Returns:
         ``(out, lse)``: ``lse`` is (B, H, S_q) float32 in natural-log units,
         ``lse[b, h, i] = log(sum_j exp(score(i, j)))`` over the keys query ``i`` attends
-        (``-inf`` where it attends none). Both outputs are differentiable.
+        (``-inf`` where it attends none), plus ``exp(sinks[h])`` inside the log where
+        there are sinks: the log of the softmax's denominator. Dropout leaves it
+        unchanged. Both outputs are differentiable.
     """
-    if _direct(q, k, v, attn_mask, alibi_slopes, g):
-        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, causal, scale,
-                                      window_size, softcap)
-    return ops.attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, causal=causal,
-                                  scale=scale, window_size=window_size, softcap=softcap)
+    if _direct(q, k, v, attn_mask, alibi_slopes, g, sinks):
+        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, sinks,
+                                      ops.dropout_seed(q, dropout_p), causal, scale,
+                                      window_size, softcap, dropout_p)
+    return ops.attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
+                                  scale=scale, window_size=window_size, softcap=softcap,
+                                  dropout_p=dropout_p)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                     alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
-                     causal: bool = False, scale: Optional[float] = None,
-                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0) -> Tensor:
+                     alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                     sinks: Optional[Tensor] = None, *, causal: bool = False,
+                     scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+                     softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func`` layout); differentiable.
 
@@ -138,8 +159,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         max_seqlen_q, max_seqlen_k: Python ints, the longest sequence's lengths (they size
             the grid; a smaller value leaves tokens unattended).
         alibi_slopes: (H,) or (batch, H); g: (total_k, H) log-decays (the cumulative sum
-            restarts at each sequence); causal, scale, window_size, softcap: as
-            :func:`attention`, applied within each sequence, aligned to its own end.
+            restarts at each sequence); sinks (H,); causal, scale, window_size, softcap,
+            dropout_p: as :func:`attention`, applied within each sequence, aligned to its
+            own end.
 
     Returns:
         (total_q, H, DV) in the inputs' dtype. Packed batches from padded ones:
@@ -147,20 +169,23 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     """
     return ops.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
-        causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+        sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+        dropout_p=dropout_p)
 
 
 def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
-                              *, causal: bool = False, scale: Optional[float] = None,
-                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0
-                              ) -> tuple[Tensor, Tensor]:
+                              sinks: Optional[Tensor] = None, *, causal: bool = False,
+                              scale: Optional[float] = None,
+                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                              dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
     packed layout); both differentiable."""
     return ops.attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
-        causal=causal, scale=scale, window_size=window_size, softcap=softcap)
+        sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+        dropout_p=dropout_p)
 
 
 # --- attention over a key/value cache (decoding) --------------------------------------------

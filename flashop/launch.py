@@ -20,6 +20,7 @@ from flashop.kernels.backward import (
     attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel,
 )
 from flashop.kernels.common import LOG2E
+from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
 from flashop.launch_common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
@@ -103,6 +104,22 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
                  HAS_ALIBI=mods.alibi_slopes is not None, HAS_GATE=mods.g is not None,
                  ATTN_MASK_KIND=mask_kind)
     return args, flags
+
+
+def _dropout_args(q: torch.Tensor, mods: Modifiers) -> dict:
+    """The kernels' dropout arguments: its seed tensor (``q``, never read, without dropout),
+    probability and flag."""
+    if mods.dropout_p > 0:
+        return dict(dropout_seed=mods.dropout_seed, dropout_p=float(mods.dropout_p),
+                    DROPOUT=True)
+    return dict(dropout_seed=q, dropout_p=0.0, DROPOUT=False)
+
+
+def _sink_args(q: torch.Tensor, mods: Modifiers) -> dict:
+    """The forward's sink arguments (``q``, never read, without sinks)."""
+    if mods.sinks is not None:
+        return dict(sinks=mods.sinks, stride_sh=mods.sinks.stride(0), HAS_SINK=True)
+    return dict(sinks=q, stride_sh=0, HAS_SINK=False)
 
 
 def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
@@ -290,7 +307,9 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
               **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
               **p.row_strides("l", lse))
     qk_scale = p.modifier_args["qk_scale"]
-    ws = _uses_ws(q, k, v, p.flags, p.head_dim, p.S_k, p.packed)
+    # sinks and dropout: the general kernel
+    ws = (mods.sinks is None and not mods.dropout
+          and _uses_ws(q, k, v, p.flags, p.head_dim, p.S_k, p.packed))
     tma = not ws and _uses_tma(q, k, v, p.head_dim, p.S_k)
     if ws or tma:  # descriptors made in the kernels
         ensure_triton_allocator()
@@ -303,6 +322,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k)
     _launch(attention_fwd_kernel, "fwd", t, grid, lengths=(p.S_q, p.S_k),
             autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **p.modifier_args,
+            **_sink_args(q, mods), **_dropout_args(q, mods),
             **p.constexprs(), **p.flags, FOLD_SCALE=_folds_scale(qk_scale, p.flags, t,
                                                                  p.head_dim), TMA=tma)
     return out, lse, lse_log2
@@ -318,6 +338,13 @@ def deterministic_backward() -> bool:
     return not config.settings.dq_atomics or torch.are_deterministic_algorithms_enabled()
 
 
+def _strictly_deterministic() -> bool:
+    """torch.use_deterministic_algorithms(True) without warn_only: no nondeterministic
+    kernel may run, whatever a caller asks for."""
+    return (torch.are_deterministic_algorithms_enabled()
+            and not torch.is_deterministic_algorithms_warn_only_enabled())
+
+
 def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float],
                        mods: Modifiers, attn_mask_grad: bool, packing: Optional[Packing] = None,
                        deterministic: Optional[bool] = None):
@@ -327,7 +354,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dQ comes from the dQ kernel (each row summed in one program) unless ``deterministic``
     is False (default: not deterministic_backward()) and there is no gate and no mask
     gradient: then the dK/dV kernel adds it by fp32 atomics, with no second pass over S and
-    dP."""
+    dP. Under torch.use_deterministic_algorithms(True) (without warn_only) ``deterministic``
+    is always True."""
     q, k, v, out, dout = (unit_stride_last(x) for x in (q, k, v, out, dout))
     lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
@@ -349,6 +377,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else delta
     if deterministic is None:
         deterministic = deterministic_backward()
+    deterministic = deterministic or _strictly_deterministic()
     dq_atomic = not (deterministic or has_gate or attn_mask_grad)
     # zeroed fp32 dQ / scale, laid out as q, where the dK/dV kernel adds into it
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
@@ -358,7 +387,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
                   **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
-                  **p.modifier_args, **p.constexprs(), **p.flags)
+                  **p.modifier_args, **_dropout_args(q, mods), **p.constexprs(), **p.flags)
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
@@ -402,3 +431,20 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         dmask.copy_(dS.sum_to_size(mods.attn_mask.shape))
     return dq, dk, dv, dg, dmask
 
+
+
+# --- dropout's mask, for tests ----------------------------------------------------------------
+
+
+def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
+                 dropout_p: float) -> torch.Tensor:
+    """The (B, H, S_q, S_k) boolean keep-mask that the kernels draw for ``dropout_seed`` (an
+    int64 tensor of one element) and ``dropout_p``; packed batches use [b, h, :len_q, :len_k]
+    of the longest lengths' mask for sequence b."""
+    keep = torch.empty((B, H, S_q, S_k), dtype=torch.uint8, device=dropout_seed.device)
+    if keep.numel():
+        block_m, block_n = (16, 32) if INTERPRETING else (64, 64)
+        wrap_triton(dropout_mask_kernel)[(cdiv(S_q, block_m), H, B)](
+            dropout_seed=dropout_seed, keep=keep, S_q=S_q, S_k=S_k, dropout_p=float(dropout_p),
+            BLOCK_M=block_m, BLOCK_N=block_n)
+    return keep.bool()

@@ -18,6 +18,13 @@ class Modifiers:
     alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) fp32
     g: Optional[torch.Tensor] = None  # (B, S_k, H) log-decay gate
     attn_mask: Optional[torch.Tensor] = None  # bool keep-mask or additive float bias
+    sinks: Optional[torch.Tensor] = None  # (H,) one logit per head in every denominator
+    dropout_p: float = 0.0  # dropout on the probabilities (0: none)
+    dropout_seed: Optional[torch.Tensor] = None  # int64 (1,): the Philox key, dropout_p > 0
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0
 
     @property
     def is_plain(self) -> bool:
@@ -30,15 +37,17 @@ PLAIN = {False: Modifiers(), True: Modifiers(causal=True)}
 
 
 def modifiers(attn_mask=None, alibi_slopes=None, g=None, causal=False, window_size=None,
-              softcap=0.0) -> Modifiers:
+              softcap=0.0, sinks=None, dropout_p=0.0, dropout_seed=None) -> Modifiers:
     """The Modifiers of an op's arguments (``window_size=None`` is (-1, -1)); the shared
-    PLAIN value where there are none."""
+    PLAIN value where there are none. ``dropout_seed`` is dropped where ``dropout_p`` is 0."""
     window_size = (-1, -1) if window_size is None else tuple(window_size)
     if (attn_mask is None and alibi_slopes is None and g is None and window_size == (-1, -1)
-            and softcap == 0.0):
+            and softcap == 0.0 and sinks is None and dropout_p == 0.0):
         return PLAIN[bool(causal)]
     return Modifiers(causal=causal, window_size=window_size, softcap=softcap,
-                     alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask)
+                     alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask, sinks=sinks,
+                     dropout_p=dropout_p,
+                     dropout_seed=dropout_seed if dropout_p != 0.0 else None)
 
 
 @dataclass(frozen=True)

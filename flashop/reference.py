@@ -10,9 +10,11 @@ from torch import Tensor
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None, *,
-                        causal: bool = False, scale: Optional[float] = None,
-                        window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
+                        sinks: Optional[Tensor] = None, *, causal: bool = False,
+                        scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
+                        softcap: float = 0.0, dropout_p: float = 0.0,
+                        dropout_mask: Optional[Tensor] = None,
                         compute_dtype: Optional[torch.dtype] = torch.float32
                         ) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention with flashop's modifiers, computed in ``compute_dtype``
@@ -28,8 +30,14 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         masked (-inf) unless  i + off - left <= j <= i + off + right  (window_size; causal:
         right = 0; -1: no bound)  and  attn_mask[i, j]  (bool)
 
-    A query whose keys are all masked gets out 0 and lse -inf. Differentiable in q, k, v, g
-    and a float attn_mask.
+    ``sinks`` (H,): head h's logit joins every row's softmax as one more score that attends
+    nothing: ``P = exp(s - lse)`` with ``lse = log(sum_j exp(s_j) + exp(sinks[h]))``.
+    ``dropout_p`` > 0 needs ``dropout_mask``, a boolean keep-mask broadcastable to (B, H,
+    S_q, S_k) (flashop.testing.dropout_mask gives the kernels' for a seed): out = (P *
+    keep / (1 - dropout_p)) V, lse unchanged.
+
+    A query whose keys are all masked gets out 0 and lse -inf (lse = sink with sinks).
+    Differentiable in q, k, v, g, a float attn_mask and sinks.
     """
     dtype = q.dtype if compute_dtype is None else compute_dtype
     B, S_q, H, D = q.shape
@@ -69,11 +77,24 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
             bias = attn_mask.to(dtype)
             s = s + bias
             keep = keep & (bias != float("-inf"))
+    if sinks is not None:
+        # the sink as one more key, kept in every row, whose value is zero
+        sink = sinks.to(dtype).reshape(1, H, 1, 1).expand(B, H, S_q, 1)
+        s = torch.cat([s.expand(B, H, S_q, S_k), sink], dim=-1)
+        keep = torch.cat([keep, keep.new_ones(B, H, S_q, 1)], dim=-1)
+        vf = torch.cat([vf, vf.new_zeros(B, H, 1, vf.shape[-1])], dim=-2)
     empty = ~keep.any(-1, keepdim=True)  # rows that attend nothing
     # softmax over the row's own keys; empty rows get a softmax of zeros that is then zeroed,
     # so no NaN appears in the forward or the backward
     s = s.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0)
     p = torch.softmax(s, dim=-1).masked_fill(~keep, 0.0)
+    if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("attention_reference: dropout_p > 0 needs the dropout_mask")
+        drop = dropout_mask.expand(B, H, S_q, S_k)
+        if sinks is not None:
+            drop = torch.cat([drop, drop.new_ones(B, H, S_q, 1)], dim=-1)
+        p = p * drop.to(dtype) / (1 - dropout_p)
     out = torch.matmul(p, vf).transpose(1, 2)
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     return out, lse
@@ -82,12 +103,15 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
 def attention_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                cu_seqlens_k: Tensor, max_seqlen_q: int = 0,
                                max_seqlen_k: int = 0, alibi_slopes: Optional[Tensor] = None,
-                               g: Optional[Tensor] = None, *,
+                               g: Optional[Tensor] = None, sinks: Optional[Tensor] = None, *,
+                               dropout_mask: Optional[Tensor] = None,
                                compute_dtype: Optional[torch.dtype] = torch.float32,
                                **options) -> tuple[Tensor, Tensor]:
     """:func:`attention_reference` applied to each sequence of a packed batch (q (total_q,
-    H, D), k/v (total_k, H_kv, .), g (total_k, H)): out (total_q, H, DV) and lse (H,
-    total_q). The max_seqlen arguments are accepted for the op's signature and unused."""
+    H, D), k/v (total_k, H_kv, .), g (total_k, H), sinks (H,)): out (total_q, H, DV) and
+    lse (H, total_q). The max_seqlen arguments are accepted for the op's signature and
+    unused. ``dropout_mask`` (batch, H, >= longest S_q, >= longest S_k): sequence b's keep
+    mask is its [b, :, :len_q, :len_k]."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
@@ -95,9 +119,13 @@ def attention_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
+        mask = None
+        if dropout_mask is not None:
+            mask = dropout_mask[b:b + 1, :, :cu_q[b + 1] - cu_q[b], :cu_k[b + 1] - cu_k[b]]
         o, l = attention_reference(
             q[None, qs], k[None, ks], v[None, ks], None, slopes,
-            None if g is None else g[None, ks], compute_dtype=compute_dtype, **options)
+            None if g is None else g[None, ks], sinks, dropout_mask=mask,
+            compute_dtype=compute_dtype, **options)
         outs.append(o[0])
         lses.append(l[0])
     dtype = q.dtype if compute_dtype is None else compute_dtype

@@ -59,37 +59,51 @@ def accuracy(name: str, actual: torch.Tensor, ref: torch.Tensor, plain: torch.Te
     return Accuracy(name, error, plain_error, bound, match)
 
 
-def differentiable_inputs(q, k, v, attn_mask=None, g=None) -> dict:
-    """The inputs flashop differentiates, by gradient name: q, k, v, then g and a float
-    attn_mask where they require grad."""
+def differentiable_inputs(q, k, v, attn_mask=None, g=None, sinks=None) -> dict:
+    """The inputs flashop differentiates, by gradient name: q, k, v, then g, a float
+    attn_mask and sinks where they require grad."""
     inputs = {"dq": q, "dk": k, "dv": v}
     if g is not None and g.requires_grad:
         inputs["dg"] = g
     if attn_mask is not None and attn_mask.requires_grad:
         inputs["dattn_mask"] = attn_mask
+    if sinks is not None and sinks.requires_grad:
+        inputs["dsinks"] = sinks
     return inputs
 
 
 def check_attention(q, k, v, dout, dlse, out, lse, grads, attn_mask=None, alibi_slopes=None,
-                    g=None, **options) -> list[Accuracy]:
+                    g=None, sinks=None, **options) -> list[Accuracy]:
     """The rule applied to flashop's ``out``, ``lse`` (2x) and ``grads`` (3x; in the order of
     :func:`differentiable_inputs`), given the cotangents ``dout`` and ``dlse`` they were
     computed with, against the float64 reference and plain PyTorch in the inputs' dtype.
-    ``options`` are the keyword options of ``flashop.attention`` (causal, scale, ...)."""
+    ``options`` are the keyword options of ``flashop.attention`` (causal, scale, ...; with
+    ``dropout_p``, also the reference's ``dropout_mask``: :func:`dropout_mask`)."""
     return _apply_rule(
-        lambda dtype: attention_reference(q, k, v, attn_mask, alibi_slopes, g,
+        lambda dtype: attention_reference(q, k, v, attn_mask, alibi_slopes, g, sinks,
                                           compute_dtype=dtype, **options),
-        differentiable_inputs(q, k, v, attn_mask, g), dout, dlse, out, lse, grads)
+        differentiable_inputs(q, k, v, attn_mask, g, sinks), dout, dlse, out, lse, grads)
 
 
 def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dout, dlse, out, lse, grads,
-                           alibi_slopes=None, g=None, **options) -> list[Accuracy]:
+                           alibi_slopes=None, g=None, sinks=None, **options) -> list[Accuracy]:
     """:func:`check_attention` for a packed batch, against the reference of each sequence."""
     return _apply_rule(
         lambda dtype: attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                 alibi_slopes=alibi_slopes, g=g,
+                                                 alibi_slopes=alibi_slopes, g=g, sinks=sinks,
                                                  compute_dtype=dtype, **options),
-        differentiable_inputs(q, k, v, None, g), dout, dlse, out, lse, grads)
+        differentiable_inputs(q, k, v, None, g, sinks), dout, dlse, out, lse, grads)
+
+
+def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
+                 dropout_p: float) -> torch.Tensor:
+    """The (B, H, S_q, S_k) boolean keep-mask flashop's kernels draw for the seed tensor
+    ``dropout_seed`` (int64, one element, as ``torch.ops.flashop.attention_forward`` takes
+    it) and ``dropout_p``: pair (i, j) of head h of batch entry b is kept where True. For a
+    packed batch, sequence b's mask is [b, :, :len_q, :len_k] of the longest lengths'."""
+    from flashop import launch
+
+    return launch.dropout_mask(dropout_seed, B, H, S_q, S_k, dropout_p)
 
 
 def _apply_rule(reference, inputs, dout, dlse, out, lse, grads) -> list[Accuracy]:
@@ -104,6 +118,7 @@ def _apply_rule(reference, inputs, dout, dlse, out, lse, grads) -> list[Accuracy
     names = ("out", "lse", *inputs)
     factors = (2, 2) + (3,) * len(inputs)
     dtype = inputs["dq"].dtype
+    # (sinks in fp32 with 16-bit inputs: their gradient is held to the inputs' precision)
     return [accuracy(name, actual, ref, plain, factor, dtype)
             for name, factor, actual, ref, plain in zip(
                 names, factors, (out, lse, *grads), refs[0], refs[1])]

@@ -147,6 +147,36 @@ def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] =
                 f"{op}: attn_mask covers S_q * S_k = {S_q} * {S_k} pairs per head, past the "
                 f"kernels' 32-bit offsets within a head; use window_size / causal instead, "
                 f"or split the queries")
+    check_training_options(q, mods, op, H)
+
+
+def check_training_options(q, mods, op: str, H) -> None:
+    """Validate the attention sinks (one logit per query head) and dropout: 0 <= dropout_p
+    < 1, and where it is above 0, the seed the ops draw (an int64 tensor of one element on
+    q's device)."""
+    sinks = mods.sinks
+    if sinks is not None:
+        if _shape(sinks) != (H,):
+            raise ValueError(
+                f"{op}: sinks must have shape (H,) = ({H},): one logit per query head, got "
+                f"{_shape(sinks)}")
+        _check_tensor(op, "sinks", sinks, _float_dtypes(q), q.device)
+    p = mods.dropout_p
+    if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 <= p < 1.0):
+        raise ValueError(f"{op}: dropout_p must be a float with 0 <= dropout_p < 1 (the "
+                         f"probability of dropping an attention probability), got {p}")
+    if p > 0:
+        seed = mods.dropout_seed
+        if seed is None:
+            raise ValueError(
+                f"{op}: dropout_p = {p} needs dropout_seed, an int64 tensor of one element "
+                f"(flashop.attention and the composite ops draw it from torch's generator)")
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"{op}: dropout_seed must be an int64 tensor of one element, got "
+                             f"{seed.dtype} of shape {_shape(seed)}")
+        if seed.device != q.device:
+            raise ValueError(f"{op}: dropout_seed must be on {q.device} like q, got "
+                             f"{seed.device}")
 
 
 def _float_dtypes(q) -> tuple:

@@ -38,6 +38,7 @@ class Case:
     mask_shape: Optional[tuple] = None  # broadcastable to (B, H, S_q, S_k)
     mask_keep: float = 0.7  # fraction of pairs a boolean mask keeps
     mask_grad: bool = False  # a float attn_mask requires grad
+    sinks: Optional[torch.dtype] = None  # dtype of the attention sinks (H,), learned
 
     @property
     def H(self) -> int:
@@ -75,9 +76,9 @@ def make_inputs(case: Case, seed: int = 0):
 
 
 def make_modifiers(case: Case, seed: int = 0) -> dict:
-    """attn_mask, alibi_slopes and g of the case (None where it has none)."""
+    """attn_mask, alibi_slopes, g and sinks of the case (None where it has none)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
-    mods = dict(attn_mask=None, alibi_slopes=None, g=None)
+    mods = dict(attn_mask=None, alibi_slopes=None, g=None, sinks=None)
     if case.alibi is not None:
         # FlashAttention's slopes are 2^(-8h/H); any positive slopes will do here
         mods["alibi_slopes"] = torch.rand(case.alibi, device=DEVICE, generator=gen)
@@ -95,6 +96,10 @@ def make_modifiers(case: Case, seed: int = 0) -> dict:
         bias = bias.masked_fill(torch.rand(case.mask_shape, device=DEVICE, generator=gen)
                                 > case.mask_keep, float("-inf"))
         mods["attn_mask"] = bias.to(case.mask).requires_grad_(case.mask_grad)
+    if case.sinks is not None:
+        # from far below the scores to far above (a sink that takes most of the mass)
+        sinks = 4 * torch.randn(case.H, device=DEVICE, generator=gen)
+        mods["sinks"] = sinks.to(case.sinks).requires_grad_()
     return mods
 
 
@@ -137,7 +142,8 @@ def run_flashop(case: Case, inputs, dout, dlse, mods=None, deterministic_backwar
     mods = mods or {}
     with poisoned_outputs(deterministic_backward):
         out, lse = flashop.attention_with_lse(*inputs, **mods, **case.options())
-        wrt = differentiable_inputs(*inputs, mods.get("attn_mask"), mods.get("g"))
+        wrt = differentiable_inputs(*inputs, mods.get("attn_mask"), mods.get("g"),
+                                    mods.get("sinks"))
         grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
     return out, lse, grads
 
@@ -150,7 +156,7 @@ def check_case(case: Case, seed: int = 0, deterministic_backward: bool = True):
     mods = make_modifiers(case, seed)
     out, lse, grads = run_flashop(case, inputs, dout, dlse, mods, deterministic_backward)
     assert out.dtype == case.dtype and lse.dtype == torch.float32
-    wrt = differentiable_inputs(*inputs, mods["attn_mask"], mods["g"])
+    wrt = differentiable_inputs(*inputs, mods["attn_mask"], mods["g"], mods["sinks"])
     assert all(g.dtype == x.dtype for g, x in zip(grads, wrt.values()))
     for result in check_attention(*inputs, dout, dlse, out, lse, grads, **mods,
                                   **case.options()):

@@ -19,6 +19,12 @@ rows: dQ writes ``sum_j dS[i, j]`` per query, dK/dV writes ``-sum_i dS[i, j]`` p
 (both (B, H, S) fp32); the launcher adds them and undoes the cumulative sum. An additive
 ``attn_mask`` that requires grad gets dS itself, written by dQ.
 
+With dropout (``DROPOUT``) the kernels draw the forward's keep mask again (dropout_keep, a
+function of the seed and the pair's indices alone). With Z = keep / (1 - p): dV = (P * Z)^T
+dO, dP = Z * (dO V^T), dS = P * (dP - delta); delta = rowsum(dO * O) - dlse holds as it is,
+O being the dropped output. An attention sink needs nothing here: the forward's lse
+includes it, and its gradient is computed from lse and delta outside the kernels.
+
 The dK/dV and dQ kernels do not read their ``seq_bucket`` argument: it is the autotuner's
 key for the lengths (flashop/launch.py).
 """
@@ -27,7 +33,8 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LOG2E, attention_scores, dot_operand, key_tile_range, load_tile, query_tile_range,
+    LOG2E, attention_scores, dot_operand, dropout_keep, key_tile_range, load_tile,
+    query_tile_range,
 )
 
 
@@ -82,7 +89,7 @@ def _dkdv_query_tiles(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
 ):
     """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head;
     where ``DQ_ATOMIC``, also add dS K into the fp32 ``dq_acc`` (rows of stride
@@ -120,8 +127,14 @@ def _dkdv_query_tiles(
         b_do = dot_operand(b_do, UPCAST)
         # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (faster)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            b_keep = dropout_keep(seed, i_b, i_h, o_m[None, :], o_n[:, None], dropout_p)
+            b_zpt = tl.where(b_keep, b_pt * (1.0 / (1.0 - dropout_p)), 0.0)
+            b_dpt = tl.where(b_keep, b_dpt * (1.0 / (1.0 - dropout_p)), 0.0)
+        else:
+            b_zpt = b_pt
         # dV += P^T dO [BLOCK_N, BLOCK_DV]
-        b_dv = tl.dot(dot_operand(b_pt.to(do.dtype.element_ty), UPCAST), b_do, b_dv,
+        b_dv = tl.dot(dot_operand(b_zpt.to(do.dtype.element_ty), UPCAST), b_do, b_dv,
                       input_precision=DOT_PRECISION)
         if CHECK_ROWS:
             b_delta = tl.load(delta + o_m, mask=m_m, other=0.0)
@@ -150,8 +163,8 @@ def _dkdv_query_tiles(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    q, k, v, do, lse_log2, delta, alibi, g_cum, attn_mask, cu_seqlens_q, cu_seqlens_k, dk, dv,
-    dgk, dq_acc,
+    q, k, v, do, lse_log2, delta, alibi, g_cum, attn_mask, dropout_seed, cu_seqlens_q,
+    cu_seqlens_k, dk, dv, dgk, dq_acc,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -163,12 +176,13 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_dgkb, stride_dgkh,
     stride_dqab, stride_dqas, stride_dqah,
-    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, seq_bucket,
+    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
     gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads. Where ``DQ_ATOMIC``,
@@ -177,6 +191,10 @@ def attention_bwd_dkdv_kernel(
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(dropout_seed)
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -253,8 +271,7 @@ def attention_bwd_dkdv_kernel(
                     right,
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
-                    DQ_ATOMIC,
-                    UPCAST, DOT_PRECISION)
+                    DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
         if HAS_GATE:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)
@@ -275,7 +292,7 @@ def _dq_key_tiles(
     BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
 ):
     """Accumulate into (b_dq, b_dgq) the key tiles in [lo, hi); ``EDGE_TILE`` as in the forward.
     Where ``ATTN_MASK_GRAD``, write dS into ``dattn_mask`` (rows of stride ``stride_damq``)."""
@@ -302,6 +319,9 @@ def _dq_key_tiles(
             right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
+        if DROPOUT:
+            b_keep = dropout_keep(seed, i_b, i_h, o_m[:, None], o_n[None, :], dropout_p)
+            b_dp = tl.where(b_keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
         if ATTN_MASK_GRAD:
             tl.store(dattn_mask + o_m[:, None] * stride_damq + o_n[None, :], b_ds,
@@ -319,8 +339,8 @@ def _dq_key_tiles(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    q, k, v, do, lse_log2, delta, alibi, g_cum, attn_mask, cu_seqlens_q, cu_seqlens_k, dq, dgq,
-    dattn_mask,
+    q, k, v, do, lse_log2, delta, alibi, g_cum, attn_mask, dropout_seed, cu_seqlens_q,
+    cu_seqlens_k, dq, dgq, dattn_mask,
     o, dlse,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -333,12 +353,13 @@ def attention_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_os, stride_oh,
     stride_dlb, stride_dlh, stride_dls,
-    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, H, seq_bucket,
+    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, dropout_p, H, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
-    IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one query tile of query head i_h, and the tile's rows of delta (stored for the
     dK/dV kernel, launched after this one); with a gate, also dgq[b, h, i] = sum_j dS[i, j];
@@ -347,6 +368,10 @@ def attention_bwd_dq_kernel(
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(dropout_seed)
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
@@ -410,22 +435,19 @@ def attention_bwd_dq_kernel(
             qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
             True,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-            UPCAST,
-            DOT_PRECISION)
+            UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
     b_dq, b_dgq = _dq_key_tiles(
         b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
         stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, u_lo, u_hi, S_q, S_k,
         qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-        UPCAST,
-        DOT_PRECISION)
+        UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
     b_dq, b_dgq = _dq_key_tiles(
         b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
         stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, u_hi, hi, S_q, S_k,
         qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-        UPCAST,
-        DOT_PRECISION)
+        UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
     b_dq = b_dq * sm_scale
     tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], b_dq.to(dq.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))

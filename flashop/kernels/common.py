@@ -7,6 +7,7 @@ prefixes ``i_`` program ids, ``o_`` offsets, ``m_`` masks, ``p_`` pointers, ``b_
 
 import triton
 import triton.language as tl
+from triton.language.random import philox, uint_to_uniform_float
 
 # Triton reads module-level globals in kernels only when they are tl.constexpr
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log units -> base-2 units
@@ -210,3 +211,20 @@ def attention_scores(
 # values made it count cu_seqlens (or the tensor standing in for them) as written: Inductor
 # then cloned them on every call, and with dynamic shapes failed an assertion while doing
 # so. (It also counts stores through helpers precisely, so only pointer offsets matter.)
+
+
+@triton.jit
+def dropout_keep(seed, i_b, i_h, o_q, o_k, dropout_p):
+    """Dropout's keep mask of one tile: True where the pair (query ``o_q``, key ``o_k``) of
+    head ``i_h`` of batch entry (or packed sequence) ``i_b`` keeps its probability.
+
+    One Philox draw per pair, a pure function of (seed, b, h, i, j): the 64-bit ``seed`` is
+    the key, the counter is (j, i, h, b), so every kernel and tile (the forward, both
+    backward kernels, transposed or not) draws the same mask whatever its tiles. ``o_q`` and
+    ``o_k`` broadcast against each other ([rows, 1] and [1, cols] or the transposes); a pair
+    is kept with probability 1 - dropout_p."""
+    c_k = (o_k + o_q * 0).to(tl.uint32)  # the tile's full shape
+    c_q = (o_q + o_k * 0).to(tl.uint32)
+    zero = c_k * 0
+    r, _, _, _ = philox(seed, c_k, c_q, zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
+    return uint_to_uniform_float(r) >= dropout_p

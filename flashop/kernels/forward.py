@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, heaviest_tiles_first, key_tile_range,
-    load_tile,
+    LN2, LOG2E, attention_scores, dot_operand, dropout_keep, heaviest_tiles_first,
+    key_tile_range, load_tile,
 )
 
 
@@ -37,12 +37,15 @@ def _fwd_scores(
 
 @triton.jit
 def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
-              FOLD_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              FOLD_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              b_keep, DROPOUT: tl.constexpr):
     """Fold one tile of scores and its value tile into the running (acc, l_i, m_i): the
     online softmax. ``MASKED``: some scores may be -inf. Where ``FOLD_SCALE`` (a positive
     ``qk_scale`` and no additive modifier), ``b_s`` is not yet scaled: the row max is
     scaled once per row (the same value, rounding being monotonic) and the scale goes into
-    the exponent's argument, one FMA per score instead of a multiply and a subtraction."""
+    the exponent's argument, one FMA per score instead of a multiply and a subtraction.
+    Where ``DROPOUT``, only the probabilities ``b_keep`` keeps reach acc (the denominator
+    l_i counts them all; the 1 / (1 - p) is applied at the end, _fwd_rows_out)."""
     # [rows]
     if FOLD_SCALE:
         m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
@@ -59,6 +62,8 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
         b_p = tl.math.exp2(b_s - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(b_p, 1)
+    if DROPOUT:
+        b_p = tl.where(b_keep, b_p, 0.0)
     # [rows, BLOCK_DV]
     acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                  acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -74,7 +79,7 @@ def _fwd_key_tiles(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
     FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
@@ -88,6 +93,8 @@ def _fwd_key_tiles(
     product. Triton waits for a scores product where it is issued but lets a P V product,
     which accumulates, run until the end of the iteration: the tensor cores work on the
     first tile's P V while the second tile's softmax runs.
+
+    Where ``DROPOUT``, each tile's keep mask is drawn from ``seed`` (dropout_keep).
     """
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -120,25 +127,53 @@ def _fwd_key_tiles(
         else:
             b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
                             o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
+        b_keep = 0
+        b_keep2 = 0
+        if DROPOUT:
+            b_keep = dropout_keep(seed, i_b, i_h, o_m[:, None], o_n[None, :], dropout_p)
+            if SPLIT_M:
+                b_keep2 = dropout_keep(seed, i_b, i_h, o_m2[:, None], o_n[None, :], dropout_p)
         acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale,
-        EDGE_TILE or ATTN_MASK_KIND != 0,
-                                  FOLD_SCALE, UPCAST, DOT_PRECISION)
+                                  EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
+                                  DOT_PRECISION, b_keep, DROPOUT)
         if SPLIT_M:
             acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
                                          EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
-                                         DOT_PRECISION)
+                                         DOT_PRECISION, b_keep2, DROPOUT)
     return acc, l_i, m_i, acc2, l_i2, m_i2
 
 
 @triton.jit
+def _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h, k_start, stride_gb,
+               stride_gh, HAS_GATE: tl.constexpr):
+    """The sink of the rows ``o_m`` in the kernels' frame of scores, base 2: the sink itself,
+    less the queries' gate G_i where ``HAS_GATE`` (the scores leave G_i out, see
+    attention_scores; _fwd_rows_out adds it back to lse)."""
+    b_sink = tl.zeros(o_m.shape, dtype=tl.float32) + sink_log2
+    if HAS_GATE:
+        # torch<2.13: the gate's pointer is offset here, not returned (see common.py's end)
+        o_gq = o_m + (S_k - S_q)
+        b_gq = tl.load(g_cum + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
+                       + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)
+        b_sink = b_sink - b_gq * LOG2E
+    return b_sink
+
+
+@triton.jit
 def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os,
-                  stride_gs, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr):
-    """Store the output rows ``o_m`` (acc / l) and their log-sum-exp, natural and base 2."""
+                  stride_gs, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr,
+                  dropout_p, DROPOUT: tl.constexpr):
+    """Store the output rows ``o_m`` (acc / l, and / (1 - dropout_p) where ``DROPOUT``) and
+    their log-sum-exp, natural and base 2."""
     o_dv = tl.arange(0, BLOCK_DV)
-    # rows that attend no key (outside the window, masked out, or S_k == 0): output 0, lse -inf
+    # rows that attend no key (outside the window, masked out, or S_k == 0) and no sink:
+    # output 0, lse -inf
     m_empty = l_i == 0.0
     l_safe = tl.where(m_empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
+    if DROPOUT:
+        b_o = acc / (l_safe * (1.0 - dropout_p))[:, None]
+    else:
+        b_o = acc / l_safe[:, None]
     tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
     b_lse_log2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -156,7 +191,8 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, st
 
 @triton.jit
 def attention_fwd_kernel(
-    q, k, v, o, lse, lse_log2, alibi, g_cum, attn_mask, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, o, lse, lse_log2, alibi, g_cum, attn_mask, sinks, dropout_seed, cu_seqlens_q,
+    cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -164,13 +200,14 @@ def attention_fwd_kernel(
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
     stride_amb, stride_amh, stride_amq, stride_amk,
-    stride_lb, stride_lh,
-    S_q, S_k, G, qk_scale, softcap_log2, left, right, seq_bucket,
+    stride_lb, stride_lh, stride_sh,
+    S_q, S_k, G, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, HAS_SINK: tl.constexpr,
+    DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
@@ -194,9 +231,15 @@ def attention_fwd_kernel(
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
     descriptors' alignment (16-byte base and row strides).
+    Where ``HAS_SINK``, head h's logit ``sinks[h * stride_sh]`` joins every row's softmax
+    denominator (attending nothing): the running max and sum start from it, so a row that
+    attends no key gets lse = sink and output 0. Where ``DROPOUT``, the probabilities are
+    dropped with probability ``dropout_p`` by the mask dropout_keep draws from the int64
+    ``dropout_seed[0]``, and the rest scaled by 1 / (1 - dropout_p); lse is unaffected.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     if HAS_RIGHT and SPLIT_M:
         # causal-like: later query tiles attend more keys. With two query tiles per program
         # (one program per SM at D=128), the grid's last programs ran alone: heaviest
@@ -248,6 +291,13 @@ def attention_fwd_kernel(
     b_q = dot_operand(b_q, UPCAST)
     m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([TILE_M], dtype=tl.float32)
+    sink_log2 = 0.0
+    if HAS_SINK:
+        # the sink as one more score of every row: the running sum starts at exp2(0) = 1
+        sink_log2 = tl.load(sinks + i_h * stride_sh).to(tl.float32) * LOG2E
+        m_i = _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h,
+                         k_start, stride_gb, stride_gh, HAS_GATE)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
     # the second tile's (placeholders without SPLIT_M)
     o_m2 = o_m + TILE_M
@@ -262,7 +312,14 @@ def attention_fwd_kernel(
         b_q2 = dot_operand(b_q2, UPCAST)
         m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
         l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
+        if HAS_SINK:
+            m_i2 = _sink_rows(sink_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_gs, i_b, i_h,
+                              k_start, stride_gb, stride_gh, HAS_GATE)
+            l_i2 = tl.where(m_i2 == float("-inf"), 0.0, 1.0)
         acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(dropout_seed)
 
     alibi_log2 = 0.0
     if HAS_ALIBI:
@@ -297,7 +354,8 @@ def attention_fwd_kernel(
                 stride_vs, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, start_n, end_n,
                 S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-                ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION)
+                ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
+                dropout_p, DROPOUT)
     if SPLIT_M and HAS_RIGHT:
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
@@ -306,13 +364,14 @@ def attention_fwd_kernel(
             stride_vs, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid, hi,
             S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-            ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION)
+            ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
+            dropout_p, DROPOUT)
 
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
-                  DV, BLOCK_DV, HAS_GATE)
+                  DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT)
     if SPLIT_M:
         _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_os,
-                      stride_gs, DV, BLOCK_DV, HAS_GATE)
+                      stride_gs, DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT)
 
 
 @triton.jit
@@ -324,7 +383,7 @@ def _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE: tl.constex
     if not FOLD_SCALE:
         b_s = b_s * qk_scale
     return _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE, UPCAST,
-                     DOT_PRECISION)
+                     DOT_PRECISION, 0, False)
 
 
 @triton.jit
@@ -403,7 +462,7 @@ def attention_fwd_ws_kernel(
                                         FOLD_SCALE, UPCAST, DOT_PRECISION)
     o_m = start_m + tl.arange(0, TILE_M)
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, lse, o_m, o_m < S_q, S_q, S_k, stride_os,
-                  0, DV, BLOCK_DV, False)
+                  0, DV, BLOCK_DV, False, 0.0, False)
     o_m2 = o_m + TILE_M
     _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, lse, o_m2, o_m2 < S_q, S_q, S_k,
-                  stride_os, 0, DV, BLOCK_DV, False)
+                  stride_os, 0, DV, BLOCK_DV, False, 0.0, False)

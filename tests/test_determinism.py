@@ -1,0 +1,94 @@
+"""torch.use_deterministic_algorithms(True) never reaches the backward's dQ atomics (the one
+nondeterministic kernel variant), whatever the switches or the caller ask for: every
+kernel launch is recorded and its DQ_ATOMIC flag read."""
+
+import pytest
+import torch
+
+import flashop
+from helpers import DEVICE, Case, make_inputs, make_modifiers
+
+
+@pytest.fixture
+def dq_atomic_launches(monkeypatch):
+    """The DQ_ATOMIC flag of every kernel launch that passes one, in order."""
+    flags = []
+    wrap = flashop.launch.wrap_triton
+
+    def recording(kernel):
+        launcher = wrap(kernel)
+
+        class Grid:
+            def __getitem__(self, grid):
+                run = launcher[grid]
+
+                def launch(*args, **kwargs):
+                    if "DQ_ATOMIC" in kwargs:
+                        flags.append(kwargs["DQ_ATOMIC"])
+                    return run(*args, **kwargs)
+                return launch
+        return Grid()
+
+    monkeypatch.setattr(flashop.launch, "wrap_triton", recording)
+    return flags
+
+
+@pytest.fixture
+def strictly_deterministic():
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+CASE = Case(B=1, S_q=20, S_k=27, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16, causal=True,
+            sinks=torch.float32)
+
+
+def _dense_grads(dropout_p=0.0):
+    (q, k, v), dout, dlse = make_inputs(CASE)
+    sinks = make_modifiers(CASE)["sinks"]
+    torch.manual_seed(0)
+    out, lse = flashop.attention_with_lse(q, k, v, sinks=sinks, causal=True,
+                                          dropout_p=dropout_p)
+    return torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
+
+
+def _packed_grads():
+    from test_varlen import make_packed
+
+    args, dout, dlse = make_packed([9, 14], [12, 3], H_kv=1, G=2, D=16, dtype=torch.float16)
+    out, lse = flashop.attention_varlen_with_lse(**args, causal=True)
+    return torch.autograd.grad((out, lse), (args["q"], args["k"], args["v"]), (dout, dlse))
+
+
+def test_atomics_are_launched_when_opted_into(dq_atomic_launches):
+    """(The recording works: outside deterministic mode the switch selects the atomics.)"""
+    with flashop.config.override(dq_atomics=True):
+        _dense_grads()
+        _packed_grads()
+    assert dq_atomic_launches == [True, True], dq_atomic_launches
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_deterministic_algorithms_never_launch_atomics(dq_atomic_launches,
+                                                       strictly_deterministic, dropout_p):
+    with flashop.config.override(dq_atomics=True):
+        first = _dense_grads(dropout_p)
+        second = _dense_grads(dropout_p)
+        _packed_grads()
+    assert dq_atomic_launches == [False] * 3, dq_atomic_launches
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_a_caller_asking_for_atomics_gets_none_under_deterministic_algorithms(
+        dq_atomic_launches, strictly_deterministic):
+    (q, k, v), dout, dlse = make_inputs(CASE)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, _, lse_log2 = torch.ops.flashop.attention_forward(q, k, v, causal=True)
+    mods = flashop.options.modifiers(causal=True)
+    flashop.launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, None, mods, False,
+                                      deterministic=False)
+    assert dq_atomic_launches == [False]

@@ -1,0 +1,345 @@
+"""Dropout on the attention probabilities: the kernels against the fp64 reference given the
+kernels' own mask, reproducibility from torch's generator, the statistics of the mask and
+of the output, the backward by finite differences at a fixed seed, torch.compile, CUDA
+graphs, and bad dropout_p's errors."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.library import opcheck
+
+import flashop
+from flashop.testing import check_attention, check_attention_varlen, dropout_mask
+from helpers import DEVICE, Case, make_inputs, make_modifiers, poisoned_outputs
+from test_modifiers import DTYPES, modified_cases
+
+try:
+    from expecttest import TestCase
+except ImportError:  # (not installed everywhere) the messages as written must match
+    import unittest
+
+    class TestCase(unittest.TestCase):
+        def assertExpectedInline(self, actual, expect, skip=0):
+            self.assertEqual(actual, expect)
+
+
+# an eighth of the profile's examples under the interpreter (slow), half on a GPU
+EXAMPLES = max(settings.default.max_examples // (2 if DEVICE == "cuda" else 8), 5)
+
+
+def _seed(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64, device=DEVICE)
+
+
+def check_with_mask(case: Case, dropout_p: float, seed: int):
+    """flashop's forward op at a fixed dropout seed against the reference given the kernels'
+    mask for that seed (flashop.testing.dropout_mask): out, lse and every gradient under the
+    accuracy rule."""
+    inputs, dout, dlse = make_inputs(case, seed)
+    mods = make_modifiers(case, seed)
+    wrt = flashop.testing.differentiable_inputs(*inputs, mods["attn_mask"], mods["g"],
+                                                mods["sinks"])
+    options = case.options()
+    with poisoned_outputs():
+        out, lse, _ = torch.ops.flashop.attention_forward(
+            *inputs, mods["attn_mask"], mods["alibi_slopes"], mods["g"], mods["sinks"],
+            _seed(seed * 7919 + 1), dropout_p=dropout_p, **options)
+        grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
+    keep = dropout_mask(_seed(seed * 7919 + 1), case.B, case.H, case.S_q, case.S_k, dropout_p)
+    for result in check_attention(*inputs, dout, dlse, out, lse, grads, **mods,
+                                  dropout_p=dropout_p, dropout_mask=keep, **options):
+        assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_dropout_with_modifiers_matches_reference_with_its_mask(dtype, data, seed):
+    case = data.draw(modified_cases(dtype))
+    case = dataclasses.replace(case, sinks=data.draw(st.sampled_from([None, torch.float32])))
+    check_with_mask(case, data.draw(st.sampled_from([0.1, 0.5, 0.9])), seed)
+
+
+def test_dropout_everything_at_once():
+    check_with_mask(Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=24, DV=24, dtype=torch.float16,
+                         causal=True, window_size=(20, 0), softcap=5.0, alibi=(2, 2),
+                         gate=torch.float32, mask=torch.float32, mask_shape=(1, 2, 45, 1),
+                         mask_grad=True, sinks=torch.float32), 0.3, 3)
+
+
+def test_packed_dropout_matches_reference_with_its_mask():
+    from test_varlen import make_packed
+
+    args, dout, dlse = make_packed([7, 0, 20, 13], [11, 5, 20, 4], H_kv=1, G=2, D=16,
+                                   dtype=torch.float16, gate=torch.float32)
+    options = dict(causal=True, window_size=(6, -1))
+    seed = _seed(12345)
+    with poisoned_outputs():
+        out, lse, _ = torch.ops.flashop.attention_varlen_forward(
+            *args.values(), None, seed, dropout_p=0.4, **options)
+        grads = torch.autograd.grad((out, lse), (args["q"], args["k"], args["v"], args["g"]),
+                                    (dout, dlse))
+    keep = dropout_mask(seed, 4, 2, args["max_seqlen_q"], args["max_seqlen_k"], 0.4)
+    for result in check_attention_varlen(
+            args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], dout,
+            dlse, out, lse, grads, args["alibi_slopes"], args["g"], dropout_p=0.4,
+            dropout_mask=keep, **options):
+        assert result.ok, str(result)
+
+
+def _call(q, k, v, dout, **options):
+    out = flashop.attention(q, k, v, **options)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def test_same_manual_seed_same_results_other_seeds_differ():
+    case = Case(B=2, S_q=20, S_k=27, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16)
+    (q, k, v), dout, _ = make_inputs(case)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(_call(q, k, v, dout, causal=True, dropout_p=0.3))
+    for a, b, c in zip(*runs):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)
+    # one generator draw per call: the next call differs from the first
+    torch.manual_seed(0)
+    first, second = _call(q, k, v, dout, dropout_p=0.3), _call(q, k, v, dout, dropout_p=0.3)
+    assert not torch.equal(first[0], second[0])
+
+
+def test_zero_dropout_is_the_op_without_dropout():
+    """dropout_p=0: the same results bit for bit, and torch's generator is not drawn from."""
+    case = Case(B=1, S_q=20, S_k=27, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16)
+    (q, k, v), dout, _ = make_inputs(case)
+    state = torch.get_rng_state()
+    with_zero = _call(q, k, v, dout, causal=True, dropout_p=0.0)
+    assert torch.equal(torch.get_rng_state(), state)
+    for a, b in zip(with_zero, _call(q, k, v, dout, causal=True)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.85])
+def test_keep_rate_and_independence(p):
+    """The mask keeps 1 - p of the pairs within a binomial bound of 6 standard deviations
+    (fixed seeds: it cannot flake), each (batch, head) and each row its own draws, and seeds
+    one apart unrelated."""
+    B, H, S_q, S_k = 2, 3, 50, 64
+    keep = dropout_mask(_seed(2024), B, H, S_q, S_k, p)
+    n = keep.numel()
+    assert abs(keep.float().mean().item() - (1 - p)) <= 6 * math.sqrt(p * (1 - p) / n)
+    flat = keep.reshape(B * H, S_q, S_k)
+    for a in range(B * H):
+        for b in range(a):
+            assert not torch.equal(flat[a], flat[b])
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    other = dropout_mask(_seed(2025), B, H, S_q, S_k, p)
+    agree = (keep == other).float().mean().item()
+    expected = p * p + (1 - p) * (1 - p)  # two independent masks agree this often
+    assert abs(agree - expected) <= 6 * math.sqrt(expected * (1 - expected) / n)
+
+
+def test_mean_over_seeds_approaches_the_output_without_dropout():
+    """E[out] is the output without dropout (the kept probabilities scaled by 1 / (1 - p));
+    the mean over N seeds is within 6 standard deviations of it elementwise, the variance
+    being p / (1 - p) * sum_j P_ij^2 v_j^2 / N, plus fp32 rounding."""
+    p, N = 0.4, 48
+    case = Case(B=2, S_q=8, S_k=16, H_kv=2, G=1, D=8, DV=8, dtype=torch.float32)
+    (q, k, v), _, _ = make_inputs(case)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    outs = [torch.ops.flashop.attention_forward(q, k, v, None, None, None, None, _seed(s),
+                                                dropout_p=p)[0].double() for s in range(N)]
+    mean = torch.stack(outs).mean(0)
+    ref, _ = flashop.attention_reference(q, k, v, compute_dtype=torch.float64)
+    # P (B, H, S_q, S_k) and v (B, S_k, H, DV) of the reference
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * case.D ** -0.5
+    P = torch.softmax(s, dim=-1)
+    var = p / (1 - p) * torch.einsum("bhqk,bkhd->bqhd", P ** 2, v.double() ** 2) / N
+    bound = 6 * var.sqrt() + 1e-5
+    assert ((mean - ref).abs() <= bound).all(), ((mean - ref).abs() / bound).max()
+    # and not trivially: one sample is farther away
+    assert ((outs[0] - ref).abs() > bound).any()
+
+
+def test_backward_agrees_with_finite_differences_at_a_fixed_seed():
+    """At a fixed seed the forward is a smooth function of q, k, v: its directional
+    derivatives by central differences (fp32 kernels, fp64 sums) match the backward's, which
+    holds only if the backward drew the forward's mask."""
+    case = Case(B=1, S_q=17, S_k=23, H_kv=1, G=2, D=16, DV=16, dtype=torch.float32)
+    (q, k, v), dout, dlse = make_inputs(case)
+    seed = _seed(77)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    dirs = [torch.randn(x.shape, device=DEVICE, generator=gen) for x in (q, k, v)]
+
+    def loss(q, k, v):
+        out, lse, _ = torch.ops.flashop.attention_forward(q, k, v, None, None, None, None,
+                                                          seed, causal=True, dropout_p=0.5)
+        return (out.double() * dout.double()).sum() + (lse.double() * dlse.double()).sum()
+
+    out, lse, _ = torch.ops.flashop.attention_forward(q, k, v, None, None, None, None, seed,
+                                                      causal=True, dropout_p=0.5)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    eps = 1e-2
+    with torch.no_grad():
+        for n, (g, d) in enumerate(zip(grads, dirs)):
+            plus = [x + eps * d if i == n else x for i, x in enumerate((q, k, v))]
+            minus = [x - eps * d if i == n else x for i, x in enumerate((q, k, v))]
+            fd = ((loss(*plus) - loss(*minus)) / (2 * eps)).item()
+            analytic = (g.double() * d.double()).sum().item()
+            assert abs(fd - analytic) <= 2e-3 * (1 + abs(fd)), ("qkv"[n], fd, analytic)
+    # the backward of another seed's mask is far off (the check can fail)
+    wrong = torch.autograd.grad(torch.ops.flashop.attention_forward(
+        q, k, v, None, None, None, None, _seed(78), causal=True, dropout_p=0.5)[:2],
+        (q,), (dout, dlse))[0]
+    assert (wrong - grads[0]).abs().max() > 0.1
+
+
+def test_opcheck_with_dropout():
+    case = Case(B=1, S_q=19, S_k=33, H_kv=2, G=1, D=16, DV=16, dtype=torch.float32,
+                causal=True, sinks=torch.float32)
+    (q, k, v), dout, dlse = make_inputs(case)
+    sinks = make_modifiers(case)["sinks"]
+    seed = _seed(3)
+    opcheck(torch.ops.flashop.attention_forward.default,
+            (q, k, v, None, None, None, sinks, seed), dict(causal=True, dropout_p=0.25))
+    args = [x.detach() for x in (q, k, v)]
+    out, _, lse_log2 = torch.ops.flashop.attention_forward(*args, None, None, None,
+                                                           sinks.detach(), seed, causal=True,
+                                                           dropout_p=0.25)
+    opcheck(torch.ops.flashop.attention_backward.default,
+            (dout, dlse, *args, out, lse_log2, None, None, None, seed),
+            dict(causal=True, dropout_p=0.25))
+
+
+def test_opcheck_packed_with_sinks_and_dropout():
+    from test_varlen import make_packed
+
+    args, dout, dlse = make_packed([5, 0, 12], [9, 4, 7], H_kv=1, G=2, D=16,
+                                   dtype=torch.float32)
+    sinks = torch.randn(2, device=DEVICE, requires_grad=True)
+    opcheck(torch.ops.flashop.attention_varlen_forward.default,
+            (*args.values(), sinks, _seed(9)), dict(causal=True, dropout_p=0.2))
+
+
+class DropoutAttention(nn.Module):
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(heads))
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, self.head_dim).unbind(2)
+        return flashop.attention(q, k, v, sinks=self.sinks, causal=True, dropout_p=0.3)
+
+
+def _step(model, x):
+    out = model(x)
+    return (out, *torch.autograd.grad(out.square().sum(), list(model.parameters())))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dropout_compiles_fullgraph_with_fresh_masks_and_no_recompiles(backend):
+    """Each compiled step draws its own mask (the seed is a tensor the graph draws), without
+    recompiling; with eager's random numbers (aot_eager, or Inductor's fallback_random) a
+    compiled step equals the eager one at the same manual_seed."""
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(0)
+    model = DropoutAttention().to(DEVICE)
+    x = torch.randn(2, 12, 32, device=DEVICE)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    steps = [_step(compiled, x) for _ in range(3)]
+    assert counter.frame_count == 1, counter.frame_count
+    for a, b in zip(steps, steps[1:]):
+        assert not torch.equal(a[0], b[0])
+        assert not torch.equal(a[1], b[1])
+    with inductor_config.patch(fallback_random=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        torch.manual_seed(1)
+        compiled_step = _step(compiled, x)
+        torch.manual_seed(1)
+        eager_step = _step(model, x)
+    for a, b in zip(compiled_step, eager_step):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_cuda_graph_replays_draw_fresh_masks():
+    q = torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+
+    def step():
+        out = flashop.attention(q, q, q, causal=True, dropout_p=0.2)
+        return out, torch.autograd.grad(out, q, dout)[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(tuple(t.clone() for t in captured))
+    assert all(torch.isfinite(t).all() for t in replays[0])
+    for a, b in zip(*replays):
+        assert not torch.equal(a, b)
+    # reproducible: the same generator state replays the same masks
+    torch.cuda.manual_seed(11)
+    graph.replay()
+    first = captured[0].clone()
+    torch.cuda.manual_seed(11)
+    graph.replay()
+    assert torch.equal(first, captured[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_reduce_overhead_compiled_steps_draw_fresh_masks():
+    torch._dynamo.reset()
+    model = DropoutAttention(dim=128, heads=2).cuda()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(2, 256, 128, device="cuda")
+    outs = [compiled(x).clone() for _ in range(4)]
+    for a, b in zip(outs, outs[1:]):
+        assert not torch.equal(a, b)
+
+
+def _t(*shape, dtype=torch.float16, device=DEVICE):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+class TestDropoutErrors(TestCase):
+    def message(self, fn, *args, **kwargs):
+        with self.assertRaises((ValueError, RuntimeError)) as ctx:
+            fn(*args, **kwargs)
+        return str(ctx.exception).replace(str(_t(1).device), "DEVICE")
+
+    def test_dropout_p(self):
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(self.message(flashop.attention, q, q, q, dropout_p=1.0), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got 1.0""")  # noqa: B950
+        self.assertExpectedInline(self.message(flashop.attention, q, q, q, dropout_p=-0.1), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got -0.1""")  # noqa: B950
+        self.assertExpectedInline(self.message(flashop.attention, q, q, q, dropout_p=float("nan")), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got nan""")  # noqa: B950
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+        self.assertExpectedInline(self.message(flashop.attention_varlen, q[0], q[0], q[0], cu, cu, 8, 8, dropout_p=2.0), """flashop.attention_varlen: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got 2.0""")  # noqa: B950
+
+    def test_seed(self):
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(self.message(torch.ops.flashop.attention_forward, q, q, q, dropout_p=0.1), """flashop.attention: dropout_p = 0.1 needs dropout_seed, an int64 tensor of one element (flashop.attention and the composite ops draw it from torch's generator)""")  # noqa: B950
+        self.assertExpectedInline(self.message(torch.ops.flashop.attention_forward, q, q, q, dropout_seed=torch.zeros(2, device=DEVICE), dropout_p=0.1), """flashop.attention: dropout_seed must be an int64 tensor of one element, got torch.float32 of shape (2,)""")  # noqa: B950
