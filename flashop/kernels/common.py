@@ -7,7 +7,6 @@ prefixes ``i_`` program ids, ``o_`` offsets, ``m_`` masks, ``p_`` pointers, ``b_
 
 import triton
 import triton.language as tl
-from triton.language.random import philox, uint_to_uniform_float
 
 # Triton reads module-level globals in kernels only when they are tl.constexpr
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log units -> base-2 units
@@ -226,5 +225,30 @@ def dropout_keep(seed, i_b, i_h, o_q, o_k, dropout_p):
     c_k = (o_k + o_q * 0).to(tl.uint32)  # the tile's full shape
     c_q = (o_q + o_k * 0).to(tl.uint32)
     zero = c_k * 0
-    r, _, _, _ = philox(seed, c_k, c_q, zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
-    return uint_to_uniform_float(r) >= dropout_p
+    r = philox_first_word(seed, c_k, c_q, zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
+    # the top 24 bits as a float in [0, 1)
+    return (r >> 8).to(tl.float32) * (1.0 / 16777216.0) >= dropout_p
+
+
+@triton.jit
+def philox_first_word(seed, c0, c1, c2, c3):
+    """The first 32-bit word of Philox4x32-10 (Salmon et al., SC'11) of the counter
+    (c0, c1, c2, c3) (uint32 blocks) under the 64-bit key ``seed``. Written here rather than
+    taken from triton.language.random: Inductor copies a user kernel's helpers into its
+    generated code, and that module's helpers read a module global it does not copy."""
+    seed = tl.to_tensor(seed).to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    m0 = tl.full([], 0xD2511F53, tl.uint32)
+    m1 = tl.full([], 0xCD9E8D57, tl.uint32)
+    w0 = tl.full([], 0x9E3779B9, tl.uint32)
+    w1 = tl.full([], 0xBB67AE85, tl.uint32)
+    for _ in tl.static_range(10):
+        p0, p2 = c0, c2
+        c0 = tl.umulhi(m1, p2) ^ c1 ^ k0
+        c2 = tl.umulhi(m0, p0) ^ c3 ^ k1
+        c1 = m1 * p2
+        c3 = m0 * p0
+        k0 = k0 + w0
+        k1 = k1 + w1
+    return c0
