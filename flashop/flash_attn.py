@@ -11,9 +11,12 @@ element (the attention probabilities, returned only with dropout) is ``None``: f
 materializes them. Causal masks and windows are aligned to the bottom-right corner, as in
 flash-attn >= 2.1.
 
-What flashop does not implement raises ``NotImplementedError`` naming the argument:
-``dropout_p > 0`` (no dropout yet) and ``block_table`` of ``flash_attn_varlen_func`` (paged
-KV caches). ``deterministic`` is accepted: flashop's backward is deterministic unless
+``dropout_p > 0`` runs flashop's attention dropout (flash-attn applies dropout whenever it is
+given, training or not: pass 0.0 in evaluation); the mask comes from torch's generator of
+q's device, so ``torch.manual_seed`` reproduces it, and the backward regenerates the same
+mask (docs/modifiers.md). What flashop does not implement raises ``NotImplementedError``
+naming the argument: ``block_table`` of ``flash_attn_varlen_func`` (paged KV caches).
+``deterministic`` is accepted: flashop's backward is deterministic unless
 ``FLASHOP_DQ_ATOMICS=1`` (``flashop.config``) opts into dQ by atomics, which
 ``deterministic=True`` then refuses.
 
@@ -37,13 +40,8 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _check_unsupported(name: str, dropout_p: float, deterministic: bool,
+def _check_unsupported(name: str, deterministic: bool,
                        block_table: Optional[Tensor] = None) -> None:
-    if dropout_p != 0.0:
-        # dropout: wire it here once flashop's kernels have it
-        raise NotImplementedError(
-            f"flashop.flash_attn.{name}: dropout_p={dropout_p} is not supported (flashop has "
-            f"no attention dropout yet); pass dropout_p=0.0")
     if block_table is not None:
         raise NotImplementedError(
             f"flashop.flash_attn.{name}: block_table (a paged KV cache) is not supported; "
@@ -63,9 +61,9 @@ def _window(window_size: Sequence[int]) -> tuple:
 
 def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
            alibi_slopes, deterministic, return_attn_probs):
-    _check_unsupported(name, dropout_p, deterministic)
+    _check_unsupported(name, deterministic)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                   softcap=softcap)
+                   softcap=softcap, dropout_p=float(dropout_p))
     if return_attn_probs:
         out, lse = api.attention_with_lse(q, k, v, None, alibi_slopes, **options)
         return out, lse, None
@@ -75,10 +73,10 @@ def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
 def _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, block_table=None):
-    _check_unsupported(name, dropout_p, deterministic, block_table)
+    _check_unsupported(name, deterministic, block_table)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                   softcap=softcap)
+                   softcap=softcap, dropout_p=float(dropout_p))
     if return_attn_probs:
         out, lse = api.attention_varlen_with_lse(*args, **options)
         return out, lse, None

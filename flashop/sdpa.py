@@ -14,8 +14,19 @@ its backward, and ``aten::_flash_attention_forward`` / ``_backward`` (also behin
 The overrides convert layouts and conventions only: SDPA's (B, H, S, D) views become
 flashop's (B, S, H, D) views (no copies), the natural-log logsumexp is aten's, and the
 backward derives flashop's base-2 lse from it. They never call the aten operators they
-replace. What flashop cannot do raises ``NotImplementedError`` naming the argument: dropout,
-``return_debug_mask``, ``alibi_slopes`` / ``seqused_k`` / ``block_table`` / ``num_splits``
+replace.
+
+Dropout (``dropout_p > 0``) is flashop's: the forward draws flashop's seed from torch's
+generator of the query's device and returns it in aten's ``rng_state`` slot (the (2,) uint64
+tensor aten's meta functions declare, the seed's bits in element 0, 0 in element 1; the
+``unused`` offset is 0), and autograd hands that tensor back to the backward as
+``philox_seed`` / ``rng_state``, which regenerates the same mask from it. Such a state
+belongs to flashop's kernels: a backward of PyTorch's kernels cannot use it, nor flashop's
+backward theirs.
+
+What flashop cannot do raises ``NotImplementedError`` naming the argument:
+``return_debug_mask``, dropout in ``_flash_attention_forward_no_dropout_inplace`` (which
+returns no rng state), ``alibi_slopes`` / ``seqused_k`` / ``block_table`` / ``num_splits``
 on the low-level operator, and SDPA's ``is_causal`` with different query and key lengths
 (SDPA aligns that mask to the top-left corner, flashop to the bottom-right).
 """
@@ -28,6 +39,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from flashop.ops import dropout_seed
 
 IMPL_NAME = "flashop"
 _LOG2E = 1.0 / math.log(2.0)
@@ -44,10 +57,7 @@ def _unsupported(op: str, what: str) -> NotImplementedError:
         f"torch.nn.attention.restore_flash_attention_impl() to use PyTorch's kernels for it")
 
 
-def _check_forward(op, dropout_p, return_debug_mask=False, **extra) -> None:
-    if dropout_p != 0.0:
-        # dropout: wire flashop's attention dropout here once its kernels have it
-        raise _unsupported(op, f"dropout_p={dropout_p}")
+def _check_forward(op, return_debug_mask=False, **extra) -> None:
     if return_debug_mask:
         raise _unsupported(op, "return_debug_mask=True")
     for name, value in extra.items():
@@ -62,10 +72,13 @@ def _window(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
 
 def flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional[Tensor],
                   cum_seq_k: Optional[Tensor], max_q: int, max_k: int, is_causal: bool,
-                  scale: Optional[float], window: tuple[int, int]) -> tuple[Tensor, Tensor]:
+                  scale: Optional[float], window: tuple[int, int], dropout_p: float = 0.0,
+                  seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """flashop's forward in flash-attn's layouts: dense (B, S, H, D) with lse (B, H, S_q),
-    or packed (total, H, D) with lse (H, total_q); returns (out, lse)."""
-    options = dict(causal=is_causal, scale=scale, window_size=window)
+    or packed (total, H, D) with lse (H, total_q), dropout from ``seed`` (int64, one element)
+    where ``dropout_p > 0``; returns (out, lse)."""
+    options = dict(causal=is_causal, scale=scale, window_size=window, dropout_seed=seed,
+                   dropout_p=dropout_p)
     if cum_seq_q is None:
         out, lse, _ = torch.ops.flashop.attention_forward(query, key, value, **options)
     else:
@@ -79,9 +92,12 @@ def flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional
 def flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                    logsumexp: Tensor, cum_seq_q: Optional[Tensor], cum_seq_k: Optional[Tensor],
                    max_q: int, max_k: int, is_causal: bool, scale: Optional[float],
-                   window: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
-    """flashop's backward for :func:`flash_forward`'s results; (dq, dk, dv)."""
-    options = dict(causal=is_causal, scale=scale, window_size=window)
+                   window: tuple[int, int], dropout_p: float = 0.0,
+                   seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """flashop's backward for :func:`flash_forward`'s results (the forward's ``seed``
+    where ``dropout_p > 0``); (dq, dk, dv)."""
+    options = dict(causal=is_causal, scale=scale, window_size=window, dropout_seed=seed,
+                   dropout_p=dropout_p)
     lse_log2 = logsumexp * _LOG2E  # aten keeps the natural-log lse; flashop's kernels use base 2
     dlse = torch.zeros_like(logsumexp)
     if cum_seq_q is None or cum_seq_q.numel() == 0:
@@ -94,11 +110,29 @@ def flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, 
     return dq, dk, dv
 
 
-def _aux(query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """rng_state, the unused philox offset and the empty debug mask (no dropout)."""
-    return (torch.zeros(2, dtype=torch.uint64, device=query.device),
-            torch.zeros((), dtype=torch.uint64, device=query.device),
+def _aux(query: Tensor, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """rng_state (aten's (2,) uint64: flashop's seed in element 0; zeros without dropout),
+    the unused philox offset and the empty debug mask."""
+    if seed is None:
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
+    else:
+        rng_state = torch.nn.functional.pad(seed, (0, 1)).view(torch.uint64)
+    return (rng_state, torch.zeros((), dtype=torch.uint64, device=query.device),
             torch.empty(0, dtype=query.dtype, device=query.device))
+
+
+def _seed_of(op: str, rng_state: Optional[Tensor], dropout_p: float) -> Optional[Tensor]:
+    """The backward's dropout seed: element 0 of the rng_state :func:`_aux` returned."""
+    if dropout_p == 0.0:
+        return None
+    if (rng_state is None or rng_state.dtype != torch.uint64
+            or tuple(rng_state.shape) != (2,)):
+        got = None if rng_state is None else f"{rng_state.dtype} {tuple(rng_state.shape)}"
+        raise RuntimeError(
+            f"flashop's SDPA implementation ({op}): dropout_p={dropout_p} needs the rng_state "
+            f"its forward returned, a (2,) uint64 tensor holding flashop's seed, got {got}; "
+            f"run the forward and the backward with the same implementation active")
+    return rng_state.view(torch.int64)[:1]
 
 
 # --- the aten overrides ---------------------------------------------------------------------
@@ -110,12 +144,13 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
                             block_table=None, num_splits=None):
     """``aten::_flash_attention_forward``: (output, softmax_logsumexp, rng_state, unused,
     debug_attn_mask)."""
-    _check_forward("_flash_attention_forward", dropout_p, return_debug_mask,
-                   seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
-                   num_splits=num_splits)
+    _check_forward("_flash_attention_forward", return_debug_mask, seqused_k=seqused_k,
+                   alibi_slopes=alibi_slopes, block_table=block_table, num_splits=num_splits)
+    seed = dropout_seed(query, dropout_p)
     out, lse = flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
-                             scale, _window(window_size_left, window_size_right))
-    return (out, lse, *_aux(query))
+                             scale, _window(window_size_left, window_size_right), dropout_p,
+                             seed)
+    return (out, lse, *_aux(query, seed))
 
 
 def flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_q, cum_seq_k,
@@ -125,9 +160,11 @@ def flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_q
                                                seqused_k=None, alibi_slopes=None,
                                                block_table=None, num_splits=None):
     """``aten::_flash_attention_forward_no_dropout_inplace``: writes ``out``, returns lse."""
-    _check_forward("_flash_attention_forward_no_dropout_inplace", dropout_p, return_debug_mask,
-                   seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
-                   num_splits=num_splits)
+    op = "_flash_attention_forward_no_dropout_inplace"
+    if dropout_p != 0.0:
+        raise _unsupported(op, f"dropout_p={dropout_p} (this variant returns no rng state)")
+    _check_forward(op, return_debug_mask, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                   block_table=block_table, num_splits=num_splits)
     result, lse = flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
                                 is_causal, scale, _window(window_size_left, window_size_right))
     out.copy_(result)
@@ -138,10 +175,10 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
                              max_q, max_k, dropout_p, is_causal, rng_state, unused, *,
                              scale=None, window_size_left=None, window_size_right=None):
     """``aten::_flash_attention_backward``: (dq, dk, dv)."""
-    _check_forward("_flash_attention_backward", dropout_p)
+    seed = _seed_of("_flash_attention_backward", rng_state, dropout_p)
     return flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
                           max_q, max_k, is_causal, scale,
-                          _window(window_size_left, window_size_right))
+                          _window(window_size_left, window_size_right), dropout_p, seed)
 
 
 def _check_sdpa_causal(op: str, query: Tensor, key: Tensor, is_causal: bool) -> None:
@@ -156,12 +193,14 @@ def scaled_dot_product_flash_attention(query, key, value, dropout_p=0.0, is_caus
     logsumexp (B, H, S_q), cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused,
     debug_attn_mask); the output is a (B, H, S_q, D) view of flashop's (B, S_q, H, D)."""
     op = "_scaled_dot_product_flash_attention"
-    _check_forward(op, dropout_p, return_debug_mask)
+    _check_forward(op, return_debug_mask)
     _check_sdpa_causal(op, query, key, is_causal)
+    seed = dropout_seed(query, dropout_p)
     out, lse = flash_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              None, None, query.shape[2], key.shape[2], is_causal, scale,
-                             (-1, -1))
-    return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], *_aux(query))
+                             (-1, -1), dropout_p, seed)
+    return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2],
+            *_aux(query, seed))
 
 
 def scaled_dot_product_flash_attention_backward(grad_out, query, key, value, out, logsumexp,
@@ -170,10 +209,11 @@ def scaled_dot_product_flash_attention_backward(grad_out, query, key, value, out
                                                 scale=None):
     """``aten::_scaled_dot_product_flash_attention_backward``: (dq, dk, dv) as (B, H, S, D)."""
     op = "_scaled_dot_product_flash_attention_backward"
-    _check_forward(op, dropout_p)
     _check_sdpa_causal(op, query, key, is_causal)
+    seed = _seed_of(op, philox_seed, dropout_p)
     grads = flash_backward(*(t.transpose(1, 2) for t in (grad_out, query, key, value, out)),
-                           logsumexp, None, None, max_q, max_k, is_causal, scale, (-1, -1))
+                           logsumexp, None, None, max_q, max_k, is_causal, scale, (-1, -1),
+                           dropout_p, seed)
     return tuple(g.transpose(1, 2) for g in grads)
 
 

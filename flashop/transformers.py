@@ -29,14 +29,16 @@ are read through transposed views, GQA without repeating K/V):
   ones of its cache (no left padding: dynamic caches, static caches whose unwritten slots
   follow the written ones, sliding windows whose padding has left the window),
   ``flashop.attention_with_kvcache`` over the cache as transformers wrote it (no append),
-  with ``cache_seqlens`` the valid keys per row; a left-padded batch: ``flashop.attention``
-  with a boolean key mask;
+  with ``cache_seqlens`` the valid keys per row; a left-padded batch, a model with attention
+  sinks or a step with dropout: ``flashop.attention`` with a boolean key mask;
 - a 4-D mask given by the caller: ``flashop.attention`` with that mask.
 
-Not supported, raising an error that names them: attention dropout (``dropout > 0``, in
-training with ``attention_dropout`` set), attention sinks (``s_aux``, gpt-oss), and masks
-combined with extra mask functions (e.g. bidirectional image-token overlays). Chunked
-attention (Llama 4) is not represented.
+Attention sinks (gpt-oss's ``s_aux``, one logit per query head joining the softmax's
+denominator) are flashop's ``sinks``, on every path. Attention dropout runs flashop's
+dropout with the model's ``dropout`` in training (``module.training``) and none in
+evaluation, as transformers' eager attention does. Not supported, raising an error that
+names them: masks combined with extra mask functions (e.g. bidirectional image-token
+overlays). Chunked attention (Llama 4) is not represented.
 """
 
 from __future__ import annotations
@@ -116,22 +118,15 @@ def _key_mask(counts: Tensor, S_k: int) -> Tensor:
 # --- the attention function -----------------------------------------------------------------
 
 
-def _check_unsupported(dropout: float, s_aux: Optional[Tensor]) -> None:
-    if dropout > 0.0:
-        # dropout: wire flashop's attention dropout here once its kernels have it
-        raise NotImplementedError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r}: attention dropout={dropout} is not "
-            f"supported (flashop has no dropout yet); set the config's attention_dropout to 0.0 "
-            f"or call model.eval()")
-    if s_aux is not None:
-        # sinks: wire flashop's attention sinks here once its kernels have them
-        raise NotImplementedError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r}: attention sinks (s_aux) are not "
-            f"supported yet; use attn_implementation='eager' or 'sdpa' for this model")
+def _dropout_p(module: torch.nn.Module, dropout: float) -> float:
+    """The attention dropout of a call: the model's ``dropout`` in training, 0 in evaluation
+    (transformers' eager attention drops with ``training=module.training``)."""
+    return float(dropout) if module.training else 0.0
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], *,
-                     scale: Optional[float], window: Optional[int], softcap: float) -> Tensor:
+                     scale: Optional[float], window: Optional[int], softcap: float,
+                     sinks: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
     """One query per sequence (a decoding step) against the cached keys: q (B, 1, H, D),
     k/v (B, S_k, H_kv, D) (transposed views of transformers' (B, H_kv, S, D) caches),
     ``key_mask`` as :func:`attention_mask` returns it: None (all S_k keys), (B,) int32
@@ -146,19 +141,23 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]
     per sequence, ``flashop.attention`` has one program per (sequence, KV head) walk all the
     keys, while the split-KV decoding kernel spreads them over the GPU; both read each key
     once. A boolean mask (left padding, which the decoding kernel cannot skip) runs
-    ``flashop.attention`` with the mask, as does anything needing a gradient.
+    ``flashop.attention`` with the mask, as does anything needing a gradient, ``sinks``
+    ((H,), as :func:`flashop.attention` takes them) or ``dropout_p > 0``.
     """
     window_size = (-1, -1) if window is None else (window - 1, 0)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    options = dict(scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     if key_mask is None or key_mask.dim() == 1:
-        if not needs_grad and k.stride(-1) == 1 and v.stride(-1) == 1:
+        # sinks: pass them to attention_with_kvcache once it takes them
+        if (not needs_grad and sinks is None and dropout_p == 0.0 and k.stride(-1) == 1
+                and v.stride(-1) == 1):
             counts = k.shape[1] if key_mask is None else key_mask
             return flashop.attention_with_kvcache(q, k, v, cache_seqlens=counts, causal=True,
                                                   scale=scale, window_size=window_size,
                                                   softcap=softcap)
         if key_mask is None:
-            return flashop.attention(q, k, v, causal=True, scale=scale,
-                                     window_size=window_size, softcap=softcap)
+            return flashop.attention(q, k, v, causal=True, window_size=window_size, **options)
         key_mask = _key_mask(key_mask, k.shape[1])
     L = key_mask.shape[1]
     k, v = k[:, :L], v[:, :L]
@@ -168,10 +167,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]
         slots = torch.arange(L, device=key_mask.device)
         last = torch.where(key_mask, slots, -1).amax(dim=1, keepdim=True)
         keep = keep & (slots > last - window)
-    return flashop.attention(q, k, v, keep[:, None, None, :], scale=scale, softcap=softcap)
+    return flashop.attention(q, k, v, keep[:, None, None, :], **options)
 
 
-def _padded_attention(q, k, v, key_mask, *, causal, scale, window_size, softcap):
+def _padded_attention(q, k, v, key_mask, **options):
     """A padded batch as a packed one: the real queries and keys gathered, one
     attention_varlen call, the outputs scattered back (zeros at padded queries)."""
     B, S_q, H, _ = q.shape
@@ -187,8 +186,7 @@ def _padded_attention(q, k, v, key_mask, *, causal, scale, window_size, softcap)
         key_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     out = flashop.attention_varlen(
         q.flatten(0, 1).index_select(0, q_idx), k.flatten(0, 1).index_select(0, k_idx),
-        v.flatten(0, 1).index_select(0, k_idx), cu_q, cu_k, S_q, L, causal=causal,
-        scale=scale, window_size=window_size, softcap=softcap)
+        v.flatten(0, 1).index_select(0, k_idx), cu_q, cu_k, S_q, L, **options)
     return flashop.pad_input(out, q_idx, B, S_q)
 
 
@@ -225,20 +223,20 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       s_aux: Optional[Tensor] = None, **kwargs) -> tuple[Tensor, None]:
     """transformers' attention function for flashop: query (B, H, S_q, D), key and value
     (B, H_kv, S_k, D), ``attention_mask`` as :func:`attention_mask` returns it (or a 4-D
-    mask). Returns ((B, S_q, H, D) output, None)."""
-    _check_unsupported(dropout, s_aux)
+    mask; ``s_aux``: (H,) attention sinks). Returns ((B, S_q, H, D) output, None)."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     softcap = float(softcap or 0.0)
+    common = dict(scale=scaling, softcap=softcap, sinks=s_aux,
+                  dropout_p=_dropout_p(module, dropout))
     if attention_mask is not None and attention_mask.dim() == 4:
         # a mask built by the caller holds causality and windows itself
-        return flashop.attention(q, k, v, attention_mask, scale=scaling, softcap=softcap), None
+        return flashop.attention(q, k, v, attention_mask, **common), None
     window = sliding_window if causal else None
     window_size = (-1, -1) if window is None else (window - 1, 0)
-    options = dict(causal=causal, scale=scaling, window_size=window_size, softcap=softcap)
+    options = dict(causal=causal, window_size=window_size, **common)
     if q.shape[1] == 1 and causal:
-        return decode_attention(q, k, v, attention_mask, scale=scaling, window=window,
-                                softcap=softcap), None
+        return decode_attention(q, k, v, attention_mask, window=window, **common), None
     if attention_mask is not None and attention_mask.dim() == 1:
         attention_mask = _key_mask(attention_mask, k.shape[1])
     if attention_mask is not None:

@@ -7,7 +7,7 @@ import torch
 
 import flashop
 from flashop import flash_attn as fa
-from flashop.testing import check_attention, check_attention_varlen
+from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import DEVICE, poisoned_outputs
 
 # flash-attn 2.x's public signatures (flash_attn/flash_attn_interface.py): name, default
@@ -133,8 +133,6 @@ def test_varlen_functions_match_reference_and_each_other():
 
 def test_unsupported_arguments_raise_naming_them():
     q = torch.zeros(1, 4, 2, 8, device=DEVICE, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="dropout_p=0.1 is not supported"):
-        fa.flash_attn_func(q, q, q, 0.1)
     with pytest.raises(NotImplementedError, match="block_table"):
         cu = _cu([4])
         fa.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4,
@@ -144,6 +142,50 @@ def test_unsupported_arguments_raise_naming_them():
     with flashop.config.override(dq_atomics=True), \
             pytest.raises(RuntimeError, match="deterministic=True"):
         fa.flash_attn_func(q, q, q, deterministic=True)
+
+
+def test_dropout_matches_reference_with_the_drawn_mask():
+    """dropout_p > 0 (positional, as flash-attn's callers pass it): out, lse and gradients
+    against the reference with the mask of the seed the call draws from torch's generator
+    (torch.manual_seed reproduces it); lse is the undropped softmax's."""
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    B, S_q, S_k, H, H_kv, D, p = 1, 13, 17, 4, 2, 16, 0.3
+    q, k, v = _randn(B, S_q, H, D, gen=gen), _randn(B, S_k, H_kv, D, gen=gen), \
+        _randn(B, S_k, H_kv, D, gen=gen)
+    dout = torch.randn(B, S_q, H, D, device=DEVICE, generator=gen).half()
+    dlse = torch.randn(B, H, S_q, device=DEVICE, generator=gen)
+    torch.manual_seed(7)
+    with poisoned_outputs():
+        out, lse, probs = fa.flash_attn_func(q, k, v, p, None, True, return_attn_probs=True)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert probs is None
+    torch.manual_seed(7)
+    seed = flashop.ops.dropout_seed(q, p)
+    mask = dropout_mask(seed, B, H, S_q, S_k, p)
+    for result in check_attention(q, k, v, dout, dlse, out, lse, grads, causal=True,
+                                  dropout_p=p, dropout_mask=mask):
+        assert result.ok, str(result)
+    # the same seed, the same mask: flashop.attention's values; another seed, others
+    torch.manual_seed(7)
+    assert torch.equal(out, flashop.attention(q, k, v, causal=True, dropout_p=p))
+    assert not torch.equal(fa.flash_attn_func(q, k, v, p, causal=True), out)
+
+
+def test_varlen_dropout_equals_attention_varlen_with_the_same_seed():
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    lens = [6, 11]
+    q, k, v = (_randn(sum(lens), 2, 8, gen=gen) for _ in range(3))
+    cu = _cu(lens)
+    torch.manual_seed(8)
+    out = fa.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, dropout_p=0.25, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.manual_seed(8)
+    expected = flashop.attention_varlen(q, k, v, cu, cu, 11, 11, causal=True, dropout_p=0.25)
+    assert torch.equal(out, expected)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v),
+                                                    torch.ones_like(out))):
+        assert torch.equal(got, want)
+    assert not torch.equal(out, flashop.attention_varlen(q, k, v, cu, cu, 11, 11, causal=True))
 
 
 def _cache_call(gen, B=2, S_q=2, S_new=2, H_kv=2, G=2, D=16, rows=3, S_cache=32):

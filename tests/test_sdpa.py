@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import flashop
 from flashop import sdpa
-from flashop.testing import check_attention
+from flashop.testing import check_attention, dropout_mask
 from helpers import DEVICE
 
 attention = torch.nn.attention
@@ -93,10 +93,60 @@ def test_flash_attention_overrides_dense_and_packed():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_sdpa_dropout_round_trips_flashops_seed():
+    """dropout_p > 0: the forward returns the seed it drew in aten's (2,) uint64 rng_state;
+    the backward, given that state back (as autograd passes it), regenerates the mask:
+    values equal flashop.attention's with the same torch.manual_seed, gradients its grads."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q, k, v = _bhsd(1, 4, 11, 16, gen), _bhsd(1, 2, 11, 16, gen), _bhsd(1, 2, 11, 16, gen)
+    torch.manual_seed(4)
+    out, lse, _, _, _, _, rng, unused, _ = sdpa.scaled_dot_product_flash_attention(
+        q, k, v, 0.3, True, scale=0.3)
+    assert rng.dtype == unused.dtype == torch.uint64 and rng.shape == (2,) and unused.dim() == 0
+    torch.manual_seed(4)
+    q2, k2, v2 = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    expected, expected_lse = flashop.attention_with_lse(q2, k2, v2, causal=True, scale=0.3,
+                                                        dropout_p=0.3)
+    assert torch.equal(out, expected.transpose(1, 2)) and torch.equal(lse, expected_lse)
+    assert not torch.equal(expected, flashop.attention(q2, k2, v2, causal=True, scale=0.3))
+    dout = torch.randn(1, 4, 11, 16, device=DEVICE, generator=gen).half()
+    grads = sdpa.scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, 11, 11, 0.3, True, rng, unused, scale=0.3)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q2, k2, v2),
+                                                    dout.transpose(1, 2))):
+        # the backward's lse went through natural log and back: equal to rounding
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=2e-3, atol=2e-3)
+    with pytest.raises(RuntimeError, match=r"needs the rng_state its forward returned"):
+        sdpa.scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, 11, 11, 0.3, True, rng.view(torch.int64),
+            unused, scale=0.3)
+
+
+def test_flash_attention_overrides_packed_dropout():
+    """aten::_flash_attention_forward / _backward with dropout on a packed batch: the
+    rng_state carries the seed to the backward; attention_varlen's values and gradients."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k, v = (torch.randn(12, 2, 8, device=DEVICE, generator=gen).requires_grad_()
+               for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    torch.manual_seed(6)
+    out, lse, rng, unused, _ = sdpa.flash_attention_forward(q, k, v, cu, cu, 7, 7, 0.25, True,
+                                                            False)
+    torch.manual_seed(6)
+    expected = flashop.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True, dropout_p=0.25)
+    assert torch.equal(out, expected)
+    dout = torch.randn_like(out)
+    grads = sdpa.flash_attention_backward(dout, q, k, v, out, lse, cu, cu, 7, 7, 0.25, True,
+                                          rng, unused)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), dout)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_overrides_refuse_what_flashop_cannot_do():
     q = torch.zeros(1, 2, 4, 8, device=DEVICE, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=r"dropout_p=0\.1 is not supported"):
-        sdpa.scaled_dot_product_flash_attention(q, q, q, 0.1)
+    with pytest.raises(NotImplementedError, match=r"dropout_p=0\.1 \(this variant returns no"):
+        sdpa.flash_attention_forward_no_dropout_inplace(torch.empty_like(q), q, q, q, None,
+                                                        None, 2, 2, 0.1, False, False)
     with pytest.raises(NotImplementedError, match="top-left causal mask"):
         sdpa.scaled_dot_product_flash_attention(q, q[:, :, :3], q[:, :, :3], is_causal=True)
     with pytest.raises(NotImplementedError, match="block_table is not supported"):
@@ -141,3 +191,33 @@ def test_sdpa_runs_flashop_when_active(flashop_active, causal):
         F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.cuda.synchronize()
     assert "attention_fwd_kernel" not in " ".join(e.name for e in prof.events())
+
+
+@pytest.mark.gpu
+@needs_registry
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_sdpa_dropout_runs_flashops_dropout_when_active(flashop_active):
+    """SDPA with dropout_p through flashop: values equal flashop.attention's with the same
+    torch.manual_seed; autograd hands the forward's rng_state to the backward, whose
+    gradients are flashop's (through aten's natural-log lse: equal to rounding)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+               .requires_grad_() for _ in range(3))
+    dout = torch.randn_like(q)
+    torch.manual_seed(4)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q2, k2, v2 = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    torch.manual_seed(4)
+    expected, lse = flashop.attention_with_lse(q2, k2, v2, causal=True, dropout_p=0.2)
+    assert torch.equal(out, expected.transpose(1, 2))
+    torch.manual_seed(4)
+    mask = dropout_mask(flashop.ops.dropout_seed(q, 0.2), 2, 4, 300, 300, 0.2)
+    grads = tuple(g.transpose(1, 2) for g in grads)
+    for result in check_attention(q2, k2, v2, dout.transpose(1, 2), torch.zeros_like(lse),
+                                  expected, lse, grads, causal=True, dropout_p=0.2,
+                                  dropout_mask=mask):
+        assert result.ok, str(result)

@@ -1,7 +1,7 @@
 """flashop.transformers: tiny random-weight transformers models (no download) run through
 flashop give eager's logits (within the accuracy rule), greedy tokens and gradients.
 
-Models are built from configs (hidden 32, 2 layers, vocab 100); the kernels run in the
+Models are built from configs (hidden 32, gpt-oss 64, 2 layers, vocab 100); the kernels run in the
 interpreter on the CPU, so every kernel call costs about half a second: keep batches,
 sequences and generated lengths short."""
 
@@ -18,7 +18,7 @@ from helpers import DEVICE  # noqa: E402
 
 from transformers import (  # noqa: E402
     AttentionInterface, AutoModelForCausalLM, CompileConfig, DataCollatorWithFlattening,
-    Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config,
+    Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
@@ -44,6 +44,14 @@ def tiny_config(kind: str, **changes):
         "gemma2": lambda: Gemma2Config(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
                                        attn_logit_softcapping=1.0, **_COMMON),
+        # attention sinks; sliding and full layers; 4 experts, 2 per token, run eagerly
+        # (the grouped-GEMM experts take no float64, which the per-row reference needs)
+        "gpt_oss": lambda: GptOssConfig(num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, sliding_window=4, num_local_experts=4,
+                                        num_experts_per_tok=2, experts_implementation="eager",
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 10000.0},
+                                        **dict(_COMMON, hidden_size=64)),
     }
     config = configs[kind]()
     for name, value in changes.items():
@@ -55,6 +63,12 @@ def tiny_model(kind: str, implementation=ft.ATTN_IMPLEMENTATION, **changes):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(kind, **changes),
                                              attn_implementation=implementation)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                # sinks of the size of the tiny model's scores' exponentials (the random
+                # init, std 0.02, would hardly change them)
+                module.sinks.normal_(1.0, 1.0)
     return model.to(DEVICE).eval()
 
 
@@ -104,7 +118,7 @@ def test_registered_under_a_name_transformers_does_not_send_to_flash_attn(tmp_pa
     assert tiny_model("qwen2").config._attn_implementation == name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2", "gpt_oss"])
 def test_left_padded_logits_match_eager(kind):
     """Left-padded batch (one row padded, one full; S=12 > the window of 4): flashop's
     logits at the real tokens against a float64 per-row reference, eager's as the bound."""
@@ -119,9 +133,10 @@ def test_left_padded_logits_match_eager(kind):
     assert_accurate("logits", out, ref, plain)
 
 
-def test_training_step_gradients_match_eager():
-    """A padded batch's loss backward in train mode: every parameter's gradient within 3x
-    eager's error to a float64 per-row reference."""
+@pytest.mark.parametrize("kind", ["qwen2", "gpt_oss"])
+def test_training_step_gradients_match_eager(kind):
+    """A padded batch's loss backward in train mode (no dropout): every parameter's gradient,
+    gpt-oss's sinks' included, within 3x eager's error to a float64 per-row reference."""
     ids, mask = left_padded_batch([7, 10], 10, seed=1)
     weights = torch.randn(2, 10, 100, generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
@@ -132,7 +147,7 @@ def test_training_step_gradients_match_eager():
         logits = model(ids, attention_mask=mask, position_ids=positions(mask)).logits
         return sum(loss(b, logits[b, mask[b].bool()]) for b in range(2))
 
-    model = tiny_model("qwen2").train()
+    model = tiny_model(kind).train()
     batch_loss(model).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -145,11 +160,12 @@ def test_training_step_gradients_match_eager():
         assert_accurate(f"d{n}", grads[n], p.grad, plain[n], factor=3)
 
 
-@pytest.mark.parametrize("kind,cache", [("mistral", "dynamic"), ("gemma2", "static")])
+@pytest.mark.parametrize("kind,cache", [("mistral", "dynamic"), ("gemma2", "static"),
+                                        ("gpt_oss", "dynamic")])
 def test_greedy_generate_gives_eagers_tokens(kind, cache):
     """Left-padded prompts, 4 new tokens past the window of 4: the dynamic cache (Mistral's
-    sliding layers) and the static cache (Gemma 2's zero-filled full and rolling sliding
-    layers, which must not be attended past their current length)."""
+    sliding layers; gpt-oss's with sinks) and the static cache (Gemma 2's zero-filled full
+    and rolling sliding layers, which must not be attended past their current length)."""
     model = tiny_model(kind)
     ids, mask = left_padded_batch([5, 7], 7, seed=3)
     options = dict(max_new_tokens=4, do_sample=False, cache_implementation=cache)
@@ -244,15 +260,61 @@ def test_packed_sequences_match_separate_runs():
     assert_accurate("logits (position_ids)", by_positions, ref, plain)
 
 
-def test_unsupported_features_raise_naming_them():
+def test_training_with_attention_dropout_is_reproducible():
+    """attention_dropout=0.1 in training: flashop's dropout on the padded batch's varlen
+    path; gradients finite; torch.manual_seed reproduces the loss and the gradients, another
+    seed drops others; in evaluation no dropout (the loss of attention_dropout=0)."""
+    ids, mask = left_padded_batch([5, 8], 8, seed=10)
     model = tiny_model("llama", attention_dropout=0.1).train()
-    ids, _ = left_padded_batch([4], 4)
-    with pytest.raises(NotImplementedError, match=r"attention dropout=0\.1 is not supported"):
-        model(ids)
+
+    def loss_and_grads(seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss = model(ids, attention_mask=mask, position_ids=positions(mask),
+                     labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads(0)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    again, grads_again = loss_and_grads(0)
+    assert torch.equal(again, loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    other, _ = loss_and_grads(1)
+    assert not torch.equal(other, loss)
+    with torch.no_grad():
+        evaluated = model.eval()(ids, attention_mask=mask, position_ids=positions(mask),
+                                 labels=ids).loss
+        model.config.attention_dropout = 0.0
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.0
+        assert torch.equal(evaluated, model.train()(ids, attention_mask=mask,
+                                                    position_ids=positions(mask),
+                                                    labels=ids).loss)
+
+
+def test_attention_forward_passes_dropout_in_training_and_sinks():
+    """One attention call: the module's dropout in training is flashop's dropout_p (the same
+    seed, the same values), none in evaluation; s_aux is flashop's sinks."""
+    model = tiny_model("llama")
     attn = model.model.layers[0].self_attn
-    q = torch.zeros(1, 4, 3, 8, device=DEVICE)
-    with pytest.raises(NotImplementedError, match=r"attention sinks \(s_aux\)"):
-        ft.attention_forward(attn, q, q[:, :2], q[:, :2], None, s_aux=torch.zeros(4))
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 6, 8, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 6, 8, generator=gen).to(DEVICE) for _ in range(2))
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    evaluated, _ = ft.attention_forward(attn, q, k, v, None, dropout=0.5, s_aux=sinks)
+    assert torch.equal(evaluated, flashop.attention(*views, sinks=sinks, causal=True))
+    attn.train()
+    torch.manual_seed(12)
+    dropped, _ = ft.attention_forward(attn, q, k, v, None, dropout=0.5, s_aux=sinks)
+    torch.manual_seed(12)
+    assert torch.equal(dropped, flashop.attention(*views, sinks=sinks, causal=True,
+                                                  dropout_p=0.5))
+    assert not torch.equal(dropped, evaluated)
+
+
+def test_unsupported_features_raise_naming_them():
     with pytest.raises(NotImplementedError, match="extra mask functions"):
         ft.attention_mask(1, 3, 3, use_vmap=True)
 
@@ -290,6 +352,21 @@ def test_decode_attention_masks_unwritten_slots_and_the_window():
     keep[:, :4] = False  # the window of 3 ending at the query's slot 6
     expected, _ = flashop.attention_reference(q, k, v, keep[:, None, None, :])
     torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_with_sinks_take_the_masked_path():
+    """gpt-oss (sinks) on an unpadded batch with a static cache: the decoding steps run
+    flashop.attention with the sinks (attention_with_kvcache takes none), tokens equal to
+    eager's."""
+    model = tiny_model("gpt_oss")
+    ids, mask = left_padded_batch([6, 6], 6, seed=8)
+    options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
+    with AttentionCalls() as recorded:
+        tokens = model.generate(ids, attention_mask=mask, **options)
+    decode = [name for name, S_q in recorded.calls if S_q == 1]
+    assert decode == ["attention_forward"] * (2 * 2)  # 2 steps x 2 layers
+    model.set_attn_implementation("eager")
+    assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
 
 
 @pytest.mark.parametrize("kind,cache", [("llama", "static"), ("llama", "dynamic"),
