@@ -200,7 +200,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            block_table: Optional[Tensor] = None, causal: bool = False,
                            scale: Optional[float] = None,
                            window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                           alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
+                           alibi_slopes: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None, num_splits: int = 0,
                            return_lse: bool = False):
     """Attention of new queries over a key/value cache, appending new keys and values to it
     first (FlashAttention's ``flash_attn_with_kvcache``); for inference (no gradient).
@@ -226,37 +227,41 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             keys: query ``i`` attends key ``j`` iff ``j <= i + L - S_q``.
         scale, window_size, softcap, alibi_slopes: as :func:`attention`, with ``S_k = L``
             per sequence (ALiBi distance ``|i + L - S_q - j|``).
+        sinks: (H,) attention sinks, float32 or q's dtype, as :func:`attention`: head
+            ``h``'s logit joins every query's softmax once (however many splits), and lse
+            includes it.
         num_splits: how many programs share each sequence's keys (split-KV, "flash
             decoding"); 0 chooses from the GPU's size, the batch, H_kv and the cache's
             capacity (never from the lengths, so a call needs no host synchronization).
         return_lse: also return lse.
 
     Sequence b attends its first ``cache_seqlens[b] + S_new`` keys; a sequence with no key
-    (an empty cache and nothing appended) gets output 0 and lse -inf. The lengths,
-    ``cache_batch_idx`` and ``block_table`` are not checked on the host (that would
-    synchronize): docs/decoding.md says what happens with values out of range.
+    (an empty cache and nothing appended) gets output 0 and lse -inf (lse = sink with
+    sinks). The lengths, ``cache_batch_idx`` and ``block_table`` are not checked on the
+    host (that would synchronize): docs/decoding.md says what happens with values out of
+    range.
 
     Returns:
         out (B, S_q, H, DV) in q's dtype; with ``return_lse``, ``(out, lse)`` with lse
         (B, H, S_q) float32, natural log.
     """
     check_no_grad("flashop.attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache,
-                  k=k, v=v, alibi_slopes=alibi_slopes)
+                  k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
     window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
     if _direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-               alibi_slopes):
+               alibi_slopes, sinks):
         # eagerly, the operator's body itself: no dispatcher or functionalization layers
         # (a decode step's host time, as for attention's direct path)
         with set_wrap_triton_enabled(False):
             out, lse = ops_decode.run_attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                alibi_slopes, causal, scale, window, softcap, num_splits)
+                alibi_slopes, sinks, causal, scale, window, softcap, num_splits)
     else:
         out, lse = ops_decode.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-            alibi_slopes, causal=causal, scale=scale, window_size=window, softcap=softcap,
-            num_splits=num_splits)
+            alibi_slopes, sinks, causal=causal, scale=scale, window_size=window,
+            softcap=softcap, num_splits=num_splits)
     return (out, lse) if return_lse else out

@@ -106,24 +106,27 @@ def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
     return out, lse
 
 
-def _modifier_args(mods: Modifiers, sm_scale: float, alibi_dummy: torch.Tensor):
-    """(alibi tensor, its (batch, head) strides, qk_scale, softcap_log2, left, right,
-    flags). Scores in base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under a
+def _modifier_args(mods: Modifiers, sm_scale: float, dummy: torch.Tensor):
+    """(alibi tensor, its (batch, head) strides, sinks tensor, its head stride, qk_scale,
+    softcap_log2, left, right, flags); ``dummy`` stands for an absent tensor. Scores in base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under a
     softcap (then ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
     left, right = mods.window_size
     if mods.causal:
         right = 0
-    alibi, alibi_strides = alibi_dummy, (0, 0)
+    alibi, alibi_strides = dummy, (0, 0)
     if mods.alibi_slopes is not None:
         alibi = mods.alibi_slopes
         alibi_strides = alibi.stride() if alibi.dim() == 2 else (0, alibi.stride(0))
+    sinks = dummy if mods.sinks is None else mods.sinks
+    sink_stride = 0 if mods.sinks is None else sinks.stride(0)
     if mods.softcap > 0:
         qk_scale, softcap_log2 = sm_scale / mods.softcap, mods.softcap * LOG2E
     else:
         qk_scale, softcap_log2 = sm_scale * LOG2E, 0.0
     flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
-                 HAS_ALIBI=mods.alibi_slopes is not None)
-    return alibi, alibi_strides, qk_scale, softcap_log2, max(left, 0), max(right, 0), flags
+                 HAS_ALIBI=mods.alibi_slopes is not None, HAS_SINK=mods.sinks is not None)
+    return (alibi, alibi_strides, sinks, sink_stride, qk_scale, softcap_log2, max(left, 0),
+            max(right, 0), flags)
 
 
 def kvcache_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -204,14 +207,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse_part = q.new_empty(num_splits, B, H, S_q, dtype=torch.float32)
     else:  # not read: the kernel writes out and lse directly
         o_part, lse_part = q, q
-    alibi, alibi_strides, qk_scale, softcap_log2, left, right, flags = _modifier_args(
-        mods, resolve_scale(scale, D), q)
+    (alibi, alibi_strides, sinks, sink_stride, qk_scale, softcap_log2, left, right,
+     flags) = _modifier_args(mods, resolve_scale(scale, D), q)
     sp, lp = o_part.stride(), lse_part.stride()
     wrap_triton(attention_decode_kernel)[(num_splits, H_kv * row_tiles, B)](
         q=q, k_cache=k_cache, v_cache=v_cache, o=out, lse=lse, o_part=o_part,
         lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
-        block_table=block_table if paged else cache_seqlens, alibi=alibi,
+        block_table=block_table if paged else cache_seqlens, alibi=alibi, sinks=sinks,
         stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         stride_kcb=k_cache.stride(0), stride_kcs=k_cache.stride(1),
         stride_kch=k_cache.stride(2),
@@ -224,7 +227,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         stride_lpp=lp[0] if split else 0, stride_lpb=lp[1] if split else 0,
         stride_lph=lp[2] if split else 0,
         stride_tb=block_table.stride(0) if paged else 0,
-        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], stride_sh=sink_stride,
         S_q=S_q, S_new=S_new, capacity=capacity, G=G, qk_scale=qk_scale,
         softcap_log2=softcap_log2, left=left, right=right,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,

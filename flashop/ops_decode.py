@@ -1,8 +1,8 @@
 """Registration of ``torch.ops.flashop.attention_with_kvcache``.
 
 ``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
-cache_batch_idx, block_table, alibi_slopes, *, causal, scale, window_size, softcap,
-num_splits) -> (out, lse)``: appends k, v (when given) into the caches in place, then
+cache_batch_idx, block_table, alibi_slopes, sinks, *, causal, scale, window_size,
+softcap, num_splits) -> (out, lse)``: appends k, v (when given) into the caches in place, then
 attends over each sequence's first ``cache_seqlens[b] + S_new`` keys. The schema declares
 the caches' mutation (``Tensor(a!) k_cache, Tensor(b!) v_cache``), so functionalization,
 Inductor and CUDA graphs see it. The op always returns lse (B, H, S_q) fp32 natural log;
@@ -30,8 +30,8 @@ _register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-           alibi_slopes, causal, scale, window_size, softcap, num_splits):
-    mods = modifiers(None, alibi_slopes, None, causal, window_size, softcap)
+           alibi_slopes, sinks, causal, scale, window_size, softcap, num_splits):
+    mods = modifiers(None, alibi_slopes, None, causal, window_size, softcap, sinks)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale, mods, num_splits, interpreting=INTERPRETING)
     return mods
@@ -43,22 +43,23 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            k: Optional[Tensor] = None, v: Optional[Tensor] = None,
                            cache_batch_idx: Optional[Tensor] = None,
                            block_table: Optional[Tensor] = None,
-                           alibi_slopes: Optional[Tensor] = None, *, causal: bool = False,
+                           alibi_slopes: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None, *, causal: bool = False,
                            scale: Optional[float] = None,
                            window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
                            num_splits: int = 0) -> tuple[Tensor, Tensor]:
     return run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
-                                      cache_batch_idx, block_table, alibi_slopes, causal,
-                                      scale, window_size, softcap, num_splits)
+                                      cache_batch_idx, block_table, alibi_slopes, sinks,
+                                      causal, scale, window_size, softcap, num_splits)
 
 
 def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
-                               block_table, alibi_slopes, causal, scale, window_size, softcap,
-                               num_splits):
+                               block_table, alibi_slopes, sinks, causal, scale, window_size,
+                               softcap, num_splits):
     """attention_with_kvcache's body: checks, then the kernels; (out, lse). Also run
     directly by the Python API's eager path (flashop/api.py)."""
     mods = _check(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                  alibi_slopes, causal, scale, window_size, softcap, num_splits)
+                  alibi_slopes, sinks, causal, scale, window_size, softcap, num_splits)
     return launch_decode.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                 cache_batch_idx, block_table, scale, mods,
                                                 num_splits)
@@ -66,9 +67,9 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_b
 
 @attention_with_kvcache.register_fake
 def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k=None, v=None,
-                                 cache_batch_idx=None, block_table=None, alibi_slopes=None, *,
-                                 causal=False, scale=None, window_size=None, softcap=0.0,
-                                 num_splits=0):
+                                 cache_batch_idx=None, block_table=None, alibi_slopes=None,
+                                 sinks=None, *, causal=False, scale=None, window_size=None,
+                                 softcap=0.0, num_splits=0):
     _check(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-           alibi_slopes, causal, scale, window_size, softcap, num_splits)
+           alibi_slopes, sinks, causal, scale, window_size, softcap, num_splits)
     return launch_decode.kvcache_outputs(q, v_cache)

@@ -184,13 +184,16 @@ def attention_with_kvcache_reference(
         block_table: Optional[Tensor] = None, causal: bool = False,
         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
         softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
         compute_dtype: Optional[torch.dtype] = torch.float32) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``flashop.attention_with_kvcache`` in plain PyTorch, leaving the caches
     unchanged: the append is applied to copies (:func:`kvcache_append_reference`), each
     sequence's ``L = cache_seqlens[b] + S_new`` keys are gathered, and
     :func:`attention_reference` attends over them (query i at key position i + L - S_q, as
     its bottom-right alignment puts it). out (B, S_q, H, DV) and lse (B, H, S_q) in
-    ``compute_dtype``. Every sequence must fit its cache (L <= capacity)."""
+    ``compute_dtype``. ``sinks`` (H,) join each query's softmax as in attention_reference
+    (a sequence with no key: out 0, lse = sink). Every sequence must fit its cache (L <=
+    capacity)."""
     B, S_q, H, D = q.shape
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
@@ -209,9 +212,9 @@ def attention_with_kvcache_reference(
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
-        o, l = attention_reference(q[b:b + 1], kb[None], vb[None], None, slopes, causal=causal,
-                                   scale=scale, window_size=window_size, softcap=softcap,
-                                   compute_dtype=compute_dtype)
+        o, l = attention_reference(q[b:b + 1], kb[None], vb[None], None, slopes, None, sinks,
+                                   causal=causal, scale=scale, window_size=window_size,
+                                   softcap=softcap, compute_dtype=compute_dtype)
         outs.append(o)
         lses.append(l)
     dtype = q.dtype if compute_dtype is None else compute_dtype

@@ -55,7 +55,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                          f"float32")
     index = {"cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
              "block_table": block_table,
-             "alibi_slopes": None if mods is None else mods.alibi_slopes}
+             "alibi_slopes": None if mods is None else mods.alibi_slopes,
+             "sinks": None if mods is None else mods.sinks}
     devices = {n: t.device for n, t in {**tensors, **index}.items() if t is not None}
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())

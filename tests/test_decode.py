@@ -43,6 +43,7 @@ class CacheCase:
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: Optional[tuple] = None  # shape of the slopes: (H,) or (B, H)
+    sinks: Optional[torch.dtype] = None  # dtype of the attention sinks (H,)
     num_splits: int = 0
 
     @property
@@ -85,6 +86,10 @@ def make_call(case: CacheCase, seed: int = 0):
         v = randn(B, case.S_new, case.H_kv, case.DV)
     if case.alibi is not None:
         kwargs["alibi_slopes"] = torch.rand(case.alibi, device=DEVICE, generator=gen)
+    if case.sinks is not None:
+        # about the log of a few tens of keys' sum: the sink takes a real share of each row
+        sinks = 3 + 2 * torch.randn(case.H, device=DEVICE, generator=gen)
+        kwargs["sinks"] = sinks.to(case.sinks)
     return (q, k_cache, v_cache, k, v), kwargs
 
 
@@ -137,10 +142,11 @@ def cache_cases(draw):
     right = -1 if causal else draw(st.sampled_from([-1, -1, 0, 3]))
     softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
     alibi = draw(st.sampled_from([None, None, (H_kv * G,), (B, H_kv * G)]))
+    sinks = draw(st.sampled_from([None, None, torch.float32, dtype]))
     return CacheCase(lengths, S_q, S_new, H_kv, G, D, DV, dtype, paged=paged, page=page,
                      capacity=capacity, spare=draw(st.integers(0, 2)),
                      batch_idx=not paged and draw(st.booleans()), causal=causal,
-                     window_size=(left, right), softcap=softcap, alibi=alibi,
+                     window_size=(left, right), softcap=softcap, alibi=alibi, sinks=sinks,
                      num_splits=draw(st.sampled_from([0, 1, 2, 3])))
 
 
@@ -170,6 +176,32 @@ def test_empty_caches_give_zero_and_minus_infinity(num_splits):
                                                   return_lse=True)
     assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
     assert torch.isneginf(lse[[0, 2]]).all() and torch.isfinite(lse[1]).all()
+    check_cache_case(case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_empty_caches_with_sinks_give_zero_and_the_sink(num_splits):
+    """With sinks, a sequence with no key gets out 0 and lse = sinks[h] (as the dense op's
+    rows with no key), beside a sequence that has keys."""
+    case = CacheCase((0, 37), 2, 0, 1, 2, 16, 16, torch.float32, capacity=48,
+                     sinks=torch.float32, num_splits=num_splits)
+    (q, k_cache, v_cache, _, _), kwargs = make_call(case)
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, **kwargs,
+                                                  return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(lse[0], kwargs["sinks"][:, None].expand(2, 2))
+    check_cache_case(case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 0])
+def test_sink_counts_once_in_every_split_count(num_splits):
+    """The sink joins each row's softmax once whatever the number of splits (sinks about
+    the keys' log-sum so that counting one twice or not at all fails), windowed so that
+    some splits hold no key of a row; the sinks in q's dtype."""
+    case = CacheCase((40, 9), 3, 2, 1, 2, 32, 32, torch.float16, paged=True, page=16,
+                     capacity=64, causal=True, window_size=(20, 0), sinks=torch.float16,
+                     num_splits=num_splits)
     check_cache_case(case)
 
 
@@ -211,7 +243,7 @@ OPCHECK_CASES = [
     CacheCase((5, 30), 2, 3, 2, 2, 40, 24, torch.float32, capacity=40, batch_idx=True,
               causal=True, num_splits=2),
     CacheCase((17, 0), 1, 2, 1, 4, 16, 16, torch.float16, paged=True, page=16, capacity=48,
-              window_size=(8, 0), softcap=3.0, alibi=(4,)),
+              window_size=(8, 0), softcap=3.0, alibi=(4,), sinks=torch.float32, num_splits=2),
 ]
 
 
@@ -220,7 +252,7 @@ def test_opcheck(case):
     (q, k_cache, v_cache, k, v), kwargs = make_call(case)
     args = (q, k_cache, v_cache, kwargs.pop("cache_seqlens"), k, v,
             kwargs.pop("cache_batch_idx", None), kwargs.pop("block_table", None),
-            kwargs.pop("alibi_slopes", None))
+            kwargs.pop("alibi_slopes", None), kwargs.pop("sinks", None))
     kwargs["window_size"] = list(kwargs["window_size"])
     opcheck(torch.ops.flashop.attention_with_kvcache.default, args, kwargs)
 
@@ -230,9 +262,9 @@ def test_schema_declares_the_cache_mutation():
     assert schema == (
         "flashop::attention_with_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, "
         "Tensor cache_seqlens, Tensor? k=None, Tensor? v=None, Tensor? cache_batch_idx=None, "
-        "Tensor? block_table=None, Tensor? alibi_slopes=None, *, bool causal=False, "
-        "float? scale=None, SymInt[]? window_size=None, float softcap=0., "
-        "SymInt num_splits=0) -> (Tensor, Tensor)")
+        "Tensor? block_table=None, Tensor? alibi_slopes=None, Tensor? sinks=None, *, "
+        "bool causal=False, float? scale=None, SymInt[]? window_size=None, "
+        "float softcap=0., SymInt num_splits=0) -> (Tensor, Tensor)")
 
 
 @pytest.mark.compile
@@ -361,6 +393,14 @@ ERRORS = {
                "for a two-sided window"),
     "alibi": (dict(alibi_slopes=torch.ones(3, device=DEVICE)),
               "alibi_slopes must have shape (H,) = (4,) or (B, H) = (2, 4), got (3,)"),
+    "sinks shape": (dict(sinks=torch.zeros(2, device=DEVICE)),
+                    "sinks must have shape (H,) = (4,): one logit per query head, got (2,)"),
+    "sinks dtype": (dict(sinks=torch.zeros(4, device=DEVICE, dtype=torch.bfloat16)),
+                    "sinks must be torch.float32 or torch.float16, got torch.bfloat16"),
+    "sinks grad": (dict(sinks=torch.zeros(4, device=DEVICE, requires_grad=True)),
+                   "is for inference and has no backward, but sinks require(s) grad; call it "
+                   "under torch.no_grad() / torch.inference_mode(), or detach the inputs (for "
+                   "training use flashop.attention)"),
     "grad": (dict(q=_t(2, 1, 4, 16).requires_grad_()),
              "is for inference and has no backward, but q require(s) grad; call it under "
              "torch.no_grad() / torch.inference_mode(), or detach the inputs (for training "
@@ -378,6 +418,12 @@ def test_mixed_devices():
     message = _error(cache_seqlens=torch.zeros(2, dtype=torch.int32, device="meta"))
     assert re.fullmatch(re.escape(OP + "all tensors must be on one device, got q on ") + ".*"
                         + re.escape("cache_seqlens on meta"), message), message
+
+
+def test_sinks_on_another_device():
+    message = _error(sinks=torch.zeros(4, device="meta"))
+    assert re.fullmatch(re.escape(OP + "all tensors must be on one device, got q on ") + ".*"
+                        + re.escape("sinks on meta"), message), message
 
 
 def test_grad_mode_off_accepts_inputs_that_require_grad():
@@ -401,6 +447,18 @@ def test_gpu_bf16_long_caches(paged, page, S_q, num_splits):
     case = CacheCase((0, 1000, 4093 - S_q, 4096 - S_q), S_q, S_q, 8, 4, 128, 128,
                      torch.bfloat16, paged=paged, page=page or 16, capacity=4096,
                      causal=True, num_splits=num_splits)
+    check_cache_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+def test_gpu_bf16_long_caches_with_sinks(paged, num_splits):
+    """bf16 sinks on GPU tiles over caches from empty to full: the sink counts once in
+    the merge of auto and forced splits."""
+    case = CacheCase((0, 1000, 4095), 1, 1, 8, 4, 128, 128, torch.bfloat16, paged=paged,
+                     capacity=4096, causal=True, sinks=torch.bfloat16, num_splits=num_splits)
     check_cache_case(case)
 
 

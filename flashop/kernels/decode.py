@@ -138,7 +138,7 @@ def _decode_key_tiles(
 @triton.jit
 def attention_decode_kernel(
     q, k_cache, v_cache, o, lse, o_part, lse_part, cache_seqlens, cache_batch_idx,
-    block_table, alibi,
+    block_table, alibi, sinks,
     stride_qb, stride_qs, stride_qh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
@@ -146,13 +146,13 @@ def attention_decode_kernel(
     stride_lb, stride_lh,
     stride_pp, stride_pb, stride_ps, stride_ph,
     stride_lpp, stride_lpb, stride_lph,
-    stride_tb, stride_ab, stride_ah,
+    stride_tb, stride_ab, stride_ah, stride_sh,
     S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Attention of q[b, i, h] over the first ``L = cache_seqlens[b] + S_new`` keys of
     sequence b's cache, query i at key position ``i + L - S_q``; grid (splits, H_kv *
@@ -167,6 +167,11 @@ def attention_decode_kernel(
     and 0 for an empty run); attention_decode_merge_kernel combines them. Else (one split)
     it writes ``o`` and the natural-log ``lse`` [b, h, i] directly. Rows that attend no key
     get 0 and -inf.
+
+    Where ``HAS_SINK``, head h's logit ``sinks[h * stride_sh]`` joins each row's softmax
+    once: split 0 alone starts its running max at the sink and its sum at 1 (as the dense
+    forward does), so its partial output and lse include it and the merge counts it once.
+    A row with no key then gets 0 and lse = sink.
 
     The lengths are read here: the launch depends on shapes only, so it can be captured in a
     CUDA graph and compiled once for all lengths.
@@ -234,6 +239,11 @@ def attention_decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINK:
+        # the sink as one more score of split 0's rows only: its sum starts at exp2(0) = 1
+        b_sink = tl.load(sinks + o_h * stride_sh, mask=m_r, other=float("-inf"))
+        m_i = tl.where(i_split == 0, b_sink.to(tl.float32) * LOG2E, float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # [s_lo, s_mid_lo) edge tiles (a window's left bound), [s_mid_lo, s_mid_hi) inside,
     # [s_mid_hi, s_hi) edge tiles (the keys' end, a right bound)
@@ -280,7 +290,8 @@ def attention_decode_merge_kernel(
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
     """o[b, i, h] and lse[b, h, i] from the splits' partial outputs and base-2 lses, each
-    weighted by exp2(lse_split - lse); grid (S_q, H, B). All splits empty: 0 and -inf."""
+    weighted by exp2(lse_split - lse); grid (S_q, H, B). All splits empty: 0 and -inf. A
+    sink is in split 0's partials (attention_decode_kernel), so it counts once here."""
     i_i = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
