@@ -29,8 +29,8 @@ are read through transposed views, GQA without repeating K/V):
   ones of its cache (no left padding: dynamic caches, static caches whose unwritten slots
   follow the written ones, sliding windows whose padding has left the window),
   ``flashop.attention_with_kvcache`` over the cache as transformers wrote it (no append),
-  with ``cache_seqlens`` the valid keys per row; a left-padded batch, a model with attention
-  sinks or a step with dropout: ``flashop.attention`` with a boolean key mask;
+  with ``cache_seqlens`` the valid keys per row (and the model's attention sinks); a
+  left-padded batch or a step with dropout: ``flashop.attention`` with a boolean key mask;
 - a 4-D mask given by the caller: ``flashop.attention`` with that mask.
 
 Attention sinks (gpt-oss's ``s_aux``, one logit per query head joining the softmax's
@@ -140,22 +140,20 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]
     beats ``flashop.attention``, though its keys are exactly the valid ones: with one query
     per sequence, ``flashop.attention`` has one program per (sequence, KV head) walk all the
     keys, while the split-KV decoding kernel spreads them over the GPU; both read each key
-    once. A boolean mask (left padding, which the decoding kernel cannot skip) runs
-    ``flashop.attention`` with the mask, as does anything needing a gradient, ``sinks``
-    ((H,), as :func:`flashop.attention` takes them) or ``dropout_p > 0``.
+    once; ``sinks`` ((H,)) go with either. A boolean mask (left padding, which the decoding
+    kernel cannot skip) runs ``flashop.attention`` with the mask, as does anything needing a
+    gradient or ``dropout_p > 0``.
     """
     window_size = (-1, -1) if window is None else (window - 1, 0)
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     options = dict(scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     if key_mask is None or key_mask.dim() == 1:
-        # sinks: pass them to attention_with_kvcache once it takes them
-        if (not needs_grad and sinks is None and dropout_p == 0.0 and k.stride(-1) == 1
-                and v.stride(-1) == 1):
+        if not needs_grad and dropout_p == 0.0 and k.stride(-1) == 1 and v.stride(-1) == 1:
             counts = k.shape[1] if key_mask is None else key_mask
             return flashop.attention_with_kvcache(q, k, v, cache_seqlens=counts, causal=True,
                                                   scale=scale, window_size=window_size,
-                                                  softcap=softcap)
+                                                  softcap=softcap, sinks=sinks)
         if key_mask is None:
             return flashop.attention(q, k, v, causal=True, window_size=window_size, **options)
         key_mask = _key_mask(key_mask, k.shape[1])
