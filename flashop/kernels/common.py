@@ -236,7 +236,7 @@ def philox_first_word(seed, c0, c1, c2, c3):
     (c0, c1, c2, c3) (uint32 blocks) under the 64-bit key ``seed``. Written here rather than
     taken from triton.language.random: Inductor copies a user kernel's helpers into its
     generated code, and that module's helpers read a module global it does not copy."""
-    seed = tl.to_tensor(seed).to(tl.uint64)
+    seed = seed.to(tl.uint64)  # a loaded scalar
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     m0 = tl.full([], 0xD2511F53, tl.uint32)
