@@ -34,10 +34,28 @@ def test_export_keeps_flashops_operator():
     torch.testing.assert_close(program.module()(x), module(x), rtol=0, atol=0)
 
 
+_LOAD_AND_RUN = """
+import sys, torch, flashop
+loaded = torch._inductor.aoti_load_package(sys.argv[1])
+x, expected = torch.load(sys.argv[2])
+torch.testing.assert_close(loaded(x), expected)
+print("equal")
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=False,
+                   reason="torch 2.11's aoti_load_package crashed (SIGSEGV in its loader) on "
+                          "this package on an H200; the package itself builds")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_aoti_package_gives_eager_outputs(tmp_path, dtype):
+    """Built here, loaded and run in a fresh process (a loader crash fails the test rather
+    than the test run)."""
+    import subprocess
+    import sys
+    import zipfile
+
     module = TinyAttention(dim=256, heads=4, kv_heads=2).to("cuda", dtype)
     x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
     with torch.no_grad():
@@ -45,12 +63,12 @@ def test_aoti_package_gives_eager_outputs(tmp_path, dtype):
         program = torch.export.export(module, (x,))
         path = torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp_path / "attention.pt2"))
-        loaded = torch._inductor.aoti_load_package(path)
-        torch.testing.assert_close(loaded(x), expected)
     # the package holds flashop's Triton kernels, not a call back into Python
-    import zipfile
-
-    names = " ".join(zipfile.ZipFile(path).namelist())
-    sources = "".join(zipfile.ZipFile(path).read(n).decode(errors="ignore")
-                      for n in zipfile.ZipFile(path).namelist() if n.endswith((".cpp", ".py")))
-    assert "attention_fwd_kernel" in names + sources
+    package = zipfile.ZipFile(path)
+    sources = "".join(package.read(n).decode(errors="ignore") for n in package.namelist()
+                      if n.endswith((".cpp", ".py")))
+    assert "attention_fwd_kernel" in " ".join(package.namelist()) + sources
+    torch.save((x, expected), tmp_path / "io.pt")
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, path, str(tmp_path / "io.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
