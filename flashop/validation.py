@@ -54,12 +54,9 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
         raise ValueError(
             f"{op}: q, k and v must be on the same device, got q on {q.device}, "
             f"k on {k.device}, v on {v.device}")
-    if q.device.type not in ("cuda", "meta") and not interpreting:
-        raise RuntimeError(
-            f"{op}: the inputs are on {q.device}, but flashop's Triton kernels run on CUDA "
-            f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
-            f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
-            f"testing), or call flashop.attention_reference for a plain PyTorch computation")
+    check_kernels_run_on(op, q.device, interpreting=interpreting,
+                         reference="flashop.attention_reference for a plain PyTorch "
+                                   "computation")
     s = 0 if packed else 1  # the tokens' dim; heads and head dim follow it
     if not packed and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
         raise ValueError(f"{op}: q, k and v must have the same batch size (dim 0), got "
@@ -90,6 +87,18 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
+
+
+def check_kernels_run_on(op: str, device: torch.device, *, interpreting: bool,
+                         reference: str) -> None:
+    """The kernels run on CUDA GPUs, or on the CPU under Triton's interpreter (meta tensors
+    pass: they trace); ``reference``: the plain PyTorch function to suggest instead."""
+    if device.type not in ("cuda", "meta") and not interpreting:
+        raise RuntimeError(
+            f"{op}: the inputs are on {device}, but flashop's Triton kernels run on CUDA "
+            f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
+            f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
+            f"testing), or call {reference}")
 
 
 def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] = None) -> None:

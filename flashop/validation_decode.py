@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 
 from flashop.options import PLAIN
-from flashop.validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_modifiers
+from flashop.validation import (
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_kernels_run_on, check_modifiers,
+)
 
 OP = "flashop.attention_with_kvcache"
 MAX_NUM_SPLITS = 128
@@ -61,12 +63,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"{op}: all tensors must be on one device, got {got}")
-    if q.device.type not in ("cuda", "meta") and not interpreting:
-        raise RuntimeError(
-            f"{op}: the inputs are on {q.device}, but flashop's Triton kernels run on CUDA "
-            f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
-            f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
-            f"testing), or call flashop.attention_with_kvcache_reference")
+    check_kernels_run_on(op, q.device, interpreting=interpreting,
+                         reference="flashop.attention_with_kvcache_reference")
 
     B, S_q, H, D = q.shape
     caches = f"q {_shape(q)}, k_cache {_shape(k_cache)}, v_cache {_shape(v_cache)}"

@@ -13,6 +13,23 @@ from flashop.testing import check_attention, differentiable_inputs
 
 DEVICE = "cpu" if flashop.INTERPRETING else "cuda"
 
+try:
+    from expecttest import TestCase
+except ImportError:  # not installed everywhere (the GPU machine): the messages as written
+    import unittest
+
+    class TestCase(unittest.TestCase):
+        def assertExpectedInline(self, actual, expect, skip=0):
+            self.assertEqual(actual, expect)
+
+
+def slow_property_examples() -> int:
+    """Examples for the slowest property tests (every modifier and its dtype at once): an
+    eighth of the profile's under the interpreter, half on a GPU, at least 5."""
+    from hypothesis import settings
+
+    return max(settings.default.max_examples // (2 if DEVICE == "cuda" else 8), 5)
+
 
 @dataclass(frozen=True)
 class Case:

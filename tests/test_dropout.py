@@ -15,21 +15,13 @@ from torch.library import opcheck
 
 import flashop
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
-from helpers import DEVICE, Case, make_inputs, make_modifiers, poisoned_outputs
+from helpers import (
+    DEVICE, Case, TestCase, make_inputs, make_modifiers, poisoned_outputs,
+    slow_property_examples,
+)
 from test_modifiers import DTYPES, modified_cases
 
-try:
-    from expecttest import TestCase
-except ImportError:  # (not installed everywhere) the messages as written must match
-    import unittest
-
-    class TestCase(unittest.TestCase):
-        def assertExpectedInline(self, actual, expect, skip=0):
-            self.assertEqual(actual, expect)
-
-
-# an eighth of the profile's examples under the interpreter (slow), half on a GPU
-EXAMPLES = max(settings.default.max_examples // (2 if DEVICE == "cuda" else 8), 5)
+EXAMPLES = slow_property_examples()
 
 
 def _seed(value: int) -> torch.Tensor:

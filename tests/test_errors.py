@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from expecttest import TestCase
 
 import flashop
-from helpers import DEVICE
+from helpers import DEVICE, TestCase
 
 
 def _t(*shape, dtype=torch.float16, device=DEVICE):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from expecttest import TestCase
 from torch.library import opcheck
 
 import flashop
-from helpers import Case, make_inputs, make_modifiers
+from helpers import Case, TestCase, make_inputs, make_modifiers
 
 OPCHECK_CASES = [
     Case(B=2, S_q=37, S_k=53, H_kv=2, G=2, D=40, DV=24, dtype=torch.float32, causal=True),

@@ -3,14 +3,13 @@ registration, torch.compile, errors, and the padding helpers end to end."""
 
 import pytest
 import torch
-from expecttest import TestCase
 from hypothesis import given, strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
 import flashop
 from flashop.testing import check_attention_varlen, differentiable_inputs
-from helpers import DEVICE, poisoned_outputs
+from helpers import DEVICE, TestCase, poisoned_outputs
 
 ON_GPU = DEVICE == "cuda"
 MAX_LEN = 300 if ON_GPU else 48
