@@ -59,11 +59,13 @@ def test_sdpa_overrides_convert_layouts_and_match_flashop():
     dout = torch.randn(2, 4, 13, 16, device=DEVICE, generator=gen).half()
     dq, dk, dv = sdpa.scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, 13, 13, 0.0, True, rng, unused, scale=0.3)
-    grads = torch.autograd.grad(expected, (q2, k2, v2), dout.transpose(1, 2))
-    for got, want in zip((dq, dk, dv), grads):
-        assert got.shape == want.transpose(1, 2).shape
-        # the backward's lse went through natural log and back: equal to rounding
-        torch.testing.assert_close(got, want.transpose(1, 2), rtol=2e-3, atol=2e-3)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    # under the accuracy rule against the reference (the backward's lse comes from aten's
+    # natural-log one, so its gradients are not flashop.attention's bit for bit)
+    grads = tuple(g.transpose(1, 2) for g in (dq, dk, dv))
+    results = check_attention(q2, k2, v2, dout.transpose(1, 2), torch.zeros_like(lse),
+                              expected, expected_lse, grads, causal=True, scale=0.3)
+    assert all(r.ok for r in results), [str(r) for r in results if not r.ok]
 
 
 def test_flash_attention_overrides_dense_and_packed():
