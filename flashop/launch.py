@@ -136,8 +136,7 @@ class Problem:
     """One call of the forward or backward: shapes, scale, packing and modifier arguments,
     built once and handed to each kernel by name."""
 
-    q: torch.Tensor
-    k: torch.Tensor
+    q: torch.Tensor  # stands in for the offsets where dense; gives the dtype and device
     packing: Optional[Packing]
     B: int
     S_q: int  # the longest sequences' where packed
@@ -164,7 +163,7 @@ class Problem:
         H, D, H_kv, DV = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
         sm_scale = resolve_scale(scale, D)
         args, flags = _modifier_args(q, k, mods, sm_scale, packing)
-        return cls(q, k, packing, B, S_q, S_k, H, H_kv, D, DV, sm_scale, args, flags)
+        return cls(q, packing, B, S_q, S_k, H, H_kv, D, DV, sm_scale, args, flags)
 
     @property
     def packed(self) -> bool:
