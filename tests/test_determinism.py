@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashop
-from helpers import DEVICE, Case, make_inputs, make_modifiers
+from helpers import Case, make_inputs, make_modifiers
 
 
 @pytest.fixture
