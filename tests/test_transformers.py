@@ -354,26 +354,13 @@ def test_decode_attention_masks_unwritten_slots_and_the_window():
     torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_steps_with_sinks_run_attention_with_kvcache():
-    """gpt-oss (sinks) on an unpadded batch with a static cache: the decoding steps run the
-    decoding operator with the sinks, tokens equal to eager's."""
-    model = tiny_model("gpt_oss")
-    ids, mask = left_padded_batch([6, 6], 6, seed=8)
-    options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
-    with AttentionCalls() as recorded:
-        tokens = model.generate(ids, attention_mask=mask, **options)
-    decode = [name for name, S_q in recorded.calls if S_q == 1]
-    assert decode == ["attention_with_kvcache"] * (2 * 2)  # 2 steps x 2 layers
-    model.set_attn_implementation("eager")
-    assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
-
-
 @pytest.mark.parametrize("kind,cache", [("llama", "static"), ("llama", "dynamic"),
-                                        ("gemma2", "static")])
+                                        ("gemma2", "static"), ("gpt_oss", "static")])
 def test_decode_steps_run_attention_with_kvcache(kind, cache):
     """An unpadded batch: every decoding step's attention is the decoding operator over the
     cache as transformers wrote it (static: zero-filled slots past each row's length; Gemma
-    2's rolling sliding layers with their window and softcap), tokens equal to eager's."""
+    2's rolling sliding layers with their window and softcap; gpt-oss's sinks), tokens equal
+    to eager's."""
     model = tiny_model(kind)
     ids, mask = left_padded_batch([6, 6], 6, seed=8)
     options = dict(max_new_tokens=3, do_sample=False, cache_implementation=cache)
