@@ -26,7 +26,7 @@ from flashop.launch_common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
     known_shorter, resolve_scale, tma_aligned, unit_stride_last,
 )
-from flashop.options import Modifiers, Packing
+from flashop.options import Modifiers, Packing, round_dropout_p
 
 
 def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -108,10 +108,10 @@ def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: 
 
 def _dropout_args(q: torch.Tensor, mods: Modifiers) -> dict:
     """The kernels' dropout arguments: its seed tensor (``q``, never read, without dropout),
-    probability and flag."""
+    probability (rounded as the kernels draw it) and flag."""
     if mods.dropout_p > 0:
-        return dict(dropout_seed=mods.dropout_seed, dropout_p=float(mods.dropout_p),
-                    DROPOUT=True)
+        return dict(dropout_seed=mods.dropout_seed,
+                    dropout_p=round_dropout_p(float(mods.dropout_p)), DROPOUT=True)
     return dict(dropout_seed=q, dropout_p=0.0, DROPOUT=False)
 
 
@@ -444,6 +444,7 @@ def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
     if keep.numel():
         block_m, block_n = (16, 32) if INTERPRETING else (64, 64)
         wrap_triton(dropout_mask_kernel)[(cdiv(S_q, block_m), H, B)](
-            dropout_seed=dropout_seed, keep=keep, S_q=S_q, S_k=S_k, dropout_p=float(dropout_p),
+            dropout_seed=dropout_seed, keep=keep, S_q=S_q, S_k=S_k,
+            dropout_p=round_dropout_p(float(dropout_p)),
             BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.bool()

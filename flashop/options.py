@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Optional
 
 import torch
+
+# dropout draws 16 random bits per probability: dropout_p is rounded to a multiple of this
+DROPOUT_RESOLUTION = 2.0 ** -16
+
+
+def round_dropout_p(p):
+    """``dropout_p`` as the kernels apply it: rounded to the nearest multiple of 2**-16 (at
+    most 1 - 2**-16), since each probability is kept where 16 random bits reach p * 2**16.
+    The output is scaled by 1 / (1 - the rounded p), so its expectation stays exact. A value
+    that is not a probability comes back as it was, for validation to reject."""
+    if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 <= p < 1.0):
+        return p
+    steps = min(round(p / DROPOUT_RESOLUTION), int(1 / DROPOUT_RESOLUTION) - 1)
+    return steps * DROPOUT_RESOLUTION
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from flashop.options import round_dropout_p
+
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                         alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
@@ -34,7 +36,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     nothing: ``P = exp(s - lse)`` with ``lse = log(sum_j exp(s_j) + exp(sinks[h]))``.
     ``dropout_p`` > 0 needs ``dropout_mask``, a boolean keep-mask broadcastable to (B, H,
     S_q, S_k) (flashop.testing.dropout_mask gives the kernels' for a seed): out = (P *
-    keep / (1 - dropout_p)) V, lse unchanged.
+    keep / (1 - p)) V, lse unchanged, with p = dropout_p rounded to a multiple of 2**-16
+    as the ops round it (options.round_dropout_p).
 
     A query whose keys are all masked gets out 0 and lse -inf (lse = sink with sinks).
     Differentiable in q, k, v, g, a float attn_mask and sinks.
@@ -94,7 +97,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         drop = dropout_mask.expand(B, H, S_q, S_k)
         if sinks is not None:
             drop = torch.cat([drop, drop.new_ones(B, H, S_q, 1)], dim=-1)
-        p = p * drop.to(dtype) / (1 - dropout_p)
+        p = p * drop.to(dtype) / (1 - round_dropout_p(dropout_p))
     out = torch.matmul(p, vf).transpose(1, 2)
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     return out, lse

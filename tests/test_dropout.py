@@ -6,6 +6,7 @@ graphs, and bad dropout_p's errors."""
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -14,6 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
 import flashop
+from flashop.options import round_dropout_p
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
     DEVICE, Case, TestCase, make_inputs, make_modifiers, poisoned_outputs,
@@ -134,6 +136,60 @@ def test_keep_rate_and_independence(p):
     agree = (keep == other).float().mean().item()
     expected = p * p + (1 - p) * (1 - p)  # two independent masks agree this often
     assert abs(agree - expected) <= 6 * math.sqrt(expected * (1 - expected) / n)
+
+
+def _philox4x32_7(key: int, counters: np.ndarray) -> np.ndarray:
+    """Philox4x32-7 (Salmon et al., SC'11) in NumPy: counters (..., 4) uint32 -> words
+    (..., 4), written from the paper's constants, independently of the kernels' code."""
+    mask = np.uint64(0xFFFFFFFF)
+    c = counters.astype(np.uint64)
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+    for _ in range(7):
+        prod0 = np.uint64(0xD2511F53) * c[..., 0]
+        prod1 = np.uint64(0xCD9E8D57) * c[..., 2]
+        c = np.stack([(prod1 >> np.uint64(32)) ^ c[..., 1] ^ k0, prod1 & mask,
+                      (prod0 >> np.uint64(32)) ^ c[..., 3] ^ k1, prod0 & mask], axis=-1)
+        k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+        k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+    return c.astype(np.uint32)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.37])
+def test_mask_is_the_documented_philox_function(p):
+    """docs/modifiers.md's definition, computed in NumPy: key j of query i (head h, batch b)
+    takes the 16-bit half j % 2 of word (j % 8) // 2 of Philox4x32-7 of the counter
+    (j // 8, i, h, b), and is kept where it reaches dropout_p rounded to 2**-16, times 2**16.
+    S_k = 21 ends inside a group of eight keys."""
+    B, H, S_q, S_k, seed = 2, 2, 5, 21, 0x1234_5678_9ABC
+    b, h, i, j = np.meshgrid(np.arange(B), np.arange(H), np.arange(S_q), np.arange(S_k),
+                             indexing="ij")
+    words = _philox4x32_7(seed, np.stack([j // 8, i, h, b], axis=-1).astype(np.uint32))
+    word = np.take_along_axis(words, ((j % 8) // 2)[..., None], axis=-1)[..., 0]
+    bits = np.where(j % 2 == 0, word & 0xFFFF, word >> 16)
+    expected = bits >= round(p * 2 ** 16)
+    keep = dropout_mask(_seed(seed), B, H, S_q, S_k, p)
+    assert torch.equal(keep.cpu(), torch.from_numpy(expected))
+
+
+def test_dropout_p_is_rounded_to_sixteen_bits():
+    """The kernels keep a pair where 16 random bits reach p * 2**16: the ops round p to a
+    multiple of 2**-16 (never to 1) and scale by that p; invalid values pass through to
+    validation."""
+    assert round_dropout_p(0.1) == 6554 / 65536
+    assert round_dropout_p(0.5) == 0.5
+    assert round_dropout_p(1e-6) == 0.0
+    assert round_dropout_p(1 - 1e-9) == 65535 / 65536
+    assert round_dropout_p(1.5) == 1.5 and round_dropout_p(-0.1) == -0.1
+    # q = 0 and v = 1: P_ij = 1 / 16, so row i's output is (keys kept) / 16 / (1 - p), p the
+    # rounded 0.9 (1 / (1 - 0.9) differs from it in the fifth digit)
+    p = 0.9
+    q = torch.zeros(1, 16, 1, 16, device=DEVICE)
+    out, _, _ = torch.ops.flashop.attention_forward(q, q, torch.ones_like(q), None, None, None,
+                                                    None, _seed(77), dropout_p=p)
+    kept = dropout_mask(_seed(77), 1, 1, 16, 16, p)[0, 0].sum(-1).double().cpu()
+    assert kept.sum() > 0
+    expected = (kept / 16 / (1 - round_dropout_p(p))).float()
+    torch.testing.assert_close(out[0, :, 0, 0].cpu(), expected, rtol=1e-6, atol=0)
 
 
 def test_mean_over_seeds_approaches_the_output_without_dropout():

@@ -82,10 +82,10 @@ def _lse_rows(lse_log2):
 @triton.jit
 def _dkdv_query_tiles(
     b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, attn_mask, dq_acc,
-    stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, o_n, m_n, lo, hi,
+    stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, start_n, o_n, m_n, lo, hi,
     S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, EDGE_TILE: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, CHECK_ROWS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
@@ -128,7 +128,7 @@ def _dkdv_query_tiles(
         # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (faster)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            b_keep = dropout_keep(seed, i_b, i_h, o_m[None, :], o_n[:, None], dropout_p)
+            b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, True)
             b_zpt = tl.where(b_keep, b_pt * (1.0 / (1.0 - dropout_p)), 0.0)
             b_dpt = tl.where(b_keep, b_dpt * (1.0 / (1.0 - dropout_p)), 0.0)
         else:
@@ -267,9 +267,9 @@ def attention_bwd_dkdv_kernel(
                 b_dk, b_dv, b_dgk = _dkdv_query_tiles(
                     b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_attn_mask,
                     p_dqa, stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas,
-                    o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left,
-                    right,
-                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, part == 0 or part == 3, part != 1,
+                    start_n, o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap_log2,
+                    alibi_log2, left, right,
+                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
                     DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
         if HAS_GATE:
@@ -320,7 +320,7 @@ def _dq_key_tiles(
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         if DROPOUT:
-            b_keep = dropout_keep(seed, i_b, i_h, o_m[:, None], o_n[None, :], dropout_p)
+            b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, False)
             b_dp = tl.where(b_keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
         if ATTN_MASK_GRAD:

@@ -213,29 +213,50 @@ def attention_scores(
 
 
 @triton.jit
-def dropout_keep(seed, i_b, i_h, o_q, o_k, dropout_p):
-    """Dropout's keep mask of one tile: True where the pair (query ``o_q``, key ``o_k``) of
-    head ``i_h`` of batch entry (or packed sequence) ``i_b`` keeps its probability.
+def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
+                 KEYS_ON_ROWS: tl.constexpr):
+    """Dropout's keep mask of one tile: True where the pair (query ``o_q[r]``, key
+    ``start_k + c``) of head ``i_h`` of batch entry (or packed sequence) ``i_b`` keeps its
+    probability. The tile is [queries, BLOCK_K keys], or [BLOCK_K keys, queries] where
+    ``KEYS_ON_ROWS``; ``start_k`` is a multiple of 8.
 
-    One Philox draw per pair, a pure function of (seed, b, h, i, j): the 64-bit ``seed`` is
-    the key, the counter is (j, i, h, b), so every kernel and tile (the forward, both
-    backward kernels, transposed or not) draws the same mask whatever its tiles. ``o_q`` and
-    ``o_k`` broadcast against each other ([rows, 1] and [1, cols] or the transposes); a pair
-    is kept with probability 1 - dropout_p."""
-    c_k = (o_k + o_q * 0).to(tl.uint32)  # the tile's full shape
-    c_q = (o_q + o_k * 0).to(tl.uint32)
+    A pure function of (seed, b, h, i, j), so every kernel and tile (the forward, both
+    backward kernels, transposed or not) draws the same mask whatever its tiles: one
+    Philox4x32-7 draw (``seed`` its 64-bit key) of the counter (j // 8, i, h, b) gives 128
+    bits, whose 16-bit eighths decide the keys 8 (j // 8) .. 8 (j // 8) + 7: key j takes
+    half j % 2 (the low one first) of word (j % 8) // 2. A pair is kept where its 16 bits
+    are at least ``dropout_p * 65536``; the ops round dropout_p to a multiple of 2**-16
+    first (options.round_dropout_p), so the keep rate is exactly 1 - dropout_p."""
+    o_c = (start_k // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.uint32)
+    o_q = o_q.to(tl.uint32)
+    if KEYS_ON_ROWS:
+        c_k = o_c[:, None] + o_q[None, :] * 0  # [BLOCK_K // 8, queries]
+        c_q = o_q[None, :] + o_c[:, None] * 0
+    else:
+        c_k = o_c[None, :] + o_q[:, None] * 0  # [queries, BLOCK_K // 8]
+        c_q = o_q[:, None] + o_c[None, :] * 0
     zero = c_k * 0
-    r = philox_first_word(seed, c_k, c_q, zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
-    # the top 24 bits as a float in [0, 1)
-    return (r >> 8).to(tl.float32) * (1.0 / 16777216.0) >= dropout_p
+    w0, w1, w2, w3 = philox(seed, c_k, c_q, zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
+    # [..., 2, 2] whose [y, x] is word 2 y + x; then [..., 2, 2, 2] whose [y, x, z] is
+    # half z of it: key 8 c + 4 y + 2 x + z once the last three dimensions are merged
+    b_w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+    b_half = tl.join(b_w & 0xFFFF, b_w >> 16)
+    b_keep = b_half >= (dropout_p * 65536.0).to(tl.uint32)
+    if KEYS_ON_ROWS:
+        # [BLOCK_K // 8, queries, 2, 2, 2] -> [BLOCK_K // 8, 2, 2, 2, queries]
+        b_keep = tl.permute(b_keep, (0, 2, 3, 4, 1))
+        return tl.reshape(b_keep, (BLOCK_K, o_q.shape[0]))
+    else:
+        return tl.reshape(b_keep, (o_q.shape[0], BLOCK_K))
 
 
 @triton.jit
-def philox_first_word(seed, c0, c1, c2, c3):
-    """The first 32-bit word of Philox4x32-10 (Salmon et al., SC'11) of the counter
-    (c0, c1, c2, c3) (uint32 blocks) under the 64-bit key ``seed``. Written here rather than
-    taken from triton.language.random: Inductor copies a user kernel's helpers into its
-    generated code, and that module's helpers read a module global it does not copy."""
+def philox(seed, c0, c1, c2, c3):
+    """Philox4x32-7 (Salmon et al., SC'11; 7 rounds, as FlashAttention-2's and PyTorch's
+    fused dropout draw) of the counter (c0, c1, c2, c3) (uint32 blocks) under
+    the 64-bit key ``seed``: its four 32-bit words. Written here rather than taken
+    from triton.language.random: Inductor copies a user kernel's helpers into its generated
+    code, and that module's helpers read a module global it does not copy."""
     seed = seed.to(tl.uint64)  # a loaded scalar
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -243,7 +264,7 @@ def philox_first_word(seed, c0, c1, c2, c3):
     m1 = tl.full([], 0xCD9E8D57, tl.uint32)
     w0 = tl.full([], 0x9E3779B9, tl.uint32)
     w1 = tl.full([], 0xBB67AE85, tl.uint32)
-    for _ in tl.static_range(10):
+    for _ in tl.static_range(7):
         p0, p2 = c0, c2
         c0 = tl.umulhi(m1, p2) ^ c1 ^ k0
         c2 = tl.umulhi(m0, p0) ^ c3 ^ k1
@@ -251,4 +272,4 @@ def philox_first_word(seed, c0, c1, c2, c3):
         c3 = m0 * p0
         k0 = k0 + w0
         k1 = k1 + w1
-    return c0
+    return c0, c1, c2, c3

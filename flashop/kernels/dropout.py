@@ -24,6 +24,6 @@ def dropout_mask_kernel(
     for start_n in range(0, S_k, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         # [BLOCK_M, BLOCK_N]
-        b_keep = dropout_keep(seed, i_b, i_h, o_m[:, None], o_n[None, :], dropout_p)
+        b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, False)
         tl.store(keep + o_m[:, None] * S_k + o_n[None, :], b_keep.to(tl.uint8),
                  mask=(o_m[:, None] < S_q) & (o_n[None, :] < S_k))

@@ -130,9 +130,10 @@ def _fwd_key_tiles(
         b_keep = 0
         b_keep2 = 0
         if DROPOUT:
-            b_keep = dropout_keep(seed, i_b, i_h, o_m[:, None], o_n[None, :], dropout_p)
+            b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, False)
             if SPLIT_M:
-                b_keep2 = dropout_keep(seed, i_b, i_h, o_m2[:, None], o_n[None, :], dropout_p)
+                b_keep2 = dropout_keep(seed, i_b, i_h, o_m2, start_n, dropout_p, BLOCK_N,
+                                       False)
         acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale,
                                   EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
                                   DOT_PRECISION, b_keep, DROPOUT)
