@@ -40,15 +40,22 @@ class DecodeTiles:
     BLOCK_N: int
     num_warps: int = 4
     num_stages: int = 1
+    per_sm: int = 0  # programs the split count plans per SM (0: as shared memory allows)
 
 
-def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype) -> DecodeTiles:
-    """The split-KV kernel's tiles for ``rows = G * S_q`` query rows per KV head.
+def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
+                 page: int) -> DecodeTiles:
+    """The split-KV kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache
+    of pages of ``page`` keys (0: a dense cache).
 
-    The kernel streams K and V: 64 keys per iteration with 3 stages in flight at head dims
-    up to 128 (16-bit: 32 KiB of K and V per stage, so two programs fit an SM's shared
-    memory), fewer keys where the tiles are larger. Under the interpreter, small tiles
-    (every program runs in numpy)."""
+    The kernel streams K and V: 64 keys per iteration at head dims up to 128 (16-bit: 32
+    KiB of K and V per stage), fewer keys where the tiles are larger. At 16-bit and head
+    dims up to 128, as measured (docs/notes/performance-notes.md): a dense cache's
+    contiguous tiles go 4 stages deep, one program per SM; where a tile gathers rows from
+    several pages (pages under 64 keys), 2 stages deep with splits planned for 4 programs
+    per SM, whose many loads in flight hide the gathers' latency; pages of 64 keys and more,
+    3 stages and 2 programs per SM. Under the interpreter, small tiles (every program runs
+    in numpy)."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(min(block_m, 32), 16)
@@ -57,13 +64,20 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype) -> 
     if dtype == torch.float32:
         return DecodeTiles(block_m, 32 if head <= 128 else 16, 4, 2)
     if head <= 128:
+        if page == 0:
+            return DecodeTiles(block_m, 64, 4, 4)
+        if page < 64:
+            return DecodeTiles(block_m, 64, 4, 2, per_sm=4)
         return DecodeTiles(block_m, 64, 4, 3)
     return DecodeTiles(block_m, 32, 4, 3)
 
 
 def programs_per_sm(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int) -> int:
-    """Split-KV programs resident on one SM at once, as their staged K and V tiles allow
-    (about 200 KiB of shared memory per SM on Hopper; 1 or 2)."""
+    """Split-KV programs the split count plans on one SM: ``t.per_sm`` where the tiles set
+    it, else as many as their staged K and V tiles fit (about 200 KiB of shared memory per
+    SM on Hopper; 1 or 2)."""
+    if t.per_sm:
+        return t.per_sm
     staged = t.num_stages * t.BLOCK_N * (block_d + block_dv) * itemsize
     return 2 if 2 * staged <= 200 * 1024 else 1
 
@@ -195,7 +209,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     paged = block_table is not None
     capacity = block_table.shape[1] * page if paged else page
     block_d, block_dv = block_dim(D), block_dim(DV)
-    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype)
+    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page if paged else 0)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     if num_splits == 0:
         slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
