@@ -169,6 +169,42 @@ for dtype in (torch.bfloat16, torch.float32):
                                               causal=True, window_size=(40, 0), softcap=5.0)
         torch.autograd.grad((out, lse), (q, k, v, g, bias),
                             (torch.randn_like(out), torch.randn_like(lse)))
+    elif part == "training":  # sinks and dropout, dense and packed
+        sinks = torch.randn(H, device="cuda", requires_grad=True)
+        out, lse = flashop.attention_with_lse(q, k, v, sinks=sinks, causal=bool(causal),
+                                              dropout_p=0.3)
+        torch.autograd.grad((out, lse), (q, k, v, sinks),
+                            (torch.randn_like(out), torch.randn_like(lse)))
+        cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
+        cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
+        out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
+                                       cu_k, S_q, S_k, sinks=sinks, causal=True, dropout_p=0.5)
+        out.sum().backward()
+    elif part == "decode":  # S_q new tokens appended to a dense and a paged cache, attended
+        if dtype == torch.bfloat16:
+            q, k, v = q.detach(), k.detach(), v.detach()
+            new_k, new_v = k[:, :S_q], v[:, :S_q]
+            if new_k.shape[1] < S_q:  # fewer keys than queries: repeat them
+                reps = -(-S_q // S_k)
+                new_k = k.repeat(1, reps, 1, 1)[:, :S_q]
+                new_v = v.repeat(1, reps, 1, 1)[:, :S_q]
+            cap = S_k + S_q + 5
+            lens = torch.randint(0, S_k + 1, (B,), device="cuda", dtype=torch.int32)
+            k_cache = torch.randn(B, cap, H_kv, D, device="cuda", dtype=dtype)
+            v_cache = torch.randn(B, cap, H_kv, DV, device="cuda", dtype=dtype)
+            flashop.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lens,
+                                           causal=bool(causal), sinks=torch.randn(H, device="cuda"))
+            page = 16
+            per_seq = -(-cap // page)
+            table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
+            table = table.view(B, per_seq).to(torch.int32)
+            k_pages = torch.randn(B * per_seq + 3, page, H_kv, D, device="cuda", dtype=dtype)
+            v_pages = torch.randn(B * per_seq + 3, page, H_kv, DV, device="cuda", dtype=dtype)
+            for splits in (0, 1, 3):
+                flashop.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v,
+                                               cache_seqlens=lens, block_table=table,
+                                               causal=bool(causal), num_splits=splits,
+                                               window_size=(20, -1))
     else:  # the same tokens packed (B sequences of S_q and S_k); a boolean mask dense
         cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
         cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
@@ -184,9 +220,10 @@ print("sanitized")
 """
 
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
-# gradient, where dQ never goes by atomics
+# gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
+# key/value-cache op (appends into dense and paged caches, split and not)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
-                   ("packed", "1"), ("split", "0")]
+                   ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0")]
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
