@@ -237,10 +237,13 @@ def main(argv=None) -> int:
             seconds = time.perf_counter() - start
             print(f"{backend:8s} {mode:16s} {args.batch * args.steps / seconds:10.0f} tokens/s "
                   f"(prefill included, {seconds * 1e3:.1f} ms)")
-    same = torch.equal(tokens["flashop", "eager"], tokens["sdpa", "eager"]) \
-        if ("flashop", "eager") in tokens and ("sdpa", "eager") in tokens else None
-    if same is not None:
-        print(f"flashop's greedy tokens equal SDPA's (bf16): {same}")
+    if ("flashop", "eager") in tokens and ("sdpa", "eager") in tokens:
+        # steps of each sequence equal to SDPA's before its first difference: in bf16 the two
+        # round differently, a near-tie between two tokens can flip, and the sequences part
+        # from there (tests/test_decode_model.py checks equality in fp32)
+        same = (tokens["flashop", "eager"] == tokens["sdpa", "eager"]).int().cumprod(1).sum(1)
+        print(f"greedy tokens equal to SDPA's (bf16): {same.tolist()} of {args.steps} steps "
+              f"per sequence before any difference")
     return 0
 
 

@@ -48,6 +48,7 @@ def variants(N, H, B, device):
         "causal sinks": (True, (-1, -1), dict(sinks=torch.zeros(H, device=device,
                                                                 requires_grad=True))),
         "causal dropout 0.1": (True, (-1, -1), dict(dropout_p=0.1)),
+        "dropout 0.1": (False, (-1, -1), dict(dropout_p=0.1)),
     }
 
 
