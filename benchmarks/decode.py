@@ -10,13 +10,15 @@ medians of triton.testing.do_bench over CUDA-graph replays (as a serving loop ru
 step: host time left out), in microseconds per call; ``--eager`` times plain calls instead. Points whose
 cache does not fit the GPU's memory are skipped.
 
-Usage: python benchmarks/decode.py [--quick] [--out PATH.csv]
+Usage: python benchmarks/decode.py [--quick] [--out PATH.csv] [--plot PATH.png]
+       python benchmarks/decode.py --from-csv PATH.csv [--plot PATH.png]   # no GPU needed
 Tokens/s of a small model: python benchmarks/decode_model.py
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import sys
 from pathlib import Path
@@ -118,15 +120,10 @@ def make_flex(B, L, lengths):
 def print_table(rows):
     """One line per (B, L): GB/s and the fraction of copy bandwidth per provider/layout,
     then flashop (dense) over SDPA."""
-    cols = []
-    for r in rows:
-        col = r["provider"] + ("" if r["layout"] == "dense" else f"-p{r['page']}")
-        if col not in cols:
-            cols.append(col)
+    cols = list(dict.fromkeys(column(r) for r in rows))
     table = {}
     for r in rows:
-        col = r["provider"] + ("" if r["layout"] == "dense" else f"-p{r['page']}")
-        table.setdefault((r["B"], r["L"]), {})[col] = r
+        table.setdefault((r["B"], r["L"]), {})[column(r)] = r
     print(f"\n{'B':>3} {'L':>7}  " + "  ".join(f"{c:>20}" for c in cols) + "  flashop/sdpa")
     for (B, L), by in sorted(table.items()):
         cells = [f"{by[c]['us']:7.1f}us {by[c]['frac_copy']:5.0%}" if c in by else "-"
@@ -134,6 +131,54 @@ def print_table(rows):
         ratio = (f"{by['sdpa']['us'] / by['flashop']['us']:.2f}x"
                  if "sdpa" in by and "flashop" in by else "-")
         print(f"{B:>3} {L:>7}  " + "  ".join(f"{c:>20}" for c in cells) + f"  {ratio:>12}")
+
+
+def column(r) -> str:
+    """A row's provider, with its page size where paged: 'flashop-p16'."""
+    return r["provider"] + ("" if r["layout"] == "dense" else f"-p{r['page']}")
+
+
+def read_results(path):
+    """The rows of a results CSV (CSV_HEADER's columns) with their numbers parsed."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r.update(page=int(r["page"]), B=int(r["B"]), L=int(r["L"]), us=float(r["us"]),
+                 gbps=float(r["gbps"]), frac_copy=float(r["frac_copy"]))
+    return rows
+
+
+def plot(rows, path) -> None:
+    """The fraction of copy bandwidth against the cache length, one panel per batch size,
+    one line per provider and layout (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot", flush=True)
+        return
+    batches = sorted({r["B"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), squeeze=False, sharey=True,
+                             figsize=(4.5 * len(batches), 3.8))
+    for ax, B in zip(axes[0], batches):
+        for col in dict.fromkeys(column(r) for r in rows):
+            pts = sorted((r["L"], r["frac_copy"]) for r in rows
+                         if r["B"] == B and column(r) == col)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=col)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"B = {B}")
+        ax.set_xlabel("cache length (keys)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("K + V read / copy bandwidth")
+    axes[0][-1].legend(fontsize=8)
+    gpu = rows[0]["gpu"]
+    fig.suptitle(f"Decoding one token, bf16, H={H}, H_kv={H_KV}, D={D} ({gpu}, torch "
+                 f"{rows[0]['torch']}, triton {rows[0]['triton']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -144,7 +189,20 @@ def main(argv=None) -> int:
                    help="time plain calls (host time included) instead of CUDA-graph replays")
     p.add_argument("--out", default=None,
                    help="CSV path (default benchmarks/results/<date>-<gpu>-decode.csv)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="also plot the fraction of copy bandwidth (needs matplotlib)")
+    p.add_argument("--from-csv", default=None, metavar="PATH.csv",
+                   help="no timing: print the table (and --plot) of a results file")
     args = p.parse_args(argv)
+    if args.from_csv:
+        rows = read_results(args.from_csv)
+        if not rows:
+            print(f"no rows in {args.from_csv}", file=sys.stderr)
+            return 1
+        print_table(rows)
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     if not torch.cuda.is_available():
         print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
         return 1
@@ -193,6 +251,8 @@ def main(argv=None) -> int:
     write_csv(out, rows, CSV_HEADER)
     print(f"wrote {out}")
     print_table(rows)
+    if args.plot:
+        plot(rows, args.plot)
     return 0
 
 

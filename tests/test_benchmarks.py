@@ -48,6 +48,22 @@ def test_from_csv_with_nothing_selected_fails(tmp_path, capsys):
     assert "no rows selected" in capsys.readouterr().err
 
 
+def test_decode_from_csv_prints_the_table_with_the_ratio_to_sdpa(tmp_path, capsys):
+    import decode
+
+    rows = [dict(gpu="GPU X", torch="2.0", triton="3.0", provider=p, layout=layout, page=page,
+                 B=8, L=4096, H=32, H_kv=8, D=128, us=us, gbps=1.0, frac_copy=f)
+            for p, layout, page, us, f in [("flashop", "dense", 0, 40.0, 0.8),
+                                           ("flashop", "paged", 16, 50.0, 0.64),
+                                           ("sdpa", "dense", 0, 44.0, 0.73)]]
+    decode.write_csv(tmp_path / "d.csv", rows, decode.CSV_HEADER)
+    assert decode.main(["--from-csv", str(tmp_path / "d.csv")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split()[2:] == ["flashop", "flashop-p16", "sdpa", "flashop/sdpa"]
+    assert lines[-1].split() == ["8", "4096", "40.0us", "80%", "50.0us", "64%", "44.0us",
+                                 "73%", "1.10x"]
+
+
 # --- the scripts import without a GPU; switches go through flashop.config ----------------
 
 import importlib  # noqa: E402
