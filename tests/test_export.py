@@ -43,6 +43,26 @@ print("equal")
 """
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's package: flashop's ops called back")
+def test_aoti_package_on_the_cpu_calls_flashop_back(tmp_path):
+    """On the CPU the package keeps flashop's operators as calls through the dispatcher:
+    loaded in a fresh process that imports flashop, it gives the eager outputs."""
+    import subprocess
+    import sys
+
+    module = TinyAttention()
+    x = torch.randn(2, 10, 32)
+    with torch.no_grad():
+        expected = module(x)
+        program = torch.export.export(module, (x,))
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(tmp_path / "attention.pt2"))
+    torch.save((x, expected), tmp_path / "io.pt")
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, path, str(tmp_path / "io.pt")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=False,
