@@ -6,7 +6,10 @@ Attention backends:
   ``flashop.attention_with_kvcache`` appending each token to a paged (``page`` > 0) or dense
   cache in place;
 - ``sdpa``: plain PyTorch, a dense cache written by indexing and
-  ``F.scaled_dot_product_attention`` with a mask of each sequence's length.
+  ``F.scaled_dot_product_attention`` with a mask of each sequence's length;
+- ``flex``: as ``sdpa`` for the prefill; decode steps over the same cache with
+  FlexAttention and a score_mod masking each query's keys past its position (compiled
+  modes only: eager FlexAttention is PyTorch's unfused reference).
 
 Both keep their caches and lengths in buffers, so a decode step compiles with
 ``fullgraph=True`` and replays from CUDA graphs (``mode="reduce-overhead"``).
@@ -86,6 +89,17 @@ class Attention(nn.Module):
                 o = flashop.attention_with_kvcache(
                     q, self.k_cache, self.v_cache, k, v, cache_seqlens=lengths,
                     block_table=block_table, causal=True)
+        elif self.backend == "flex" and not prefill:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._store(k, v, pos, None)
+
+            def up_to_position(score, b, h, q_idx, kv_idx):
+                return torch.where(kv_idx <= pos[b, q_idx], score, float("-inf"))
+
+            o = flex_attention(q.transpose(1, 2), self.k_cache.transpose(1, 2),
+                               self.v_cache.transpose(1, 2), score_mod=up_to_position,
+                               enable_gqa=True).transpose(1, 2)
         else:
             self._store(k, v, pos, None)
             # each query attends the cached keys up to its own position
@@ -210,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--page", type=int, default=16, help="flashop's page size (0: dense)")
     parser.add_argument("--modes", default="eager,reduce-overhead",
                         help="comma-separated: eager, default (torch.compile), reduce-overhead")
+    parser.add_argument("--backends", default="flashop,sdpa,flex",
+                        help="comma-separated: flashop, sdpa, flex (compiled modes only)")
     args = parser.parse_args(argv)
     device, dtype = "cuda", torch.bfloat16
     cfg = ModelConfig(vocab=32000, dim=args.dim, layers=args.layers, heads=args.heads,
@@ -222,9 +238,11 @@ def main(argv=None) -> int:
           f"heads={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} layers={cfg.layers} "
           f"page={cfg.page} {torch.cuda.get_device_name()}")
     tokens = {}
-    for backend in ("flashop", "sdpa"):
+    for backend in args.backends.split(","):
         model = build(cfg, backend, args.batch, device, dtype)
         for mode in args.modes.split(","):
+            if backend == "flex" and mode == "eager":
+                continue
             torch._dynamo.reset()
             step = model.decode_step
             if mode != "eager":

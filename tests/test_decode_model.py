@@ -29,6 +29,14 @@ def test_greedy_tokens_equal_plain_pytorch_attention(page):
     assert torch.equal(tokens, _tokens(cfg, "sdpa"))
 
 
+def test_flex_peer_gives_plain_pytorch_attentions_tokens():
+    """The benchmark's FlexAttention peer (eager here: PyTorch's unfused reference) decodes
+    the tokens of the SDPA one, so its tokens/s are those of the same model."""
+    cfg = ModelConfig(vocab=128, dim=64, layers=2, heads=4, kv_heads=2, hidden=128,
+                      max_len=32, page=0)
+    assert torch.equal(_tokens(cfg, "flex"), _tokens(cfg, "sdpa"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
