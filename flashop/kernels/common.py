@@ -227,6 +227,7 @@ def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
     half j % 2 (the low one first) of word (j % 8) // 2. A pair is kept where its 16 bits
     are at least ``dropout_p * 65536``; the ops round dropout_p to a multiple of 2**-16
     first (options.round_dropout_p), so the keep rate is exactly 1 - dropout_p."""
+    tl.static_assert(BLOCK_K >= 8, "dropout_keep: key tiles of at least 8 keys")
     o_c = (start_k // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.uint32)
     o_q = o_q.to(tl.uint32)
     if KEYS_ON_ROWS:
