@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 import torch
 
 import flashop
@@ -21,6 +22,14 @@ except ImportError:  # not installed everywhere (the GPU machine): the messages 
     class TestCase(unittest.TestCase):
         def assertExpectedInline(self, actual, expect, skip=0):
             self.assertEqual(actual, expect)
+
+
+def error_message(fn, *args, **kwargs) -> str:
+    """The message of the ValueError or RuntimeError that ``fn(*args, **kwargs)`` raises
+    (failing where it raises none), with the test device written as DEVICE."""
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        fn(*args, **kwargs)
+    return str(info.value).replace(str(torch.empty(0, device=DEVICE).device), "DEVICE")
 
 
 def slow_property_examples() -> int:

@@ -18,7 +18,7 @@ import flashop
 from flashop.options import round_dropout_p
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
-    DEVICE, Case, TestCase, make_inputs, make_modifiers, poisoned_outputs,
+    DEVICE, Case, TestCase, error_message, make_inputs, make_modifiers, poisoned_outputs,
     slow_property_examples,
 )
 from test_modifiers import DTYPES, modified_cases
@@ -374,20 +374,15 @@ def _t(*shape, dtype=torch.float16, device=DEVICE):
 
 
 class TestDropoutErrors(TestCase):
-    def message(self, fn, *args, **kwargs):
-        with self.assertRaises((ValueError, RuntimeError)) as ctx:
-            fn(*args, **kwargs)
-        return str(ctx.exception).replace(str(_t(1).device), "DEVICE")
-
     def test_dropout_p(self):
         q = _t(1, 8, 2, 16)
-        self.assertExpectedInline(self.message(flashop.attention, q, q, q, dropout_p=1.0), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got 1.0""")  # noqa: B950
-        self.assertExpectedInline(self.message(flashop.attention, q, q, q, dropout_p=-0.1), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got -0.1""")  # noqa: B950
-        self.assertExpectedInline(self.message(flashop.attention, q, q, q, dropout_p=float("nan")), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got nan""")  # noqa: B950
+        self.assertExpectedInline(error_message(flashop.attention, q, q, q, dropout_p=1.0), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got 1.0""")  # noqa: B950
+        self.assertExpectedInline(error_message(flashop.attention, q, q, q, dropout_p=-0.1), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got -0.1""")  # noqa: B950
+        self.assertExpectedInline(error_message(flashop.attention, q, q, q, dropout_p=float("nan")), """flashop.attention: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got nan""")  # noqa: B950
         cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
-        self.assertExpectedInline(self.message(flashop.attention_varlen, q[0], q[0], q[0], cu, cu, 8, 8, dropout_p=2.0), """flashop.attention_varlen: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got 2.0""")  # noqa: B950
+        self.assertExpectedInline(error_message(flashop.attention_varlen, q[0], q[0], q[0], cu, cu, 8, 8, dropout_p=2.0), """flashop.attention_varlen: dropout_p must be a float with 0 <= dropout_p < 1 (the probability of dropping an attention probability), got 2.0""")  # noqa: B950
 
     def test_seed(self):
         q = _t(1, 8, 2, 16)
-        self.assertExpectedInline(self.message(torch.ops.flashop.attention_forward, q, q, q, dropout_p=0.1), """flashop.attention: dropout_p = 0.1 needs dropout_seed, an int64 tensor of one element (flashop.attention and the composite ops draw it from torch's generator)""")  # noqa: B950
-        self.assertExpectedInline(self.message(torch.ops.flashop.attention_forward, q, q, q, dropout_seed=torch.zeros(2, device=DEVICE), dropout_p=0.1), """flashop.attention: dropout_seed must be an int64 tensor of one element, got torch.float32 of shape (2,)""")  # noqa: B950
+        self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, dropout_p=0.1), """flashop.attention: dropout_p = 0.1 needs dropout_seed, an int64 tensor of one element (flashop.attention and the composite ops draw it from torch's generator)""")  # noqa: B950
+        self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, dropout_seed=torch.zeros(2, device=DEVICE), dropout_p=0.1), """flashop.attention: dropout_seed must be an int64 tensor of one element, got torch.float32 of shape (2,)""")  # noqa: B950
