@@ -37,11 +37,13 @@ def int_list(text):
     return [int(x) for x in text.split(",") if x]
 
 
-def timed(fn, warmup, rep):
-    """Median milliseconds of ``fn()`` on this GPU, the ranks starting each run together."""
+def timed(fn, warmup, rep, together=True):
+    """Median milliseconds of ``fn()`` on this GPU; where ``together``, the ranks start each
+    run together (every rank must call it then)."""
     times = []
     for i in range(warmup + rep):
-        dist.barrier()
+        if together:
+            dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -65,12 +67,16 @@ def causal_flops(N):
     return 3.5 * 4 * N * N / 2 * H * D
 
 
-def bench_ring(fd, N, H_kv, W, warmup, rep):
-    S = N // W
+def causal_inputs(S, H_kv):
+    """bf16 q (1, S, H, D), k and v (1, S, H_kv, D) requiring grad, and a dout like q."""
     q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, S, H_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, S, H_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dout = torch.randn_like(q)
+    return q, k, v, torch.randn_like(q)
+
+
+def bench_ring(fd, N, H_kv, W, warmup, rep):
+    q, k, v, dout = causal_inputs(N // W, H_kv)
 
     def step():
         out = fd.ring_attention(q, k, v, causal=True)
@@ -91,26 +97,13 @@ def bench_ring(fd, N, H_kv, W, warmup, rep):
 
 
 def bench_single(flashop, N, H_kv, warmup, rep):
-    q = torch.randn(1, N, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, N, H_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, N, H_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dout = torch.randn_like(q)
+    q, k, v, dout = causal_inputs(N, H_kv)
 
     def step():
         out = flashop.attention(q, k, v, causal=True)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    times = []
-    for i in range(warmup + rep):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
+    ms = timed(step, warmup, rep, together=False)  # one rank alone
     return dict(what="single", ms=ms, tokens_per_s_per_gpu=N / (ms / 1e3),
                 tflops_per_gpu=causal_flops(N) / (ms / 1e3) / 1e12)
 
