@@ -97,18 +97,23 @@ def auto_splits(programs: int, capacity: int, block_n: int, slots: int) -> int:
 
     Every split of a full cache does the same work, so the last wave's occupancy counts:
     the fewest splits whose waves are within 5% of the best occupancy of any split count,
-    each split keeping at least four key tiles of the cache's ``capacity`` (one under the
-    interpreter). Many waves without splitting: one split."""
+    each split keeping at least two key tiles of the cache's ``capacity`` (one under the
+    interpreter): small caches are bound by latency, and short splits finish sooner, down to
+    two tiles (as measured). A split count is counted as the splits its tiles per split
+    fill (31 splits of 64 tiles take 3 each: 22 splits). Many waves without splitting: one
+    split."""
     if programs >= 4 * slots:
         return 1
-    min_tiles = 1 if INTERPRETING else 4
-    most = max(1, min(MAX_SPLITS, cdiv(capacity, block_n * min_tiles)))
-    occupancy = []
+    min_tiles = 1 if INTERPRETING else 2
+    tiles = cdiv(capacity, block_n)
+    most = max(1, min(MAX_SPLITS, cdiv(tiles, min_tiles)))
+    occupancy = {}
     for s in range(1, most + 1):
-        waves = programs * s / slots
-        occupancy.append(waves / math.ceil(waves))
-    best = max(occupancy)
-    return next(s for s, occ in enumerate(occupancy, 1) if occ >= 0.95 * best)
+        filled = cdiv(tiles, cdiv(tiles, s))
+        waves = programs * filled / slots
+        occupancy[filled] = waves / math.ceil(waves)
+    best = max(occupancy.values())
+    return min(s for s, occ in occupancy.items() if occ >= 0.95 * best)
 
 
 def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
