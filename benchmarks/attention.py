@@ -40,6 +40,7 @@ FLASHOP_VARIANTS = {
     "flashop-tma": {"tma": True},  # key/value tiles through tensor descriptors everywhere
     "flashop-no-tma": {"tma": False},  # ... nowhere
     "flashop-no-ws": {"warp_specialize": False},  # never the warp-specialized forward
+    "flashop-ws": {"warp_specialize": True},  # ... wherever the inputs allow it
 }
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
 PROVIDERS = [*FLASHOP_VARIANTS, *PEERS]
