@@ -431,6 +431,29 @@ def test_sinks_on_another_device():
                         + re.escape("sinks on meta"), message), message
 
 
+def test_split_rule_on_gpus(monkeypatch):
+    """auto_splits as on a GPU: splits of at least two key tiles, none left empty (the
+    count is one its tiles per split fill), the fewest within 5% of the best occupancy of
+    the resident programs; one split where the programs fill several waves. The points of
+    docs/notes/performance-notes.md entry 54 (H200: 132 SMs)."""
+    from flashop import launch_decode
+    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
+    rule = launch_decode.auto_splits
+    # B=1 4k keys: pages of 16 (4 programs per SM), dense (1); the small model's 16 programs
+    # over 768 keys; B=8 4k with pages of 16; B=64 (many waves)
+    assert [rule(8, 4096, 64, 528), rule(8, 4096, 64, 132), rule(16, 768, 64, 528),
+            rule(64, 4096, 64, 528), rule(512, 4096, 64, 528)] == [32, 16, 6, 8, 1]
+    cdiv = launch_decode.cdiv
+    for programs in (1, 3, 8, 16, 40, 64, 200, 600):
+        for capacity in (64, 100, 768, 4096, 65536, 131072):
+            for slots in (132, 264, 528):
+                s = rule(programs, capacity, 64, slots)
+                tiles = cdiv(capacity, 64)
+                assert 1 <= s <= launch_decode.MAX_SPLITS
+                assert cdiv(tiles, cdiv(tiles, s)) == s  # no empty split
+                assert s == 1 or cdiv(tiles, s) >= 2, (programs, capacity, slots, s)
+
+
 def test_grad_mode_off_accepts_inputs_that_require_grad():
     case = CacheCase((3, 5), 1, 0, 1, 2, 16, 16, torch.float32, capacity=8)
     (q, k_cache, v_cache, _, _), kwargs = make_call(case)
