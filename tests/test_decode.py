@@ -454,6 +454,21 @@ def test_split_rule_on_gpus(monkeypatch):
                 assert s == 1 or cdiv(tiles, s) >= 2, (programs, capacity, slots, s)
 
 
+def test_decode_tiles_on_gpus(monkeypatch):
+    """decode_tiles as on a GPU at D=128, 16-bit: dense caches 128 keys with 3 stages, 2
+    where each split runs at most two tiles (short_run_tiles); pages keep 64 keys."""
+    from flashop import launch_decode
+    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
+    dense = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, 0)
+    assert (dense.BLOCK_N, dense.num_stages) == (128, 3)
+    short = launch_decode.short_run_tiles
+    assert short(dense, 4096, 16).num_stages == 2  # B=1 over 4k keys: 2 tiles per split
+    assert short(dense, 4096, 8) == dense  # 4 tiles per split
+    paged = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, 16)
+    assert (paged.BLOCK_N, paged.num_stages, paged.per_sm) == (64, 2, 4)
+    assert short(paged, 4096, 64) == paged
+
+
 def test_grad_mode_off_accepts_inputs_that_require_grad():
     case = CacheCase((3, 5), 1, 0, 1, 2, 16, 16, torch.float32, capacity=8)
     (q, k_cache, v_cache, _, _), kwargs = make_call(case)
