@@ -77,7 +77,8 @@ def short_run_tiles(t: DecodeTiles, capacity: int, num_splits: int) -> DecodeTil
     ``t`` streams 128 keys at a time (a dense cache): the whole run is then in flight at
     once, and the third stage only lengthens the prologue (B=1 over 4k keys: 9.3 against
     10.0 µs on an H200)."""
-    if t.BLOCK_N == 128 and t.num_stages > 2 and cdiv(cdiv(capacity, 128), num_splits) <= 2:
+    if t.BLOCK_N == 128 and t.num_stages > 2 and cdiv(cdiv(capacity, t.BLOCK_N),
+                                                       num_splits) <= 2:
         return replace(t, num_stages=2)
     return t
 
