@@ -11,6 +11,7 @@ with TRITON_INTERPRET=1, which Triton reads when the kernels are decorated.
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -22,9 +23,7 @@ def _process_start() -> float:
             started = int(f.read().rsplit(")", 1)[1].split()[19])  # clock ticks after boot
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        import os as _os
-
-        return time.perf_counter() - (uptime - started / _os.sysconf("SC_CLK_TCK"))
+        return time.perf_counter() - (uptime - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.perf_counter()
 
@@ -32,7 +31,6 @@ def _process_start() -> float:
 _START = _process_start()
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
