@@ -431,13 +431,20 @@ def test_sinks_on_another_device():
                         + re.escape("sinks on meta"), message), message
 
 
-def test_split_rule_on_gpus(monkeypatch):
+@pytest.fixture
+def decode_rules_on_gpus(monkeypatch):
+    """flashop.launch_decode with its GPU rules (not the interpreter's small tiles)."""
+    from flashop import launch_decode
+    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
+    return launch_decode
+
+
+def test_split_rule_on_gpus(decode_rules_on_gpus):
     """auto_splits as on a GPU: splits of at least two key tiles, none left empty (the
     count is one its tiles per split fill), the fewest within 5% of the best occupancy of
     the resident programs; one split where the programs fill several waves. The points of
     docs/notes/performance-notes.md entry 54 (H200: 132 SMs)."""
-    from flashop import launch_decode
-    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
+    launch_decode = decode_rules_on_gpus
     rule = launch_decode.auto_splits
     # B=1 4k keys: pages of 16 (4 programs per SM), dense (1); the small model's 16 programs
     # over 768 keys; B=8 4k with pages of 16; B=64 (many waves)
@@ -454,11 +461,10 @@ def test_split_rule_on_gpus(monkeypatch):
                 assert s == 1 or cdiv(tiles, s) >= 2, (programs, capacity, slots, s)
 
 
-def test_decode_tiles_on_gpus(monkeypatch):
+def test_decode_tiles_on_gpus(decode_rules_on_gpus):
     """decode_tiles as on a GPU at D=128, 16-bit: dense caches 128 keys with 3 stages, 2
     where each split runs at most two tiles (short_run_tiles); pages keep 64 keys."""
-    from flashop import launch_decode
-    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
+    launch_decode = decode_rules_on_gpus
     dense = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, 0)
     assert (dense.BLOCK_N, dense.num_stages) == (128, 3)
     short = launch_decode.short_run_tiles
