@@ -41,6 +41,9 @@ class DecodeTiles:
     num_warps: int = 4
     num_stages: int = 1
     per_sm: int = 0  # programs the split count plans per SM (0: as shared memory allows)
+    # paged: each key's page id loaded (a vector, which the pipeliner prefetches) even where
+    # a tile lies in one page; else such a tile's one id (a scalar load in the loop)
+    key_page_ids: bool = False
 
 
 def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
@@ -51,14 +54,14 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
     The kernel streams K and V: at head dims up to 128 (16-bit), as measured
     (docs/notes/performance-notes.md), a dense cache's contiguous tiles 128 keys at a time,
     3 stages deep, one program per SM (short_run_tiles takes 2 stages for splits of one or
-    two tiles); where a tile gathers rows from several pages (pages under 64 keys), 64 keys
-    2 stages deep with splits planned for 4 programs per SM, whose many loads in flight hide
-    the gathers' latency; pages of 64 keys and more, 64 keys, 3 stages and 2 programs per
-    SM. Larger head dims take fewer keys. Under the interpreter, small tiles (every program
-    runs in numpy)."""
+    two tiles); a paged cache's tiles 64 keys at a time, 2 stages deep with splits planned
+    for 4 programs per SM, each key's page id a vector load that the pipeliner prefetches
+    (short_run_tiles takes a tile's one id where it lies in one page and each split runs at
+    most two tiles). Larger head dims take fewer keys. Under the interpreter, small tiles
+    (every program runs in numpy)."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
-        return DecodeTiles(min(block_m, 32), 16)
+        return DecodeTiles(min(block_m, 32), 16, key_page_ids=page > 0)
     block_m = min(block_m, 64)
     head = max(block_d, block_dv)
     if dtype == torch.float32:
@@ -66,20 +69,23 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
     if head <= 128:
         if page == 0:
             return DecodeTiles(block_m, 128, 4, 3)
-        if page < 64:
-            return DecodeTiles(block_m, 64, 4, 2, per_sm=4)
-        return DecodeTiles(block_m, 64, 4, 3)
+        return DecodeTiles(block_m, 64, 4, 2, per_sm=4, key_page_ids=True)
     return DecodeTiles(block_m, 32, 4, 3)
 
 
-def short_run_tiles(t: DecodeTiles, capacity: int, num_splits: int) -> DecodeTiles:
-    """``t`` with 2 stages where each split of a full cache runs at most two key tiles and
-    ``t`` streams 128 keys at a time (a dense cache): the whole run is then in flight at
-    once, and the third stage only lengthens the prologue (B=1 over 4k keys: 9.3 against
-    10.0 µs on an H200)."""
-    if t.BLOCK_N == 128 and t.num_stages > 2 and cdiv(cdiv(capacity, t.BLOCK_N),
-                                                       num_splits) <= 2:
+def short_run_tiles(t: DecodeTiles, capacity: int, num_splits: int, page: int) -> DecodeTiles:
+    """``t`` for splits that each run at most two key tiles of a full cache (``page`` 0: a
+    dense cache): the whole run is then in flight at once. A dense cache's 128-key tiles
+    take 2 stages, the third only lengthening the prologue (B=1 over 4k keys: 9.3 against
+    10.0 µs on an H200); a paged cache whose tiles lie in one page loads each tile's one
+    page id, the keys' vector of ids only lengthening the chain of loads (pages of 256,
+    B=1 over 4k keys: 10.2 against 11.2 µs)."""
+    if cdiv(cdiv(capacity, t.BLOCK_N), num_splits) > 2:
+        return t
+    if page == 0 and t.BLOCK_N == 128 and t.num_stages > 2:
         return replace(t, num_stages=2)
+    if page >= t.BLOCK_N and t.key_page_ids:
+        return replace(t, key_page_ids=False)
     return t
 
 
@@ -138,8 +144,9 @@ def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
 
 def _modifier_args(mods: Modifiers, sm_scale: float, dummy: torch.Tensor):
     """(alibi tensor, its (batch, head) strides, sinks tensor, its head stride, qk_scale,
-    softcap_log2, left, right, flags); ``dummy`` stands for an absent tensor. Scores in base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under a
-    softcap (then ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
+    softcap_log2, left, right, flags); ``dummy`` stands for an absent tensor. Scores in
+    base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under a softcap (then
+    ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
     left, right = mods.window_size
     if mods.causal:
         right = 0
@@ -231,7 +238,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
         num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
     num_splits = min(num_splits, MAX_SPLITS)
-    t = short_run_tiles(t, int(capacity), num_splits)
+    t = short_run_tiles(t, int(capacity), num_splits, page if paged else 0)
     split = num_splits > 1
     if split:
         o_part = q.new_empty(num_splits, B, S_q, H, DV, dtype=torch.float32)
@@ -263,6 +270,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         softcap_log2=softcap_log2, left=left, right=right,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
+        TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
         HAS_BATCH_IDX=cache_batch_idx is not None, **flags, SPLIT=split,
         **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages,
     )

@@ -5,7 +5,7 @@ loop that compiles once, and the errors on bad input."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -463,16 +463,39 @@ def test_split_rule_on_gpus(decode_rules_on_gpus):
 
 def test_decode_tiles_on_gpus(decode_rules_on_gpus):
     """decode_tiles as on a GPU at D=128, 16-bit: dense caches 128 keys with 3 stages, 2
-    where each split runs at most two tiles (short_run_tiles); pages keep 64 keys."""
+    where each split runs at most two tiles (short_run_tiles); pages 64 keys with each
+    key's page id, and a tile's one id where it lies in one page and the runs are short."""
     launch_decode = decode_rules_on_gpus
     dense = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, 0)
     assert (dense.BLOCK_N, dense.num_stages) == (128, 3)
     short = launch_decode.short_run_tiles
-    assert short(dense, 4096, 16).num_stages == 2  # B=1 over 4k keys: 2 tiles per split
-    assert short(dense, 4096, 8) == dense  # 4 tiles per split
-    paged = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, 16)
-    assert (paged.BLOCK_N, paged.num_stages, paged.per_sm) == (64, 2, 4)
-    assert short(paged, 4096, 64) == paged
+    assert short(dense, 4096, 16, 0).num_stages == 2  # B=1 over 4k keys: 2 tiles per split
+    assert short(dense, 4096, 8, 0) == dense  # 4 tiles per split
+    for page in (16, 256):
+        paged = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, page)
+        assert (paged.BLOCK_N, paged.num_stages, paged.per_sm, paged.key_page_ids) == (
+            64, 2, 4, True)
+        assert short(paged, 4096, 16, page) == paged  # 4 tiles per split
+    # pages of 16: a 64-key tile spans 4 pages, each key's id however short the runs
+    assert short(paged, 4096, 32, 16) == paged
+    assert short(paged, 4096, 32, 256) == replace(paged, key_page_ids=False)
+
+
+@pytest.mark.parametrize("key_page_ids", [False, True])
+@pytest.mark.parametrize("page", [16, 32])
+def test_page_ids_per_tile_and_per_key(monkeypatch, key_page_ids, page):
+    """The kernel's two ways to find a paged tile's keys, a tile's one page id and each
+    key's, whichever the rules pick: causal with a window (edge tiles), lengths from empty
+    to full, 1 and 3 splits."""
+    from flashop import launch_decode
+    tiles = launch_decode.decode_tiles
+    monkeypatch.setattr(launch_decode, "decode_tiles",
+                        lambda *a: replace(tiles(*a), key_page_ids=key_page_ids))
+    monkeypatch.setattr(launch_decode, "short_run_tiles", lambda t, *a: t)
+    for num_splits in (1, 3):
+        check_cache_case(CacheCase((0, 37, 4 * page - 1), 2, 1, 2, 2, 32, 32, torch.float16,
+                                   paged=True, page=page, capacity=4 * page, causal=True,
+                                   window_size=(20, 0), num_splits=num_splits))
 
 
 def test_grad_mode_off_accepts_inputs_that_require_grad():

@@ -194,17 +194,19 @@ for dtype in (torch.bfloat16, torch.float32):
             v_cache = torch.randn(B, cap, H_kv, DV, device="cuda", dtype=dtype)
             flashop.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lens,
                                            causal=bool(causal), sinks=torch.randn(H, device="cuda"))
-            page = 16
-            per_seq = -(-cap // page)
-            table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
-            table = table.view(B, per_seq).to(torch.int32)
-            k_pages = torch.randn(B * per_seq + 3, page, H_kv, D, device="cuda", dtype=dtype)
-            v_pages = torch.randn(B * per_seq + 3, page, H_kv, DV, device="cuda", dtype=dtype)
-            for splits in (0, 1, 3):
-                flashop.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v,
-                                               cache_seqlens=lens, block_table=table,
-                                               causal=bool(causal), num_splits=splits,
-                                               window_size=(20, -1))
+            for page in (16, 256):  # tiles over several pages; a tile's one page
+                per_seq = -(-cap // page)
+                table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
+                table = table.view(B, per_seq).to(torch.int32)
+                k_pages = torch.randn(B * per_seq + 3, page, H_kv, D, device="cuda",
+                                      dtype=dtype)
+                v_pages = torch.randn(B * per_seq + 3, page, H_kv, DV, device="cuda",
+                                      dtype=dtype)
+                for splits in (0, 1, 3):
+                    flashop.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v,
+                                                   cache_seqlens=lens, block_table=table,
+                                                   causal=bool(causal), num_splits=splits,
+                                                   window_size=(20, -1))
     else:  # the same tokens packed (B sequences of S_q and S_k); a boolean mask dense
         cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
         cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k

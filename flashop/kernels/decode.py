@@ -75,15 +75,17 @@ def _decode_key_tiles(
     L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, softcap_log2, left,
     right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [start, end) (multiples of BLOCK_N from a multiple of BLOCK_N)
     into the running (acc, l_i, m_i) of the query rows. ``k_cache`` / ``v_cache`` point at
     this KV head (and, dense, this sequence's row); ``block_table`` at this sequence's
-    pages. ``EDGE_TILE`` tiles may reach past the ``L_read`` readable keys or cross the
-    window / causal bounds; the others are inside for every row and skip that masking."""
+    pages: where ``TILE_PAGE`` (the tiles lie in one page) each tile's one page id is
+    loaded, else each key's (a vector, which the pipeliner prefetches). ``EDGE_TILE`` tiles
+    may reach past the ``L_read`` readable keys or cross the window / causal bounds; the
+    others are inside for every row and skip that masking."""
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
@@ -91,10 +93,10 @@ def _decode_key_tiles(
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < L_read
         if IS_PAGED:
-            if PAGE_SIZE >= BLOCK_N:  # the tile lies in one page
+            if TILE_PAGE:
                 i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
                 o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
-            else:  # the tile spans BLOCK_N // PAGE_SIZE pages: each key's own page
+            else:  # each key's own page (a tile of BLOCK_N > PAGE_SIZE keys spans pages)
                 if EDGE_TILE:
                     i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n,
                                      other=0).to(tl.int64)
@@ -150,9 +152,10 @@ def attention_decode_kernel(
     S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Attention of q[b, i, h] over the first ``L = cache_seqlens[b] + S_new`` keys of
     sequence b's cache, query i at key position ``i + L - S_q``; grid (splits, H_kv *
@@ -259,8 +262,8 @@ def attention_decode_kernel(
                 acc, l_i, m_i, b_q, k_base, v_base, block_table, o_i, m_r, alibi2, start,
                 end, L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                 qk_scale, softcap_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                PAGE_SIZE, IS_PAGED, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                UPCAST, DOT_PRECISION)
+                PAGE_SIZE, IS_PAGED, TILE_PAGE, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     m_empty = l_i == 0.0
     l_safe = tl.where(m_empty, 1.0, l_i)
