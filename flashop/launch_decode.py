@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+import triton
 from torch.library import wrap_triton
 
 from flashop.kernels import INTERPRETING
@@ -57,8 +58,10 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
     two tiles); a paged cache's tiles 64 keys at a time, 2 stages deep with splits planned
     for 4 programs per SM, each key's page id a vector load that the pipeliner prefetches
     (short_run_tiles takes a tile's one id where it lies in one page and each split runs at
-    most two tiles). Larger head dims take fewer keys. Under the interpreter, small tiles
-    (every program runs in numpy)."""
+    most two tiles). Head dims above 128 take fewer keys: a dense cache 64 at a time with 8
+    warps, a paged one 32. Under the interpreter, small tiles (every program runs in
+    numpy). The tiles are chosen for Hopper's shared memory (fit_shared_memory fits them to
+    a GPU with less)."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(min(block_m, 32), 16, key_page_ids=page > 0)
@@ -70,7 +73,28 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
         if page == 0:
             return DecodeTiles(block_m, 128, 4, 3)
         return DecodeTiles(block_m, 64, 4, 2, per_sm=4, key_page_ids=True)
-    return DecodeTiles(block_m, 32, 4, 3)
+    if page == 0:
+        return DecodeTiles(block_m, 64, 8, 3)
+    return DecodeTiles(block_m, 32, 4, 2, per_sm=4, key_page_ids=True)
+
+
+def fit_shared_memory(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int,
+                      shared_memory: int) -> DecodeTiles:
+    """``t`` with fewer stages (down to 2), then fewer keys per tile (down to 16), until its
+    query tile and staged key and value tiles fit ``shared_memory`` bytes less 16 KiB (left
+    for what the compiler adds): the tiles are chosen on Hopper (227 KiB), where an A100
+    has 163 KiB and consumer GPUs about 100 KiB."""
+    def needed(t):
+        return itemsize * (t.BLOCK_M * block_d + t.num_stages * t.BLOCK_N * (block_d + block_dv))
+
+    while needed(t) > shared_memory - 16 * 1024:
+        if t.num_stages > 2:
+            t = replace(t, num_stages=t.num_stages - 1)
+        elif t.BLOCK_N > 16:
+            t = replace(t, BLOCK_N=t.BLOCK_N // 2)
+        else:
+            break
+    return t
 
 
 def short_run_tiles(t: DecodeTiles, capacity: int, num_splits: int, page: int) -> DecodeTiles:
@@ -97,6 +121,13 @@ def programs_per_sm(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int) 
         return t.per_sm
     staged = t.num_stages * t.BLOCK_N * (block_d + block_dv) * itemsize
     return 2 if 2 * staged <= 200 * 1024 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on ``device`` (looked up once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,6 +264,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     capacity = block_table.shape[1] * page if paged else page
     block_d, block_dv = block_dim(D), block_dim(DV)
     t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page if paged else 0)
+    if not INTERPRETING:
+        t = fit_shared_memory(t, block_d, block_dv, q.element_size(), shared_memory(q.device))
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     if num_splits == 0:
         slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())

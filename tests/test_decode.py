@@ -479,6 +479,39 @@ def test_decode_tiles_on_gpus(decode_rules_on_gpus):
     # pages of 16: a 64-key tile spans 4 pages, each key's id however short the runs
     assert short(paged, 4096, 32, 16) == paged
     assert short(paged, 4096, 32, 256) == replace(paged, key_page_ids=False)
+    # head dims above 128: dense 64 keys with 8 warps, paged 32 keys with each key's id
+    dense = launch_decode.decode_tiles(4, 256, 256, torch.bfloat16, 0)
+    assert (dense.BLOCK_N, dense.num_warps, dense.num_stages) == (64, 8, 3)
+    paged = launch_decode.decode_tiles(4, 256, 256, torch.bfloat16, 16)
+    assert (paged.BLOCK_N, paged.num_stages, paged.per_sm, paged.key_page_ids) == (
+        32, 2, 4, True)
+
+
+@pytest.mark.parametrize("head", [64, 128, 256])
+@pytest.mark.parametrize("rows", [4, 64])
+@pytest.mark.parametrize("page", [0, 16, 256])
+def test_decode_tiles_fit_every_shared_memory(decode_rules_on_gpus, head, rows, page):
+    """fit_shared_memory: the tiles chosen on Hopper stay as they are there (227 KiB) and
+    fit an A100's 163 KiB and a consumer GPU's 99 KiB, losing stages before keys."""
+    launch_decode = decode_rules_on_gpus
+    tiles = launch_decode.decode_tiles(rows, head, head, torch.bfloat16, page)
+    fit = launch_decode.fit_shared_memory
+
+    def needed(t):
+        return 2 * (t.BLOCK_M * head + t.num_stages * t.BLOCK_N * 2 * head)
+
+    hopper = 227 * 1024
+    assert needed(tiles) <= hopper - 16 * 1024 or (head, rows) == (256, 64)
+    if needed(tiles) <= hopper - 16 * 1024:
+        assert fit(tiles, head, head, 2, hopper) == tiles
+    for shared_memory in (hopper, 163 * 1024, 99 * 1024):
+        limit = shared_memory - 16 * 1024
+        t = fit(tiles, head, head, 2, shared_memory)
+        assert needed(t) <= limit and t.BLOCK_N >= 16, (shared_memory, t)
+        if t.BLOCK_N < tiles.BLOCK_N:  # stages go first, down to 2
+            assert t.num_stages == 2 and needed(replace(t, BLOCK_N=2 * t.BLOCK_N)) > limit
+        elif t.num_stages < tiles.num_stages:  # no more than needed
+            assert needed(replace(t, num_stages=t.num_stages + 1)) > limit
 
 
 @pytest.mark.parametrize("key_page_ids", [False, True])
@@ -531,6 +564,25 @@ def test_gpu_bf16_long_caches_with_sinks(paged, num_splits):
     the merge of auto and forced splits."""
     case = CacheCase((0, 1000, 4095), 1, 1, 8, 4, 128, 128, torch.bfloat16, paged=paged,
                      capacity=4096, causal=True, sinks=torch.bfloat16, num_splits=num_splits)
+    check_cache_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shared_memory", [0, 163 * 1024, 99 * 1024],
+                         ids=["this-gpu", "163KiB", "99KiB"])
+@pytest.mark.parametrize("paged,page", [(False, 0), (True, 16), (True, 256)])
+@pytest.mark.parametrize("D,S_q", [(128, 1), (256, 1), (256, 16)])
+def test_gpu_bf16_tiles_for_every_shared_memory(monkeypatch, shared_memory, paged, page, D,
+                                                 S_q):
+    """bf16 over 2048-key caches with the tiles as chosen for this GPU, and as fitted to an
+    A100's (163 KiB) and a consumer GPU's (99 KiB) shared memory: each compiles, launches
+    and agrees with the reference (D=256 with 16 queries of 4 heads: 64-row tiles)."""
+    from flashop import launch_decode
+    if shared_memory:
+        monkeypatch.setattr(launch_decode, "shared_memory", lambda device: shared_memory)
+    case = CacheCase((0, 700, 2048 - S_q), S_q, S_q, 2, 4, D, D, torch.bfloat16,
+                     paged=paged, page=page or 16, capacity=2048, causal=True)
     check_cache_case(case)
 
 
