@@ -75,6 +75,14 @@ def is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(device_index: int) -> int:
+    """Bytes of shared memory one program may take on GPU ``device_index`` (looked up
+    once)."""
+    return triton.runtime.driver.active.utils.get_device_properties(
+        device_index)["max_shared_mem"]
+
+
 def known_shorter(n, bound: int) -> bool:
     """Whether the length ``n`` is known to be below ``bound``: a symbolic length (under
     torch.compile with dynamic shapes) counts as long, so that no guard is put on it."""

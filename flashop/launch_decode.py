@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-import triton
 from torch.library import wrap_triton
 
 from flashop.kernels import INTERPRETING
@@ -22,8 +21,8 @@ from flashop.kernels.decode import (
     attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
 )
 from flashop.launch_common import (
-    block_dim, cdiv, check_row_offsets, dtype_constexprs, next_power_of_2, resolve_scale,
-    unit_stride_last,
+    block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory, next_power_of_2,
+    resolve_scale, unit_stride_last,
 )
 from flashop.options import Modifiers
 
@@ -121,13 +120,6 @@ def programs_per_sm(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int) 
         return t.per_sm
     staged = t.num_stages * t.BLOCK_N * (block_d + block_dv) * itemsize
     return 2 if 2 * staged <= 200 * 1024 else 1
-
-
-@functools.lru_cache(maxsize=None)
-def shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one program may take on ``device`` (looked up once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,16 +254,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                       (S_q, S_q))
     paged = block_table is not None
     capacity = block_table.shape[1] * page if paged else page
+    page_size = page if paged else 0  # the tile rules' page (0: a dense cache)
     block_d, block_dv = block_dim(D), block_dim(DV)
-    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page if paged else 0)
+    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page_size)
     if not INTERPRETING:
-        t = fit_shared_memory(t, block_d, block_dv, q.element_size(), shared_memory(q.device))
+        t = fit_shared_memory(t, block_d, block_dv, q.element_size(),
+                              max_shared_memory(q.device.index))
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     if num_splits == 0:
         slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
         num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
     num_splits = min(num_splits, MAX_SPLITS)
-    t = short_run_tiles(t, int(capacity), num_splits, page if paged else 0)
+    t = short_run_tiles(t, int(capacity), num_splits, page_size)
     split = num_splits > 1
     if split:
         o_part = q.new_empty(num_splits, B, S_q, H, DV, dtype=torch.float32)

@@ -14,7 +14,9 @@ import triton
 
 from flashop import config
 from flashop.kernels import INTERPRETING
-from flashop.launch_common import is_hopper, known_shorter, next_power_of_2
+from flashop.launch_common import (
+    is_hopper, known_shorter, max_shared_memory, next_power_of_2,
+)
 
 
 @dataclass(frozen=True)
@@ -232,8 +234,7 @@ def autotune_key(kernel) -> list:
 def autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
               device_index: int):
     """``kernel`` autotuned over the candidates of ``kind`` that fit this GPU."""
-    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    tiles = prune_tiles(kind, block_d, block_dv, itemsize, props["max_shared_mem"])
+    tiles = prune_tiles(kind, block_d, block_dv, itemsize, max_shared_memory(device_index))
     configs = [triton.Config(t.constexprs(kind), num_warps=t.num_warps,
                              num_stages=t.num_stages) for t in tiles]
     return triton.autotune(configs=configs, key=autotune_key(kernel))(kernel)

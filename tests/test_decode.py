@@ -580,7 +580,7 @@ def test_gpu_bf16_tiles_for_every_shared_memory(monkeypatch, shared_memory, page
     and agrees with the reference (D=256 with 16 queries of 4 heads: 64-row tiles)."""
     from flashop import launch_decode
     if shared_memory:
-        monkeypatch.setattr(launch_decode, "shared_memory", lambda device: shared_memory)
+        monkeypatch.setattr(launch_decode, "max_shared_memory", lambda index: shared_memory)
     case = CacheCase((0, 700, 2048 - S_q), S_q, S_q, 2, 4, D, D, torch.bfloat16,
                      paged=paged, page=page or 16, capacity=2048, causal=True)
     check_cache_case(case)
