@@ -1,9 +1,10 @@
 """Experiment (performance notes, entry 63): a Hopper attention forward in Gluon, for
-triton 3.6 (`triton.experimental.gluon`; its API changes between releases). Non-causal,
-one head dim D <= 128, N a multiple of the tiles, contiguous (B, N, H, D) 16-bit inputs,
-no masks: enough to measure, not a product path. Not imported by flashop and not run by
-CI (Triton's interpreter cannot run Gluon). `fa_fwd_ws(q, k, v, STAGES=3, OVERLAP=True)`
-is the fastest form measured.
+triton 3.6 (`triton.experimental.gluon`; its API changes between releases). One head
+dim D <= 128, S_q = S_k = N a multiple of the tiles, contiguous (B, N, H, D) 16-bit
+inputs, no lse, no masks but causal (fa_fwd_ws with OVERLAP): enough to measure, not a
+product path. Not imported by flashop and not run by CI (Triton's interpreter cannot
+run Gluon). `fa_fwd_ws(q, k, v, STAGES=3, OVERLAP=True, CAUSAL=...)` is the fastest form
+measured.
 
 Forms:
 - fa_fwd: one program of 8 warps (two warp groups of 64 rows), K and V by TMA into STAGES
@@ -12,7 +13,8 @@ Forms:
 - fa_fwd_ws: warp-specialized, a load warp (Q once, then K and V into STAGES buffers,
   each refilled once both consumers released it) and two consumer warp groups of 64 rows;
   OVERLAP issues S_{j+1} with P_j V_j and computes the softmax of S_{j+1} under P_j V_j;
-  PINGPONG makes the groups take turns to issue their wgmmas.
+  PINGPONG makes the groups take turns to issue their wgmmas; CAUSAL masks the diagonal
+  tile (the last of each program) and runs the programs heaviest first.
 """
 import torch
 import triton
@@ -126,6 +128,14 @@ def _softmax_tile(qk, m_i, l_i, qk_scale, dtype: gl.constexpr, p_layout: gl.cons
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, alpha
+
+
+@gluon.jit
+def _softmax_tile_causal(qk, m_i, l_i, qk_scale, offs_q, offs_k, dtype: gl.constexpr,
+                         p_layout: gl.constexpr):
+    """_softmax_tile with keys past each row's query masked (a diagonal tile)."""
+    qk = gl.where(gl.expand_dims(offs_k, 0) <= gl.expand_dims(offs_q, 1), qk, float("-inf"))
+    return _softmax_tile(qk, m_i, l_i, qk_scale, dtype, p_layout)
 
 
 @gluon.jit
@@ -285,9 +295,12 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr, q_row,
 def fa_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      STAGES: gl.constexpr, PINGPONG: gl.constexpr, REGS: gl.constexpr,
-                     CONSUMER: gl.constexpr, num_warps: gl.constexpr):
-    """Warp-specialized: a load warp and two consumer warp groups of BLOCK_M / 2 rows."""
+                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """Warp-specialized: a load warp and two consumer warp groups of BLOCK_M / 2 rows.
+    Where CAUSAL (BLOCK_M == BLOCK_N, S_q == S_k), the programs run heaviest first."""
     pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
     pid_bh = gl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -310,17 +323,20 @@ def fa_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
     if PINGPONG:  # group 0 goes first
         mbarrier.arrive(turn.index(0), count=1)
     n_tiles = N // BLOCK_N
+    if CAUSAL:
+        n_tiles = pid_m + 1
     q_row = row0 + pid_m * BLOCK_M
+    q_pos = pid_m * BLOCK_M
     HD = H * D
     ROWS: gl.constexpr = BLOCK_M // 2
     if CONSUMER:
         gl.warp_specialize([
             (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
                                     q_row, col, HD, n_tiles, qk_scale, 0, ROWS, BLOCK_N, D,
-                                    STAGES, PINGPONG)),
+                                    STAGES, PINGPONG, CAUSAL, q_pos)),
             (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
                                     q_row, col, HD, n_tiles, qk_scale, 1, ROWS, BLOCK_N, D,
-                                    STAGES, PINGPONG)),
+                                    STAGES, PINGPONG, CAUSAL, q_pos)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
                             row0, q_row, col, n_tiles, STAGES, BLOCK_N)),
         ], [4, 1], [REGS, 24])
@@ -336,7 +352,8 @@ def fa_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
 
 
 def fa_fwd_ws(q, k, v, BLOCK_M=128, BLOCK_N=128, STAGES=2, PINGPONG=False, REGS=232,
-              OVERLAP=False):
+              OVERLAP=False, CAUSAL=False):
+    assert not CAUSAL or (OVERLAP and BLOCK_M == BLOCK_N)
     B, N, H, D = q.shape
     assert N % BLOCK_M == 0 and N % BLOCK_N == 0 and q.is_contiguous() and k.is_contiguous()
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -350,7 +367,7 @@ def fa_fwd_ws(q, k, v, BLOCK_M=128, BLOCK_N=128, STAGES=2, PINGPONG=False, REGS=
     qk_scale = D ** -0.5 * 1.4426950408889634
     fa_fwd_ws_kernel[(N // BLOCK_M, B * H)](q_desc, k_desc, v_desc, out, N, H, qk_scale,
                                             BLOCK_M, BLOCK_N, D, STAGES, PINGPONG, REGS,
-                                            OVERLAP,
+                                            OVERLAP, CAUSAL,
                                             num_warps=4)
     return out
 
@@ -359,9 +376,10 @@ def fa_fwd_ws(q, k, v, BLOCK_M=128, BLOCK_N=128, STAGES=2, PINGPONG=False, REGS=
 def _ws_consumer_overlap(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr, q_row, col,
                          HD, n_tiles, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         PINGPONG: gl.constexpr, CAUSAL: gl.constexpr = False, q_pos=0):
     """As _ws_consumer, with S_{j+1} and O += P_j V_j issued together (in this group's turn
-    where PINGPONG) and the softmax of S_{j+1} computed while P_j V_j runs."""
+    where PINGPONG) and the softmax of S_{j+1} computed while P_j V_j runs. Where CAUSAL,
+    the last key tile is the diagonal one (q_pos: the program's first query position)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -383,7 +401,13 @@ def _ws_consumer_overlap(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_tok,))
-    p_op, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, qk_scale, q_smem.dtype, p_layout)
+    offs_q = q_pos + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL and n_tiles == 1:
+        p_op, m_i, l_i, alpha = _softmax_tile_causal(qk, m_i, l_i, qk_scale, offs_q, offs_n,
+                                                     q_smem.dtype, p_layout)
+    else:
+        p_op, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, qk_scale, q_smem.dtype, p_layout)
     for j in range(n_tiles - 1):
         s = j % STAGES
         s1 = (j + 1) % STAGES
@@ -396,7 +420,13 @@ def _ws_consumer_overlap(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))
-        p_op, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, qk_scale, q_smem.dtype, p_layout)
+        if CAUSAL and j + 2 == n_tiles:
+            p_op, m_i, l_i, alpha = _softmax_tile_causal(
+                qk, m_i, l_i, qk_scale, offs_q, (j + 1) * BLOCK_N + offs_n, q_smem.dtype,
+                p_layout)
+        else:
+            p_op, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, qk_scale, q_smem.dtype,
+                                                  p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         mbarrier.arrive(empty.index(s), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
