@@ -15,6 +15,9 @@ Forms:
   OVERLAP issues S_{j+1} with P_j V_j and computes the softmax of S_{j+1} under P_j V_j;
   PINGPONG makes the groups take turns to issue their wgmmas; CAUSAL masks the diagonal
   tile (the last of each program) and runs the programs heaviest first.
+- fa_fwd_ws_ptr_kernel: the same on plain pointers, its descriptors made in the kernel
+  (needs `triton.set_allocator`); launched through `wrap_triton` in a `triton_op` it runs
+  eagerly and in CUDA graphs, but torch 2.11's Inductor cannot compile it (entry 63).
 """
 import torch
 import triton
@@ -292,10 +295,38 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr, q_row,
 
 
 @gluon.jit
+def fa_fwd_ws_ptr_kernel(q, k, v, o_ptr, N, H, qk_scale, n_rows,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                         STAGES: gl.constexpr, PINGPONG: gl.constexpr, REGS: gl.constexpr,
+                         CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """fa_fwd_ws_kernel on plain pointers: the descriptors made here (as a traced launch
+    needs: no host descriptor over a fake tensor)."""
+    # 16-bit rows of D = 128: 256 bytes, the 128-byte swizzle
+    Q_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                  rank=2)
+    K_LAYOUT: gl.constexpr = Q_LAYOUT
+    q_desc = tma.make_tensor_descriptor(q, [n_rows, H * D], [H * D, 1], [BLOCK_M, D], Q_LAYOUT)
+    k_desc = tma.make_tensor_descriptor(k, [n_rows, H * D], [H * D, 1], [BLOCK_N, D], K_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(v, [n_rows, H * D], [H * D, 1], [BLOCK_N, D], K_LAYOUT)
+    _fa_ws(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale, BLOCK_M, BLOCK_N, D, STAGES,
+           PINGPONG, REGS, CONSUMER, CAUSAL)
+
+
+@gluon.jit
 def fa_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      STAGES: gl.constexpr, PINGPONG: gl.constexpr, REGS: gl.constexpr,
                      CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    _fa_ws(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale, BLOCK_M, BLOCK_N, D, STAGES,
+           PINGPONG, REGS, CONSUMER, CAUSAL)
+
+
+@gluon.jit
+def _fa_ws(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+           STAGES: gl.constexpr, PINGPONG: gl.constexpr, REGS: gl.constexpr,
+           CONSUMER: gl.constexpr, CAUSAL: gl.constexpr):
     """Warp-specialized: a load warp and two consumer warp groups of BLOCK_M / 2 rows.
     Where CAUSAL (BLOCK_M == BLOCK_N, S_q == S_k), the programs run heaviest first."""
     pid_m = gl.program_id(0)
