@@ -18,6 +18,8 @@ Forms:
 - fa_fwd_ws_ptr_kernel: the same on plain pointers, its descriptors made in the kernel
   (needs `triton.set_allocator`); launched through `wrap_triton` in a `triton_op` it runs
   eagerly and in CUDA graphs, but torch 2.11's Inductor cannot compile it (entry 63).
+- fa_fwd_ws3: three consumer groups of 64 rows (FA3's 192-row programs), Q in three 64-row
+  buffers (a 192-row allocation is refused), non-causal; slower (entry 63).
 """
 import torch
 import triton
@@ -364,10 +366,10 @@ def _fa_ws(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
         gl.warp_specialize([
             (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
                                     q_row, col, HD, n_tiles, qk_scale, 0, ROWS, BLOCK_N, D,
-                                    STAGES, PINGPONG, CAUSAL, q_pos)),
+                                    STAGES, PINGPONG, CAUSAL, q_pos, N)),
             (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
                                     q_row, col, HD, n_tiles, qk_scale, 1, ROWS, BLOCK_N, D,
-                                    STAGES, PINGPONG, CAUSAL, q_pos)),
+                                    STAGES, PINGPONG, CAUSAL, q_pos, N)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
                             row0, q_row, col, n_tiles, STAGES, BLOCK_N)),
         ], [4, 1], [REGS, 24])
@@ -407,7 +409,8 @@ def fa_fwd_ws(q, k, v, BLOCK_M=128, BLOCK_N=128, STAGES=2, PINGPONG=False, REGS=
 def _ws_consumer_overlap(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr, q_row, col,
                          HD, n_tiles, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr,
                          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                         PINGPONG: gl.constexpr, CAUSAL: gl.constexpr = False, q_pos=0):
+                         PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, q_pos, n_q,
+                         Q_SPLIT: gl.constexpr = False):
     """As _ws_consumer, with S_{j+1} and O += P_j V_j issued together (in this group's turn
     where PINGPONG) and the softmax of S_{j+1} computed while P_j V_j runs. Where CAUSAL,
     the last key tile is the diagonal one (q_pos: the program's first query position)."""
@@ -418,7 +421,10 @@ def _ws_consumer_overlap(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_w = q_smem.slice(WG * ROWS, ROWS)
+    if Q_SPLIT:  # Q in one buffer of ROWS rows per group
+        q_w = q_smem.index(WG)
+    else:
+        q_w = q_smem.slice(WG * ROWS, ROWS)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
@@ -473,4 +479,85 @@ def _ws_consumer_overlap(q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr
     offs_m = q_row + WG * ROWS + gl.arange(0, ROWS, layout=orow_layout)
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     ptrs = o_ptr + (gl.expand_dims(offs_m * HD + col, 1) + gl.expand_dims(offs_d, 0))
-    gl.store(ptrs, o.to(q_smem.dtype))
+    gl.store(ptrs, o.to(q_smem.dtype),
+             mask=gl.expand_dims(offs_m - q_row + q_pos < n_q, 1) & gl.expand_dims(offs_d < D, 0))
+
+
+@gluon.jit
+def fa_fwd_ws3_kernel(q_desc, k_desc, v_desc, o_ptr, N, H, qk_scale,
+                      BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                      REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Three consumer warp groups of 64 rows (192-row programs, FA3's D=64 form) and a
+    load warp; non-causal; query rows past N are computed and not stored."""
+    BLOCK_M: gl.constexpr = 192
+    ROWS: gl.constexpr = 64
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    row0 = b * N
+    col = h * D
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [3, ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=3)
+    n_tiles = N // BLOCK_N
+    q_row = row0 + pid_m * BLOCK_M
+    q_pos = pid_m * BLOCK_M
+    HD = H * D
+    gl.warp_specialize([
+        (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
+                                q_row, col, HD, n_tiles, qk_scale, 0, ROWS, BLOCK_N, D,
+                                STAGES, False, False, q_pos, N, True)),
+        (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
+                                q_row, col, HD, n_tiles, qk_scale, 1, ROWS, BLOCK_N, D,
+                                STAGES, False, False, q_pos, N, True)),
+        (_ws_consumer_overlap, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, o_ptr,
+                                q_row, col, HD, n_tiles, qk_scale, 2, ROWS, BLOCK_N, D,
+                                STAGES, False, False, q_pos, N, True)),
+        (_ws3_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
+                         row0, q_row, col, n_tiles, STAGES, BLOCK_N)),
+    ], [4, 4, 1], [REGS, REGS, 24])
+
+
+@gluon.jit
+def _ws3_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, row0,
+                  q_row, col, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """_ws_producer with Q in three 64-row buffers."""
+    mbarrier.expect(q_bar, 3 * q_desc.block_type.nbytes)
+    for i in gl.static_range(3):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * 64, col], q_bar, q_smem.index(i))
+    for j in range(n_tiles):
+        s = j % STAGES
+        if j >= STAGES:
+            mbarrier.wait(empty.index(s), ((j // STAGES) - 1) & 1)
+        mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, col], full.index(s),
+                                        k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col], full.index(s),
+                                        v_smem.index(s))
+
+
+def fa_fwd_ws3(q, k, v, BLOCK_N=128, STAGES=3, REGS=168):
+    B, N, H, D = q.shape
+    assert N % BLOCK_N == 0 and q.is_contiguous() and k.is_contiguous()
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    out = torch.empty_like(q)
+    q2, k2, v2 = (x.view(B * N, H * D) for x in (q, k, v))
+    ql = gl.NVMMASharedLayout.get_default_for([64, D], dt)
+    kl = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dt)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [64, D], ql)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], kl)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [BLOCK_N, D], kl)
+    qk_scale = D ** -0.5 * 1.4426950408889634
+    fa_fwd_ws3_kernel[(triton.cdiv(N, 192), B * H)](q_desc, k_desc, v_desc, out, N, H, qk_scale,
+                                                    BLOCK_N, D, STAGES, REGS, num_warps=4)
+    return out
