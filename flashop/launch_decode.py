@@ -25,6 +25,7 @@ from flashop.launch_common import (
     resolve_scale, unit_stride_last,
 )
 from flashop.options import Modifiers
+from flashop.tiles import shared_memory_bytes
 
 LOG2E = 1.4426950408889634
 # At most this many splits of one sequence's keys (the merge reads them in one block)
@@ -80,13 +81,12 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
 def fit_shared_memory(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int,
                       shared_memory: int) -> DecodeTiles:
     """``t`` with fewer stages (down to 2), then fewer keys per tile (down to 16), until its
-    query tile and staged key and value tiles fit ``shared_memory`` bytes less 16 KiB (left
-    for what the compiler adds): the tiles are chosen on Hopper (227 KiB), where an A100
-    has 163 KiB and consumer GPUs about 100 KiB."""
-    def needed(t):
-        return itemsize * (t.BLOCK_M * block_d + t.num_stages * t.BLOCK_N * (block_d + block_dv))
-
-    while needed(t) > shared_memory - 16 * 1024:
+    query tile and staged key and value tiles (counted as the forward's,
+    tiles.shared_memory_bytes) fit ``shared_memory`` bytes less 16 KiB (left for what the
+    compiler adds): the tiles are chosen on Hopper (227 KiB), where an A100 has 163 KiB
+    and consumer GPUs about 100 KiB."""
+    while (shared_memory_bytes("fwd", t, block_d, block_dv, itemsize)
+           > shared_memory - 16 * 1024):
         if t.num_stages > 2:
             t = replace(t, num_stages=t.num_stages - 1)
         elif t.BLOCK_N > 16:
