@@ -6,8 +6,8 @@ with triton.testing.do_bench (median); the backward is ``o.backward(do, retain_g
 alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
 
 Providers: flashop (its defaults), flashop with one switch changed (flashop-atomic,
-flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws: README's Configuration, set
-with ``flashop.config.override`` while timing), SDPA pinned to each backend (sdpa-flash =
+flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws, flashop-no-gluon: README's
+Configuration, set with ``flashop.config.override`` while timing), SDPA pinned to each backend (sdpa-flash =
 FlashAttention-2, sdpa-cudnn, sdpa-mem) and compiled FlexAttention.
 
 Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256] [--plot out.png]
@@ -41,6 +41,8 @@ FLASHOP_VARIANTS = {
     "flashop-no-tma": {"tma": False},  # ... nowhere
     "flashop-no-ws": {"warp_specialize": False},  # never the warp-specialized forward
     "flashop-ws": {"warp_specialize": True},  # ... wherever the inputs allow it
+    "flashop-no-gluon": {"gluon": False},  # never the Gluon forward
+    "flashop-gluon": {"gluon": True},  # ... wherever the inputs allow it
 }
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
 PROVIDERS = [*FLASHOP_VARIANTS, *PEERS]

@@ -10,6 +10,7 @@ compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
 | ``FLASHOP_AUTOTUNE=1`` | ``autotune`` | off | time the tile candidates on each kernel's first call per key instead of the tile table |
 | ``FLASHOP_TMA=0/1`` | ``tma`` | rule | the forward's key/value tiles through tensor descriptors: never / wherever aligned; unset: head dims above 128 over 4096+ keys on Hopper |
 | ``FLASHOP_WS=0/1`` | ``warp_specialize`` | rule | the warp-specialized plain forward: never / wherever the inputs allow; unset: Hopper, 64 < D <= 128 |
+| ``FLASHOP_GLUON=0/1`` | ``gluon`` | rule | the Gluon forward (Hopper, triton 3.6, eager calls): never / wherever the inputs allow; unset: causal, or 16384+ keys |
 | ``FLASHOP_DQ_ATOMICS=1`` | ``dq_atomics`` | off | the backward adds dQ by fp32 atomics (not bitwise reproducible; never under ``torch.use_deterministic_algorithms``) |
 | ``FLASHOP_DIRECT_EAGER=0`` | ``direct_eager`` | on | eager calls of ``attention`` / ``attention_with_lse`` go through the dispatcher like traced ones |
 """
@@ -39,13 +40,14 @@ class Settings:
     autotune: bool = False
     tma: Optional[bool] = None
     warp_specialize: Optional[bool] = None
+    gluon: Optional[bool] = None
     dq_atomics: bool = False
     direct_eager: bool = True
 
     @classmethod
     def from_environment(cls) -> "Settings":
         return cls(autotune=_flag("FLASHOP_AUTOTUNE", False), tma=_tristate("FLASHOP_TMA"),
-                   warp_specialize=_tristate("FLASHOP_WS"),
+                   warp_specialize=_tristate("FLASHOP_WS"), gluon=_tristate("FLASHOP_GLUON"),
                    dq_atomics=_flag("FLASHOP_DQ_ATOMICS", False),
                    direct_eager=_flag("FLASHOP_DIRECT_EAGER", True))
 

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 from torch.library import wrap_triton
 
-from flashop import config, gates, tiles
+from flashop import config, gates, launch_gluon, tiles
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import (
     attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel,
@@ -306,6 +306,9 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
               **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
               **p.row_strides("l", lse))
     qk_scale = p.modifier_args["qk_scale"]
+    if launch_gluon.serves(q, k, v, mods.causal, qk_scale, mods.is_plain and not p.packed):
+        launch_gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale)
+        return out, lse, lse_log2
     # sinks and dropout: the general kernel
     ws = (mods.sinks is None and not mods.dropout
           and _uses_ws(q, k, v, p.flags, p.head_dim, p.S_k, p.packed))

@@ -1,14 +1,17 @@
 """flashop.attention against the fp64 reference: Hypothesis-drawn cases and edge cases."""
 
+import sys
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
-from flashop import launch, tiles
+from flashop import launch, launch_gluon, tiles
 from flashop.tiles import Tiles
 from helpers import (
     DEVICE, Case, check_case, deterministic_algorithms, make_inputs, poisoned_outputs,
@@ -177,6 +180,87 @@ def test_the_warp_specialized_kernels_query_layouts():
     assert layout(torch.empty(2, 12, 4, 128)[:, :10]) is None  # sequences not back to back
     assert layout(torch.empty(1, 12, 4, 128)[:, :10]) is False  # ... unless one
     assert layout(torch.empty(2, 4, 12, 80).transpose(1, 2)[:, :10]) is None
+
+
+# The Gluon forward runs on Hopper GPUs under the Triton release it was written for; there
+# the switch forces it wherever the inputs allow, and the same accuracy rule applies.
+GLUON = ON_GPU and launch_gluon.available(torch.device(DEVICE))
+
+
+def _takes_gluon(case: Case) -> bool:
+    q, k, v = make_inputs(case)[0]
+    qk_scale = (case.scale if case.scale is not None else case.D ** -0.5) * 1.4426950408889634
+    return launch_gluon.serves(q, k, v, case.causal, qk_scale, plain=True)
+
+
+@st.composite
+def gluon_cases(draw, dtype):
+    causal = draw(st.booleans())
+    S_k = launch_gluon.BLOCK_N * draw(st.integers(1, 5))
+    return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
+                S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3])),
+                D=128, DV=128, dtype=dtype, causal=causal,
+                scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / 128**0.5))),
+                layout=draw(st.sampled_from(["contiguous", "bhsd"])))
+
+
+@pytest.mark.skipif(not GLUON, reason="the Gluon forward needs a Hopper GPU and triton 3.6 "
+                                      "(Triton's interpreter cannot run Gluon)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_gluon_forward_matches_reference(dtype, data, seed):
+    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: causal and not, GQA, both layouts,
+    query rows past S_q, any scale; its lse feeds the tl backward."""
+    case = data.draw(gluon_cases(dtype))
+    with mock.patch.object(launch_gluon, "attention_forward",
+                           wraps=launch_gluon.attention_forward) as launched:
+        with flashop.config.override(gluon=True):
+            assert _takes_gluon(case)
+            check_case(case, seed)
+    assert launched.called  # the Gluon kernel computed the forward checked
+
+
+def test_where_the_gluon_forward_runs(monkeypatch):
+    """Plain dense 16-bit calls at D = 128 with S_k a multiple of 128 (and S_q == S_k where
+    causal) and positive scales; by default causal calls and calls over 16384+ keys; never
+    a traced call, and nowhere the kernel is unavailable (here: this run's device)."""
+    base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
+    causal = replace(base, causal=True, S_q=256)
+    assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is not False)
+    if not ON_GPU:
+        assert "flashop.kernels.forward_gluon" not in sys.modules
+    monkeypatch.setattr(launch_gluon, "available", lambda device: True)
+    with flashop.config.override(gluon=True):
+        assert _takes_gluon(base)
+        assert _takes_gluon(causal)
+        assert _takes_gluon(replace(base, layout="bhsd", dtype=torch.float16))
+        for other in (dict(S_k=257), dict(causal=True), dict(D=64, DV=64), dict(DV=64),
+                      dict(dtype=torch.float32), dict(scale=-0.1), dict(layout="padded")):
+            assert not _takes_gluon(replace(base, **other)), other
+        q, k, v = make_inputs(base)[0]
+        assert not launch_gluon.serves(q, k, v, False, 0.1, plain=False)  # modifiers
+        with FakeTensorMode() as mode:  # a traced call
+            fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+            assert not launch_gluon.serves(fq, fk, fv, False, 0.1, plain=True)
+    with flashop.config.override(gluon=None):
+        assert _takes_gluon(causal)
+        assert not _takes_gluon(base)
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=3))
+    with flashop.config.override(gluon=False):
+        assert not _takes_gluon(causal)
+
+
+def test_the_gluon_forwards_row_views():
+    view = launch_gluon.rows_view
+    assert view(torch.empty(2, 10, 4, 128), 10) == ([20, 512], [512, 1], 10, 0, 128)
+    assert view(torch.empty(2, 4, 10, 128).transpose(1, 2), 10) == ([80, 128], [128, 1], 40,
+                                                                       10, 0)
+    assert view(torch.empty(2, 10, 3, 4, 128)[:, :, 1], 10) == ([20, 512], [1536, 1], 10, 0,
+                                                                  128)
+    assert view(torch.empty(2, 12, 4, 128)[:, :10], 10) is None
+    assert view(torch.empty(1, 12, 4, 128)[:, :10], 10) == ([10, 512], [512, 1], 10, 0, 128)
+    assert view(torch.empty(2, 10, 4, 136)[..., :128], 10) is None
+    assert view(torch.empty(2, 10, 4, 256)[..., ::2], 10) is None
 
 
 SPLIT_CASES = [

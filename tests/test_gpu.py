@@ -180,6 +180,18 @@ for dtype in (torch.bfloat16, torch.float32):
         out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
                                        cu_k, S_q, S_k, sinks=sinks, causal=True, dropout_p=0.5)
         out.sum().backward()
+    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1): D=128, S_k made a multiple of 128
+        if dtype == torch.bfloat16:
+            S_k = -(-S_k // 128) * 128
+            for causal, layout in ((False, "bshd"), (True, "bhsd")):
+                S_q = S_k if causal else S_q
+                shape = lambda S, h: (B, h, S, 128) if layout == "bhsd" else (B, S, h, 128)
+                qg, kg, vg = (torch.randn(shape(S, h), device="cuda", dtype=dtype)
+                              for S, h in ((S_q, H), (S_k, H_kv), (S_k, H_kv)))
+                if layout == "bhsd":
+                    qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
+                assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True)
+                flashop.attention_with_lse(qg, kg, vg, causal=causal)
     elif part == "decode":  # S_q new tokens appended to a dense and a paged cache, attended
         if dtype == torch.bfloat16:
             q, k, v = q.detach(), k.detach(), v.detach()
@@ -223,9 +235,11 @@ print("sanitized")
 
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
-# key/value-cache op (appends into dense and paged caches, split and not)
+# key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
+# forward at D=128 over the shape's batch, lengths and heads
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
-                   ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0")]
+                   ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
+                   ("gluon", "0")]
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
@@ -238,7 +252,10 @@ def test_compute_sanitizer_memcheck_on_odd_shapes(shape, part):
     name, dq_atomics = part
     if name == "split" and not (shape[7] and flashop.tiles.two_query_tiles(max(shape[5:7]))):
         pytest.skip("the split causal forward takes causal shapes with 64 < D <= 128")
-    env = {**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics}
+    if name == "gluon" and not flashop.launch_gluon.available(torch.device("cuda")):
+        pytest.skip("the Gluon forward needs a Hopper GPU and triton 3.6")
+    env = {**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics,
+           **({"FLASHOP_GLUON": "1"} if name == "gluon" else {})}
     args = [sys.executable, "-c", SANITIZER_SCRIPT, name, *map(str, map(int, shape))]
     plain = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert plain.returncode == 0, plain.stderr[-3000:]

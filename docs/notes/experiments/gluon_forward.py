@@ -4,7 +4,7 @@ dim D <= 128, S_q = S_k = N a multiple of the tiles, contiguous (B, N, H, D) 16-
 inputs, no lse, no masks but causal (fa_fwd_ws with OVERLAP): enough to measure, not a
 product path. Not imported by flashop and not run by CI (Triton's interpreter cannot
 run Gluon). `fa_fwd_ws(q, k, v, STAGES=3, OVERLAP=True, CAUSAL=...)` is the fastest form
-measured.
+measured; `flashop/kernels/forward_gluon.py` (entry 64) is that form with the op's contract.
 
 Forms:
 - fa_fwd: one program of 8 warps (two warp groups of 64 rows), K and V by TMA into STAGES
@@ -28,6 +28,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     tma, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
+
+# the online-softmax step, as the package's kernel (entry 64) took it over from here
+from flashop.kernels.forward_gluon import (  # noqa: E402
+    _softmax_diagonal_tile as _softmax_tile_causal, _softmax_tile,
 )
 
 
@@ -121,26 +126,6 @@ def fa_fwd(q, k, v, BLOCK_M=128, BLOCK_N=128, STAGES=2, ASYNC=False, num_warps=8
     fa_fwd_kernel[(N // BLOCK_M, B * H)](q_desc, k_desc, v_desc, out, N, H, qk_scale,
                                          BLOCK_M, BLOCK_N, D, STAGES, ASYNC, num_warps=num_warps)
     return out
-
-
-@gluon.jit
-def _softmax_tile(qk, m_i, l_i, qk_scale, dtype: gl.constexpr, p_layout: gl.constexpr):
-    """One tile's online softmax: (P as the PV wgmma's register operand, new m, new l,
-    the old rows' rescale alpha)."""
-    # m is kept in the scores' scaled units; the scale folds into exp2's argument (an FMA)
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    p = gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1)))
-    alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, 1)
-    return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, alpha
-
-
-@gluon.jit
-def _softmax_tile_causal(qk, m_i, l_i, qk_scale, offs_q, offs_k, dtype: gl.constexpr,
-                         p_layout: gl.constexpr):
-    """_softmax_tile with keys past each row's query masked (a diagonal tile)."""
-    qk = gl.where(gl.expand_dims(offs_k, 0) <= gl.expand_dims(offs_q, 1), qk, float("-inf"))
-    return _softmax_tile(qk, m_i, l_i, qk_scale, dtype, p_layout)
 
 
 @gluon.jit
