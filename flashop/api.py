@@ -52,7 +52,7 @@ class _DirectAttention(torch.autograd.Function):
             out, lse, lse_log2 = ops.run_forward(q, k, v, attn_mask, alibi_slopes, g, causal,
                                                  scale, window_size, softcap, sinks, seed,
                                                  dropout_p)
-        ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g, sinks, seed), out, lse,
+        ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g, sinks, seed), out,
                            lse_log2, dict(causal=causal, scale=scale, window_size=window_size,
                                           softcap=softcap, dropout_p=dropout_p))
         return out, lse

@@ -35,6 +35,25 @@ def gate_cumsum(g: torch.Tensor, packing: "Packing | None"):
     return g_cum, (0, g_cum.stride(1), g_cum.stride(0))
 
 
+def query_gates(g: torch.Tensor, rows: tuple, packing: "Packing | None") -> torch.Tensor:
+    """The queries' gates G_i = g_cum[i + S_k - S_q] the kernels read (0 where that position
+    is before the first key), in the layout ``rows`` of lse: (B, H, S_q) dense, (H, total_q)
+    packed."""
+    g_cum, _ = gate_cumsum(g, packing)  # (B, H, S_k) dense, (H, total_k) packed
+    if packing is None:
+        S_q, S_k = rows[-1], g_cum.shape[-1]
+        position = torch.arange(S_q, device=g.device) + (S_k - S_q)
+        at = position.clamp(min=0).expand(*g_cum.shape[:-1], S_q)
+        return torch.where(position >= 0, torch.gather(g_cum, -1, at), 0.0)
+    cu_q, cu_k = packing.cu_seqlens_q.long(), packing.cu_seqlens_k.long()
+    total_q = rows[-1]
+    seq = token_sequences(packing.cu_seqlens_q, total_q).long()
+    position = (torch.arange(total_q, device=g.device) - cu_q[seq]
+                + (cu_k[seq + 1] - cu_k[seq]) - (cu_q[seq + 1] - cu_q[seq]))
+    at = (cu_k[seq] + position.clamp(min=0)).expand(g_cum.shape[0], total_q)
+    return torch.where(position >= 0, torch.gather(g_cum, -1, at), 0.0)
+
+
 def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     """out[..., t] = sum of x[..., t:]: the gradient of a cumulative sum."""
     return torch.flip(torch.cumsum(torch.flip(x, [-1]), dim=-1), [-1])

@@ -57,6 +57,9 @@ def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 # --- one call, as the kernels see it ----------------------------------------------------------
 
+# log2(e) as the kernels multiply by it: rounded to fp32 (a Python float, as traced graphs
+# take constants)
+_LOG2E_FP32 = torch.tensor(LOG2E.value, dtype=torch.float32).item()
 _NO_MODIFIER_TENSORS = dict(stride_ab=0, stride_ah=0, stride_gb=0, stride_gs=0, stride_gh=0,
                             stride_amb=0, stride_amh=0, stride_amq=0, stride_amk=0)
 _PLAIN_FLAGS = {causal: dict(HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False,
@@ -328,6 +331,31 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
             **p.constexprs(), **p.flags, FOLD_SCALE=_folds_scale(qk_scale, p.flags, t,
                                                                  p.head_dim), TMA=tma)
     return out, lse, lse_log2
+
+
+def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+              lse_log2: torch.Tensor, dlse: torch.Tensor, g: Optional[torch.Tensor],
+              packing: Optional[Packing] = None) -> torch.Tensor:
+    """dsinks[h] = -sum_{b, i} P_sink[b, h, i] * delta[b, h, i], delta = rowsum(dO * O) -
+    dlse (docs/modifiers.md), in sinks' dtype. Dense: out, dout (B, S_q, H, DV), lse_log2,
+    dlse (B, H, S_q); packed: (total_q, H, DV) and (H, total_q).
+
+    P_sink = exp2(sink_i - lse_log2) in the forward's own frame, as the backward kernels
+    recompute P: sink_i = sink * log2 e, less the query's gate G_i * log2 e where there is a
+    gate, rounded as the forward's FMA rounds it. (From the natural-log lse, which adds G_i
+    back, a gate summed to a few hundred would cost P_sink its last five bits.) Rows with
+    lse = -inf (a sink of -inf and no key) add nothing."""
+    rows = torch.sum(dout.float() * out.float(), dim=-1).transpose(-1, -2)  # as lse_log2
+    sink_log2 = (sinks.float() * _LOG2E_FP32)[:, None]  # (H, 1): broadcasts in both layouts
+    if g is not None:
+        # fma(-G_i, log2 e, sink): the fp64 product is exact, so one rounding to fp32 remains
+        g_rows = gates.query_gates(g, lse_log2.shape, packing)
+        sink_log2 = (sink_log2.double() - g_rows.double() * _LOG2E_FP32).float()
+    p_sink = torch.where(lse_log2 == float("-inf"), 0.0, torch.exp2(sink_log2 - lse_log2))
+    dsinks = -(p_sink * (rows - dlse))
+    if dsinks.dim() == 3:
+        dsinks = dsinks.sum(0)
+    return dsinks.sum(-1).to(sinks.dtype)
 
 
 # --- backward ---------------------------------------------------------------------------------

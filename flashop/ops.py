@@ -12,7 +12,7 @@
   the backward kernels, reusing the forward's ``lse_log2`` (which includes the sinks, so
   the backward takes none) and its dropout seed; ``dg`` / ``dattn_mask`` are empty where
   there is no gate / no mask gradient. The sinks' gradient is computed by the autograd
-  formula from lse and delta (sink_grad).
+  formula from lse_log2 and delta (launch.sink_grad).
 - ``flashop::attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, *, ...,
   dropout_p) -> (out, lse)`` and ``flashop::attention(...) -> out``: CompositeImplicitAutograd
   over ``attention_forward``, so they trace into the same forward and backward; where
@@ -122,49 +122,32 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse_log2, attn_mask=None,
     return launch.attention_backward_outputs(q, k, v, g, attn_mask, attn_mask_grad)
 
 
-def sink_grad(sinks: Tensor, out: Tensor, dout: Tensor, lse: Tensor, dlse: Tensor) -> Tensor:
-    """dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * delta[b, h, i] with delta =
-    rowsum(dO * O) - dlse (docs/modifiers.md), in sinks' dtype. Dense: out, dout (B, S_q,
-    H, DV), lse, dlse (B, H, S_q); packed: (total_q, H, DV) and (H, total_q). Rows with
-    lse = -inf (a sink of -inf and no key) add nothing."""
-    rows = torch.sum(dout.float() * out.float(), dim=-1)  # (B, S_q, H) or (total_q, H)
-    rows = rows.transpose(-1, -2)
-    sink = sinks.float()[:, None]  # (H, 1): broadcasts against both row layouts
-    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp(sink - lse))
-    dsinks = -(p_sink * (rows - dlse))
-    if dsinks.dim() == 3:
-        dsinks = dsinks.sum(0)
-    return dsinks.sum(-1).to(sinks.dtype)
-
-
 _N_INPUTS = 8  # q, k, v, attn_mask, alibi_slopes, g, sinks, dropout_seed
 
 
-def save_for_grads(ctx, inputs: tuple, out: Tensor, lse: Tensor, lse_log2: Tensor,
-                   kwargs: dict) -> None:
+def save_for_grads(ctx, inputs: tuple, out: Tensor, lse_log2: Tensor, kwargs: dict) -> None:
     """Save on ``ctx`` what attention_grads reads: the forward's tensor inputs (q, k, v,
     attn_mask, alibi_slopes, g, sinks, dropout_seed; trailing ones may be left out), out,
-    lse where there are sinks, lse_log2 and the keyword options."""
+    lse_log2 and the keyword options."""
     inputs = tuple(inputs) + (None,) * (_N_INPUTS - len(inputs))
     q, k, v, attn_mask, alibi_slopes, g, sinks, seed = inputs
-    ctx.save_for_backward(q, k, v, out, lse if sinks is not None else None, lse_log2,
-                          attn_mask, alibi_slopes, g, sinks, seed)
+    ctx.save_for_backward(q, k, v, out, lse_log2, attn_mask, alibi_slopes, g, sinks, seed)
     ctx.kwargs = dict(kwargs)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    out, lse, lse_log2 = output
+    out, _, lse_log2 = output
     ctx.mark_non_differentiable(lse_log2)
-    save_for_grads(ctx, inputs, out, lse, lse_log2, keyword_only_inputs)
+    save_for_grads(ctx, inputs, out, lse_log2, keyword_only_inputs)
 
 
 def attention_grads(saved: tuple, needs: tuple, kwargs: dict, dout: Tensor,
                     dlse: Tensor) -> tuple:
     """Gradients of (q, k, v, attn_mask, alibi_slopes, g, sinks, dropout_seed) through
-    attention_backward (and sink_grad), from the tensors save_for_grads saves and the
+    attention_backward (and launch.sink_grad), from the tensors save_for_grads saves and the
     inputs' ``needs_input_grad`` (shared with the Python API's direct eager path,
     flashop/api.py)."""
-    q, k, v, out, lse, lse_log2, attn_mask, alibi_slopes, g, sinks, seed = saved
+    q, k, v, out, lse_log2, attn_mask, alibi_slopes, g, sinks, seed = saved
     needs = tuple(needs) + (False,) * (_N_INPUTS - len(needs))
     if needs[4]:
         raise RuntimeError(
@@ -173,7 +156,8 @@ def attention_grads(saved: tuple, needs: tuple, kwargs: dict, dout: Tensor,
     dq, dk, dv, dg, dmask = torch.ops.flashop.attention_backward(
         dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes, g, seed,
         attn_mask_grad=needs[3], **kwargs)
-    dsinks = sink_grad(sinks, out, dout, lse, dlse) if needs[6] else None
+    dsinks = (launch.sink_grad(sinks, out, dout, lse_log2, dlse, g) if needs[6]
+              else None)
     return (dq, dk, dv, dmask if needs[3] else None, None, dg if needs[5] else None, dsinks,
             None)
 
@@ -300,16 +284,16 @@ def _varlen_setup_context(ctx, inputs, keyword_only_inputs, output):
     inputs = tuple(inputs) + (None,) * (_N_VARLEN_INPUTS - len(inputs))
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g, sinks,
      seed) = inputs
-    out, lse, lse_log2 = output
+    out, _, lse_log2 = output
     ctx.mark_non_differentiable(lse_log2)
-    ctx.save_for_backward(q, k, v, out, lse if sinks is not None else None, lse_log2,
-                          cu_seqlens_q, cu_seqlens_k, alibi_slopes, g, sinks, seed)
+    ctx.save_for_backward(q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                          g, sinks, seed)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.kwargs = dict(keyword_only_inputs)
 
 
 def _varlen_backward(ctx, dout, dlse, _):
-    (q, k, v, out, lse, lse_log2, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g, sinks,
+    (q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k, alibi_slopes, g, sinks,
      seed) = ctx.saved_tensors
     given = len(ctx.needs_input_grad)  # trailing arguments left at None are dropped
     needs = ctx.needs_input_grad + (False,) * (_N_VARLEN_INPUTS - given)
@@ -320,7 +304,9 @@ def _varlen_backward(ctx, dout, dlse, _):
     dq, dk, dv, dg = torch.ops.flashop.attention_varlen_backward(
         dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
         alibi_slopes, g, seed, **ctx.kwargs)
-    dsinks = sink_grad(sinks, out, dout, lse, dlse) if needs[9] else None
+    dsinks = (launch.sink_grad(sinks, out, dout, lse_log2, dlse, g,
+                                Packing(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens))
+              if needs[9] else None)
     grads = (dq, dk, dv, None, None, None, None, None, dg if needs[8] else None, dsinks, None)
     return grads[:given]
 

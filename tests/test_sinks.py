@@ -82,6 +82,24 @@ def test_sink_gradient_by_finite_differences():
         assert abs(fd.item() - dsinks[h].item()) <= 1e-3 * (1 + abs(fd.item())), (h, fd, dsinks)
 
 
+def test_sink_gradient_of_rows_that_attend_only_the_sink_under_a_large_gate():
+    """Rows whose keys are all masked out attend the sink alone: P_sink = 1 exactly, so
+    dsinks = the sum of dlse, bit for bit, however large the queries' gates (here summed to
+    about -250, whose round trip through the natural-log lse cost P_sink its last bits).
+    (Packed sinks with a gate: test_packed_sinks_match_reference.)"""
+    B, S_q, S_k, H = 2, 40, 250, 2
+    q = torch.randn(B, S_q, H, 16, device=DEVICE)
+    k, v = (torch.randn(B, S_k, H, 16, device=DEVICE) for _ in range(2))
+    g = torch.full((B, S_k, H), -1.0, device=DEVICE)
+    sinks = torch.tensor([-10.0, 0.7], device=DEVICE, requires_grad=True)
+    dlse = torch.randn(B, H, S_q, device=DEVICE)
+    mask = torch.zeros(1, 1, 1, 1, device=DEVICE, dtype=torch.bool)
+    out, lse = flashop.attention_with_lse(q, k, v, mask, g=g, sinks=sinks, causal=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    (dsinks,) = torch.autograd.grad(lse, sinks, dlse)
+    assert torch.equal(dsinks, dlse.sum(0).sum(-1))
+
+
 @pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
 def test_packed_sinks_match_reference(sink_dtype):
     from test_varlen import make_packed
