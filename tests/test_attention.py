@@ -196,7 +196,7 @@ def _takes_gluon(case: Case) -> bool:
 @st.composite
 def gluon_cases(draw, dtype):
     causal = draw(st.booleans())
-    S_k = launch_gluon.BLOCK_N * draw(st.integers(1, 5))
+    S_k = draw(st.integers(1, 700))
     return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
                 S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3])),
                 D=128, DV=128, dtype=dtype, causal=causal,
@@ -209,8 +209,9 @@ def gluon_cases(draw, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_forward_matches_reference(dtype, data, seed):
-    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: causal and not, GQA, both layouts,
-    query rows past S_q, any scale; its lse feeds the tl backward."""
+    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: causal and not, any lengths (tail
+    tiles of queries and keys), GQA, two layouts, any positive scale; its lse feeds the tl
+    backward."""
     case = data.draw(gluon_cases(dtype))
     with mock.patch.object(launch_gluon, "attention_forward",
                            wraps=launch_gluon.attention_forward) as launched:
@@ -221,9 +222,10 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
 
 
 def test_where_the_gluon_forward_runs(monkeypatch):
-    """Plain dense 16-bit calls at D = 128 with S_k a multiple of 128 (and S_q == S_k where
-    causal) and positive scales; by default causal calls and calls over 16384+ keys; never
-    a traced call, and nowhere the kernel is unavailable (here: this run's device)."""
+    """Plain dense 16-bit calls at D = 128 (S_q == S_k where causal) with positive scales
+    and 16-byte aligned strides; by default causal calls, calls over 16384+ keys and over
+    4096+ keys not a multiple of 128; never a traced call, and nowhere the kernel is
+    unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is not False)
@@ -234,7 +236,8 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert _takes_gluon(base)
         assert _takes_gluon(causal)
         assert _takes_gluon(replace(base, layout="bhsd", dtype=torch.float16))
-        for other in (dict(S_k=257), dict(causal=True), dict(D=64, DV=64), dict(DV=64),
+        assert _takes_gluon(replace(base, S_k=257, S_q=1))
+        for other in (dict(causal=True), dict(D=64, DV=64), dict(DV=64),
                       dict(dtype=torch.float32), dict(scale=-0.1), dict(layout="padded")):
             assert not _takes_gluon(replace(base, **other)), other
         q, k, v = make_inputs(base)[0]
@@ -246,22 +249,10 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert _takes_gluon(causal)
         assert not _takes_gluon(base)
         assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=3))
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=3))
+        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 128, S_q=3))
     with flashop.config.override(gluon=False):
         assert not _takes_gluon(causal)
-
-
-def test_the_gluon_forwards_row_views():
-    view = launch_gluon.rows_view
-    assert view(torch.empty(2, 10, 4, 128), 10) == ([20, 512], [512, 1], 10, 0, 128)
-    assert view(torch.empty(2, 4, 10, 128).transpose(1, 2), 10) == ([80, 128], [128, 1], 40,
-                                                                       10, 0)
-    assert view(torch.empty(2, 10, 3, 4, 128)[:, :, 1], 10) == ([20, 512], [1536, 1], 10, 0,
-                                                                  128)
-    assert view(torch.empty(2, 12, 4, 128)[:, :10], 10) is None
-    assert view(torch.empty(1, 12, 4, 128)[:, :10], 10) == ([10, 512], [512, 1], 10, 0, 128)
-    assert view(torch.empty(2, 10, 4, 136)[..., :128], 10) is None
-    assert view(torch.empty(2, 10, 4, 256)[..., ::2], 10) is None
-
 
 SPLIT_CASES = [
     # the second query tile wholly or partly past S_q, S_q > S_k with fully masked rows

@@ -12,10 +12,10 @@ One program takes BLOCK_M query rows of one (batch, head) and runs three partiti
 Where CAUSAL (S_q == S_k, BLOCK_M == BLOCK_N) each program's last key tile is the diagonal
 one, the only one masked, and the programs run heaviest first.
 
-Each input is read as one 2-D array of rows (launch_gluon.rows_view): row
-``b * row_b + h * row_h + i`` and column ``h * col_h`` hold position i of (batch b, head h).
-S_k is a multiple of BLOCK_N, so key tiles never cross into another slice; query rows past
-S_q are computed and not stored.
+The descriptors read each (B, S, H, D) input as it is strided, a tile being [1, rows, 1, D]:
+rows past a sequence's end read as 0. The last key tile of each program is masked (keys
+past S_k, where S_k is not a multiple of BLOCK_N; where causal, the diagonal); query rows
+past S_q are computed and not stored.
 """
 
 from triton.experimental import gluon
@@ -50,30 +50,43 @@ def _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, dtype: gl.constexp
 
 
 @gluon.jit
+def _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, S_k, dtype: gl.constexpr,
+                       p_layout: gl.constexpr, CAUSAL: gl.constexpr):
+    """_softmax_tile of a program's last key tile: the causal diagonal (S_q == S_k, which
+    also masks the keys past S_k for every stored row), else the keys past S_k."""
+    if CAUSAL:
+        return _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, dtype, p_layout)
+    b_s = gl.where(gl.expand_dims(o_k < S_k, 0), b_s, float("-inf"))
+    return _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
-                    q_row, q_col, k_row, k_col, v_row, v_col, n_tiles,
-                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                    i_b, i_h, i_hk, start_m, n_tiles, STAGES: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
     """The load warp: Q once, then K and V of each key tile into buffer j % STAGES, once
-    both consumer groups released that buffer's previous tile."""
+    both consumer groups released that buffer's previous tile. A [rows, D] buffer takes a
+    [1, rows, 1, D] tile of the (B, S, H, D) input."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_h, 0], q_bar,
+                                    q_smem.reshape(q_desc.block_type.shape))
     for j in range(n_tiles):
         s = j % STAGES
         if j >= STAGES:
             mbarrier.wait(empty.index(s), ((j // STAGES) - 1) & 1)
         mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], full.index(s),
-                                        k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], full.index(s),
-                                        v_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
+                                        k_smem.index(s).reshape(k_desc.block_type.shape))
+        tma.async_copy_global_to_shared(v_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
+                                        v_smem.index(s).reshape(v_desc.block_type.shape))
 
 
 @gluon.jit
 def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_log2,
-                        stride_os, stride_od, start_m, S_q, n_tiles, qk_scale,
+                        stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale,
                         WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                         D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr):
+                        CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr):
     """Consumer group WG: query rows [start_m + WG * ROWS, + ROWS) over n_tiles key tiles;
     writes their output and lse (``o``, ``lse``, ``lse_log2`` point at the (batch, head)'s
     first row)."""
@@ -99,9 +112,9 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
     s_tok = warpgroup_mma(b_q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    if CAUSAL and n_tiles == 1:
-        b_p, m_i, l_i, alpha = _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_n,
-                                                      dtype, p_layout)
+    if MASK_LAST and n_tiles == 1:
+        b_p, m_i, l_i, alpha = _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_n, S_k,
+                                                  dtype, p_layout, CAUSAL)
     else:
         b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
     # S_{j+1} and O += P_j V_j issued together; the softmax of S_{j+1} under P_j V_j
@@ -115,9 +128,10 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
         # [ROWS, DV]
         acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
         b_s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        if CAUSAL and j + 2 == n_tiles:
-            b_p, m_i, l_i, alpha = _softmax_diagonal_tile(
-                b_s, m_i, l_i, qk_scale, o_q, (j + 1) * BLOCK_N + o_n, dtype, p_layout)
+        if MASK_LAST and j + 2 == n_tiles:
+            b_p, m_i, l_i, alpha = _softmax_last_tile(
+                b_s, m_i, l_i, qk_scale, o_q, (j + 1) * BLOCK_N + o_n, S_k, dtype, p_layout,
+                CAUSAL)
         else:
             b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
@@ -128,7 +142,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
     acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     mbarrier.arrive(empty.index(s), count=1)
-    # every row attends at least one key (S_k >= BLOCK_N; causal: its own), so l_i > 0
+    # every row attends at least one key (S_k >= 1; causal: its own), so l_i > 0
     b_o = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
     o_m = start_m + WG * ROWS + gl.arange(0, ROWS, layout=orow_layout)
     o_d = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
@@ -142,16 +156,17 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
 @gluon.jit
 def attention_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o, lse, lse_log2,
-    q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
     stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
     S_q, S_k, H, G, qk_scale,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOAD_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """out[b, i, h] = softmax(scale * q_i . K^T) V over the (batch, head)'s keys (the
     module's docstring has the partitions), lse[b, h, i] in natural log and lse_log2 in
-    base 2; qk_scale = scale * log2(e) > 0. Grid: (cdiv(S_q, BLOCK_M), B * H)."""
+    base 2; qk_scale = scale * log2(e) > 0. Where CAUSAL, S_q == S_k. MASK_LAST: CAUSAL or
+    S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
+    cost 2% where there is nothing to mask). Grid: (cdiv(S_q, BLOCK_M), B * H)."""
     i_m = gl.program_id(0)
     if CAUSAL:  # heaviest first
         i_m = gl.num_programs(0) - 1 - i_m
@@ -161,9 +176,13 @@ def attention_fwd_gluon_kernel(
     i_hk = i_h // G
     start_m = i_m * BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+    # 2-D buffers (the wgmmas' operands) in the descriptors' swizzle
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=q_desc.layout.swizzle_byte_width,
+        element_bitwidth=q_desc.layout.element_bitwidth, rank=2)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], smem_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -174,21 +193,20 @@ def attention_fwd_gluon_kernel(
     if CAUSAL:
         n_tiles = i_m + 1
     else:
-        n_tiles = S_k // BLOCK_N
+        n_tiles = gl.cdiv(S_k, BLOCK_N)
     o += i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
     lse += i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
     lse_log2 += i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
     ROWS: gl.constexpr = BLOCK_M // 2
     gl.warp_specialize([
         (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_log2,
-                               stride_os, stride_od, start_m, S_q, n_tiles, qk_scale, 0, ROWS,
-                               BLOCK_N, D, DV, STAGES, CAUSAL)),
+                               stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, 0,
+                               ROWS,
+                               BLOCK_N, D, DV, STAGES, CAUSAL, MASK_LAST)),
         (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_log2,
-                               stride_os, stride_od, start_m, S_q, n_tiles, qk_scale, 1, ROWS,
-                               BLOCK_N, D, DV, STAGES, CAUSAL)),
+                               stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, 1,
+                               ROWS,
+                               BLOCK_N, D, DV, STAGES, CAUSAL, MASK_LAST)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
-                           i_b * q_row_b + i_h * q_row_h + start_m, i_h * q_col_h,
-                           i_b * k_row_b + i_hk * k_row_h, i_hk * k_col_h,
-                           i_b * v_row_b + i_hk * v_row_h, i_hk * v_col_h, n_tiles, STAGES,
-                           BLOCK_N)),
+                           i_b, i_h, i_hk, start_m, n_tiles, STAGES, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
