@@ -17,7 +17,7 @@ import triton
 
 from flashop import config
 from flashop.kernels import INTERPRETING
-from flashop.launch_common import cdiv, is_hopper, tma_aligned
+from flashop.launch_common import cdiv, tma_aligned
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
@@ -42,7 +42,7 @@ def available(device: torch.device) -> bool:
     """Whether the Gluon kernel can run on ``device``: the Triton release it was written
     for, not interpreting, a Hopper GPU (sm_90; its wgmma and TMA are Hopper's)."""
     return (not INTERPRETING and triton_version() == GLUON_TRITON and device.type == "cuda"
-            and is_hopper(device) and torch.cuda.get_device_capability(device) == (9, 0))
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +68,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or _is_traced(q):
         return False
-    (B, S_q, H, D), S_k, DV = q.shape, k.shape[1], v.shape[-1]
+    S_q, D, S_k, DV = q.shape[1], q.shape[-1], k.shape[1], v.shape[-1]
     if D != DV or D not in HEAD_DIMS or qk_scale <= 0 or S_k == 0:
         return False
     if causal and S_q != S_k:
