@@ -24,7 +24,7 @@ from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
 from flashop.launch_common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
-    known_shorter, resolve_scale, tma_aligned, unit_stride_last,
+    known_shorter, on_inputs_device, resolve_scale, tma_aligned, unit_stride_last,
 )
 from flashop.options import Modifiers, Packing, round_dropout_p
 
@@ -293,6 +293,7 @@ def _folds_scale(qk_scale: float, flags: dict, t: tiles.Tiles, head_dim: int) ->
                      or flags["ATTN_MASK_KIND"] == 1 or (t.split_m and flags["HAS_RIGHT"])))
 
 
+@on_inputs_device
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None):
     """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
@@ -375,6 +376,7 @@ def _strictly_deterministic() -> bool:
             and not torch.is_deterministic_algorithms_warn_only_enabled())
 
 
+@on_inputs_device
 def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float],
                        mods: Modifiers, attn_mask_grad: bool, packing: Optional[Packing] = None,
                        deterministic: Optional[bool] = None):
@@ -466,6 +468,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
 # --- dropout's mask, for tests ----------------------------------------------------------------
 
 
+@on_inputs_device
 def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
                  dropout_p: float) -> torch.Tensor:
     """The (B, H, S_q, S_k) boolean keep-mask that the kernels draw for ``dropout_seed`` (an

@@ -4,7 +4,7 @@ strides and the checks on them, the GPU's generation, Triton's scratch allocator
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -66,6 +66,19 @@ def check_row_offsets(op: str, tensors: tuple, row_strides: tuple, rows: tuple) 
                 f"{op}: a tensor of shape {tuple(x.shape)} and strides {x.stride()} spans "
                 f"2**31 elements or more along its sequence dimension, past the kernels' "
                 f"32-bit row offsets; split the sequence or the heads")
+
+
+def on_inputs_device(launcher: Callable) -> Callable:
+    """Run ``launcher`` with its first argument's GPU as the current device: Triton launches
+    on the current device, and a tensor on another GPU (a model spread over GPUs) would
+    otherwise be read from the wrong one."""
+    @functools.wraps(launcher)
+    def on_device(x: torch.Tensor, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return launcher(x, *args, **kwargs)
+        return launcher(x, *args, **kwargs)
+    return on_device
 
 
 @functools.lru_cache(maxsize=None)

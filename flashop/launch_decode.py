@@ -22,7 +22,7 @@ from flashop.kernels.decode import (
 )
 from flashop.launch_common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory, next_power_of_2,
-    resolve_scale, unit_stride_last,
+    on_inputs_device, resolve_scale, unit_stride_last,
 )
 from flashop.options import Modifiers
 from flashop.tiles import shared_memory_bytes
@@ -224,6 +224,7 @@ def kvcache_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
+@on_inputs_device
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                            cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],

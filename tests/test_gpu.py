@@ -143,6 +143,30 @@ def test_warp_specialized_forward_under_inductor_and_in_cuda_graphs():
     assert all(torch.equal(a, b) for a, b in zip(result, split))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("D", [64, 128])
+def test_inputs_on_another_gpu_than_the_current_one(D):
+    """Triton launches on the current device, so each launcher makes its inputs' GPU current:
+    tensors on cuda:1 while cuda:0 is current (a model spread over GPUs) give the bits the
+    same call gives on cuda:0, forward, backward and decoding (D=128 causal: the Gluon
+    forward where it runs)."""
+    torch.cuda.set_device(0)
+    q, k, v = (torch.randn(2, 256, 4, D, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
+    results = []
+    for device in ("cuda:1", "cuda:0"):
+        x = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out, lse = flashop.attention_with_lse(*x, causal=True)
+        grads = torch.autograd.grad(out.float().square().sum(), x)
+        cache = torch.zeros(2, 300, 4, D, device=device, dtype=torch.bfloat16)
+        decoded = flashop.attention_with_kvcache(
+            x[0].detach()[:, :1], cache, cache.clone(), x[1].detach()[:, :5],
+            x[2].detach()[:, :5], cache_seqlens=torch.tensor([3, 7], device=device,
+                                                             dtype=torch.int32))
+        results.append([t.cpu() for t in (out, lse, *grads, decoded)])
+    assert torch.cuda.current_device() == 0
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 # odd shapes for compute-sanitizer: (B, S_q, S_k, H, H_kv, D, DV, causal)
 SANITIZER_SHAPES = [(1, 1, 1, 1, 1, 59, 59, True), (2, 77, 131, 6, 2, 111, 40, True),
                     (1, 257, 65, 3, 3, 80, 80, True), (1, 129, 129, 2, 1, 256, 256, False),
