@@ -25,6 +25,7 @@ BLOCK_M = BLOCK_N = 128
 STAGES = 3
 CONSUMER_REGS, LOAD_REGS = 232, 24
 HEAD_DIMS = (128,)
+MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels: causal calls; calls over at least GLUON_MIN_KEYS keys; calls over at least
 # GLUON_MIN_TAIL_KEYS keys that are not a multiple of BLOCK_N (which the tl warp-specialized
@@ -61,15 +62,16 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, no dropout, dense; ``causal`` the only
     bound) with 16-bit inputs, D == DV in HEAD_DIMS, qk_scale > 0, S_k > 0, S_q == S_k
-    where causal, and inputs its descriptors can address (unit-stride head dim, 16-byte
+    where causal, B * H within the grid, and inputs its descriptors can address (unit-stride head dim, 16-byte
     aligned start and strides); unless the switch forces it, the default rule above."""
     setting = config.settings.gluon
     if setting is False or not plain or not available(q.device):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or _is_traced(q):
         return False
-    S_q, D, S_k, DV = q.shape[1], q.shape[-1], k.shape[1], v.shape[-1]
-    if D != DV or D not in HEAD_DIMS or qk_scale <= 0 or S_k == 0:
+    B, S_q, H, D = q.shape
+    S_k, DV = k.shape[1], v.shape[-1]
+    if D != DV or D not in HEAD_DIMS or qk_scale <= 0 or S_k == 0 or B * H > MAX_GRID_Y:
         return False
     if causal and S_q != S_k:
         return False

@@ -242,6 +242,10 @@ def test_where_the_gluon_forward_runs(monkeypatch):
             assert not _takes_gluon(replace(base, **other)), other
         q, k, v = make_inputs(base)[0]
         assert not launch_gluon.serves(q, k, v, False, 0.1, plain=False)  # modifiers
+        many = torch.empty(launch_gluon.MAX_GRID_Y + 1, 1, 1, 128, device=DEVICE,
+                           dtype=torch.bfloat16)  # B * H past the grid's second dimension
+        assert not launch_gluon.serves(many, many, many, False, 0.1, plain=True)
+        assert launch_gluon.serves(many[1:], many[1:], many[1:], False, 0.1, plain=True)
         with FakeTensorMode() as mode:  # a traced call
             fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
             assert not launch_gluon.serves(fq, fk, fv, False, 0.1, plain=True)
