@@ -27,9 +27,11 @@ CONSUMER_REGS, LOAD_REGS = 232, 24
 HEAD_DIMS = (128,)
 MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
-# kernels: causal calls; calls over at least GLUON_MIN_KEYS keys; calls over at least
+# kernels, all with at least GLUON_MIN_QUERIES queries (no shorter call was measured):
+# causal calls; calls over at least GLUON_MIN_KEYS keys; calls over at least
 # GLUON_MIN_TAIL_KEYS keys that are not a multiple of BLOCK_N (which the tl warp-specialized
 # kernel cannot take)
+GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = 16384
 GLUON_MIN_TAIL_KEYS = 4096
 
@@ -75,8 +77,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     if causal and S_q != S_k:
         return False
-    if setting is None and not (causal or S_k >= GLUON_MIN_KEYS
-                                or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % BLOCK_N)):
+    if setting is None and not (S_q >= GLUON_MIN_QUERIES and (
+            causal or S_k >= GLUON_MIN_KEYS or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % BLOCK_N))):
         return False
     return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v))
 

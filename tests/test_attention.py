@@ -223,12 +223,12 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
 
 def test_where_the_gluon_forward_runs(monkeypatch):
     """Plain dense 16-bit calls at D = 128 (S_q == S_k where causal) with positive scales
-    and 16-byte aligned strides; by default causal calls, calls over 16384+ keys and over
-    4096+ keys not a multiple of 128; never a traced call, and nowhere the kernel is
-    unavailable (here: this run's device)."""
+    and 16-byte aligned strides; by default, from 1024 queries, causal calls, calls over
+    16384+ keys and over 4096+ keys not a multiple of 128; never a traced call, and nowhere
+    the kernel is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
-    assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is not False)
+    assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is True)
     if not ON_GPU:
         assert "flashop.kernels.forward_gluon" not in sys.modules
     monkeypatch.setattr(launch_gluon, "available", lambda device: True)
@@ -249,14 +249,18 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         with FakeTensorMode() as mode:  # a traced call
             fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
             assert not launch_gluon.serves(fq, fk, fv, False, 0.1, plain=True)
+    n = launch_gluon.GLUON_MIN_QUERIES
+    long_causal = replace(base, causal=True, S_q=n, S_k=n)
     with flashop.config.override(gluon=None):
-        assert _takes_gluon(causal)
-        assert not _takes_gluon(base)
-        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=3))
-        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=3))
-        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 128, S_q=3))
+        assert _takes_gluon(long_causal)
+        assert not _takes_gluon(causal)  # fewer queries than were measured
+        assert not _takes_gluon(replace(base, S_q=n))
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=n))
+        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=3))
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=n))
+        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 128, S_q=n))
     with flashop.config.override(gluon=False):
-        assert not _takes_gluon(causal)
+        assert not _takes_gluon(long_causal)
 
 SPLIT_CASES = [
     # the second query tile wholly or partly past S_q, S_q > S_k with fully masked rows
