@@ -64,8 +64,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, no dropout, dense; ``causal`` the only
     bound) with 16-bit inputs, D == DV in HEAD_DIMS, qk_scale > 0, S_k > 0, S_q == S_k
-    where causal, B * H within the grid, and inputs its descriptors can address (unit-stride head dim, 16-byte
-    aligned start and strides); unless the switch forces it, the default rule above."""
+    where causal, B * H within the grid, and inputs its descriptors can address
+    (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
+    the default rule above."""
     setting = config.settings.gluon
     if setting is False or not plain or not available(q.device):
         return False
@@ -83,15 +84,22 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v))
 
 
+@functools.lru_cache(maxsize=None)
+def _tile_layout(block: tuple, dtype: torch.dtype):
+    """The shared-memory layout of a descriptor's tile ``block`` (looked up once: a call's
+    host time counts at short sequences)."""
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for(
+        list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(x: torch.Tensor, block_rows: int):
     """A descriptor of ``x`` (B, S, H, D) as it is strided, its tiles [1, block_rows, 1,
     D]."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    block = [1, block_rows, 1, x.shape[-1]]
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+    block = (1, block_rows, 1, x.shape[-1])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block),
+                            _tile_layout(block, x.dtype))
 
 
 def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float) -> None:

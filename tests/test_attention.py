@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
 from flashop import launch, launch_gluon, tiles
+from flashop.kernels.common import LOG2E
 from flashop.tiles import Tiles
 from helpers import (
     DEVICE, Case, check_case, deterministic_algorithms, make_inputs, poisoned_outputs,
@@ -189,7 +190,7 @@ GLUON = ON_GPU and launch_gluon.available(torch.device(DEVICE))
 
 def _takes_gluon(case: Case) -> bool:
     q, k, v = make_inputs(case)[0]
-    qk_scale = (case.scale if case.scale is not None else case.D ** -0.5) * 1.4426950408889634
+    qk_scale = (case.scale if case.scale is not None else case.D ** -0.5) * LOG2E.value
     return launch_gluon.serves(q, k, v, case.causal, qk_scale, plain=True)
 
 
