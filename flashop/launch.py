@@ -442,6 +442,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             autotune=tiles.autotunes(q.dtype) and not attn_mask_grad, **common,
             dq=dq, dgq=dgq, dattn_mask=dS, o=out, dlse=dlse, **p.strides("dq", dq),
             **o_strides, **dlse_strides, H=p.H, ATTN_MASK_GRAD=attn_mask_grad)
+    if dq_atomic and launch_gluon.serves_backward(q, k, v, dout, causal,
+                                                  mods.is_plain and packing is None):
+        launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv, causal,
+                                        p.sm_scale, p.modifier_args["qk_scale"])
+        dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
+        return dq, dk, dv, dg, dmask
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
         attention_bwd_dkdv_kernel, kind,

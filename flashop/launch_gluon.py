@@ -1,5 +1,6 @@
-"""Launcher of the Gluon forward (flashop/kernels/forward_gluon.py): when it serves a call,
-the inputs as its descriptors read them, and the launch.
+"""Launchers of the Gluon forward and backward (flashop/kernels/forward_gluon.py and
+backward_gluon.py): when each serves a call, the inputs as its descriptors read them, and
+the launches.
 
 The Gluon kernel is written for one Triton release (GLUON_TRITON): under any other, and
 under Triton's interpreter, its module is never imported and every call takes the ``tl``
@@ -11,6 +12,7 @@ with the rest of the graph.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -34,6 +36,11 @@ MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = 16384
 GLUON_MIN_TAIL_KEYS = 4096
+# the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
+# BWD_BLOCK_M, Q and dO BWD_STAGES deep
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
+BWD_STAGES = 2
+BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
 
 
 def triton_version() -> tuple:
@@ -52,6 +59,12 @@ def available(device: torch.device) -> bool:
 def _kernel():
     from flashop.kernels.forward_gluon import attention_fwd_gluon_kernel
     return attention_fwd_gluon_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_kernel():
+    from flashop.kernels.backward_gluon import attention_bwd_gluon_kernel
+    return attention_bwd_gluon_kernel
 
 
 def _is_traced(x: torch.Tensor) -> bool:
@@ -84,20 +97,39 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v))
 
 
+def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    causal: bool, plain: bool) -> bool:
+    """Whether the Gluon backward takes this call (dQ by atomics, which the caller decided):
+    where available, an eager call of the plain backward with 16-bit inputs, D == DV in
+    HEAD_DIMS, S_q == S_k where causal, B * H_kv within the grid, and inputs its
+    descriptors can address; config.settings.gluon False turns it off."""
+    if config.settings.gluon is False or not plain or not available(q.device):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or _is_traced(q):
+        return False
+    B, S_q, H, D = q.shape
+    S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
+    if D != DV or D not in HEAD_DIMS or B * H_kv > MAX_GRID_Y or (causal and S_q != S_k):
+        return False
+    return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v, dout))
+
+
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 @functools.lru_cache(maxsize=None)
 def _tile_layout(block: tuple, dtype: torch.dtype):
     """The shared-memory layout of a descriptor's tile ``block`` (looked up once: a call's
     host time counts at short sequences)."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for(
-        list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
 
 
-def _descriptor(x: torch.Tensor, block_rows: int):
+def _descriptor(x: torch.Tensor, block_rows: int, block_cols: Optional[int] = None):
     """A descriptor of ``x`` (B, S, H, D) as it is strided, its tiles [1, block_rows, 1,
-    D]."""
+    block_cols] (default: D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    block = (1, block_rows, 1, x.shape[-1])
+    block = (1, block_rows, 1, block_cols or x.shape[-1])
     return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block),
                             _tile_layout(block, x.dtype))
 
@@ -115,3 +147,21 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
         D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
         MASK_LAST=causal or S_k % BLOCK_N != 0,
         CONSUMER_REGS=CONSUMER_REGS, LOAD_REGS=LOAD_REGS, num_warps=4)
+
+
+def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv, causal: bool,
+                       sm_scale: float, qk_scale: float) -> None:
+    """Launch the Gluon backward where serves_backward() said it takes the call: dK and dV
+    into ``dk``, ``dv`` (B, S_k, H_kv, D), dQ added into the zeroed fp32 ``dq_acc``
+    (B, S_q, H, D, contiguous); ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel
+    stores it."""
+    B, S_q, H, D = q.shape
+    S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
+    _bwd_kernel()[(cdiv(S_k, BWD_BLOCK_N), B * H_kv)](
+        _descriptor(q, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
+        _descriptor(dout, BWD_BLOCK_M), _descriptor(dq_acc, BWD_BLOCK_M, D // 2),
+        lse_log2, delta, dk, dv, lse_log2.stride(0), lse_log2.stride(1), *dk.stride(),
+        *dv.stride(), S_q, S_k, H_kv, H // H_kv, sm_scale, qk_scale,
+        D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
+        CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0,
+        CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

@@ -222,6 +222,57 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
     assert launched.called  # the Gluon kernel computed the forward checked
 
 
+def _takes_gluon_backward(case: Case) -> bool:
+    q, k, v = make_inputs(case)[0]
+    return launch_gluon.serves_backward(q, k, v, torch.empty_like(q), case.causal, plain=True)
+
+
+@pytest.mark.skipif(not GLUON, reason="the Gluon backward needs a Hopper GPU and triton 3.6 "
+                                      "(Triton's interpreter cannot run Gluon)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_gluon_backward_matches_reference(dtype, data, seed):
+    """The Gluon backward (dQ by atomics, FLASHOP_DQ_ATOMICS=1) on its inputs: causal and
+    not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale,
+    after whichever forward the default rule picks."""
+    case = data.draw(gluon_cases(dtype))
+    with mock.patch.object(launch_gluon, "attention_backward",
+                           wraps=launch_gluon.attention_backward) as launched:
+        assert _takes_gluon_backward(case)
+        check_case(case, seed, deterministic_backward=False)
+    assert launched.called  # the Gluon kernel computed the gradients checked
+
+
+def test_where_the_gluon_backward_runs(monkeypatch):
+    """Plain dense 16-bit calls at D = 128 (S_q == S_k where causal) with 16-byte aligned
+    strides, when the caller asked for dQ by atomics; never a traced call, never with the
+    switch off, and nowhere the kernel is unavailable (here: this run's device)."""
+    base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
+    causal = replace(base, causal=True, S_q=256)
+    assert _takes_gluon_backward(causal) == GLUON
+    if not ON_GPU:
+        assert "flashop.kernels.backward_gluon" not in sys.modules
+    monkeypatch.setattr(launch_gluon, "available", lambda device: True)
+    for case in (base, causal, replace(base, layout="bhsd", dtype=torch.float16),
+                 replace(base, S_k=1, S_q=1), replace(base, scale=-0.1)):
+        assert _takes_gluon_backward(case), case
+    for other in (dict(causal=True), dict(D=64, DV=64), dict(DV=64), dict(dtype=torch.float32),
+                  dict(layout="padded")):
+        assert not _takes_gluon_backward(replace(base, **other)), other
+    q, k, v = make_inputs(base)[0]
+    assert not launch_gluon.serves_backward(q, k, v, q, False, plain=False)  # modifiers
+    misaligned = torch.empty(1, 40, 2, 129, device=DEVICE, dtype=q.dtype)[..., 1:]  # dO
+    assert not launch_gluon.serves_backward(q, k, v, misaligned, False, plain=True)
+    with flashop.config.override(gluon=False):
+        assert not _takes_gluon_backward(base)
+    many = torch.empty(launch_gluon.MAX_GRID_Y + 1, 1, 1, 128, device=DEVICE,
+                       dtype=torch.bfloat16)  # B * H_kv past the grid's second dimension
+    assert not launch_gluon.serves_backward(many, many, many, many, False, plain=True)
+    with FakeTensorMode() as mode:  # a traced call
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        assert not launch_gluon.serves_backward(fq, fk, fv, fq, False, plain=True)
+
+
 def test_where_the_gluon_forward_runs(monkeypatch):
     """Plain dense 16-bit calls at D = 128 (S_q == S_k where causal) with positive scales
     and 16-byte aligned strides; by default, from 1024 queries, causal calls, calls over

@@ -204,7 +204,7 @@ for dtype in (torch.bfloat16, torch.float32):
         out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
                                        cu_k, S_q, S_k, sinks=sinks, causal=True, dropout_p=0.5)
         out.sum().backward()
-    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) at D=128
+    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) at D=128 and the backward
         if dtype == torch.bfloat16:
             for causal, layout in ((False, "bshd"), (True, "bhsd")):
                 S_q = S_k if causal else S_q
@@ -214,7 +214,10 @@ for dtype in (torch.bfloat16, torch.float32):
                 if layout == "bhsd":
                     qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
                 assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True)
-                flashop.attention_with_lse(qg, kg, vg, causal=causal)
+                qg, kg, vg = (x.requires_grad_(True) for x in (qg, kg, vg))
+                out, lse = flashop.attention_with_lse(qg, kg, vg, causal=causal)
+                torch.autograd.grad((out, lse), (qg, kg, vg),
+                                    (torch.randn_like(out), torch.randn_like(lse)))
     elif part == "decode":  # S_q new tokens appended to a dense and a paged cache, attended
         if dtype == torch.bfloat16:
             q, k, v = q.detach(), k.detach(), v.detach()
@@ -259,10 +262,11 @@ print("sanitized")
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
-# forward at D=128 over the shape's batch, lengths and heads
+# forward at D=128 over the shape's batch, lengths and heads, and its backward (with dQ by
+# atomics, the Gluon backward)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
-                   ("gluon", "0")]
+                   ("gluon", "0"), ("gluon", "1")]
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")

@@ -1,0 +1,261 @@
+"""The plain backward on Hopper in Gluon (``triton.experimental.gluon``), written for triton
+3.6 like flashop/kernels/forward_gluon.py (imported only under that version, never by the
+interpreter; the ``tl`` backward in flashop/kernels/backward.py stays the reference).
+
+One kernel computes dK and dV of one key tile and adds its share of dQ into an fp32 buffer
+by TMA's bulk reduce-add, so S and dP are computed once (five products per tile pair, where
+the deterministic ``tl`` backward computes seven): FlashAttention-3's structure. The sum's
+order over key tiles is not fixed, so dQ is not bitwise reproducible; flashop runs it only
+where the caller asked for dQ by atomics.
+
+One program takes BLOCK_N keys of one (batch, KV head) and runs three partitions:
+- a load warp: K and V once, then Q and dO of each query tile (of every query head of the
+  group, in turn) through tensor descriptors into STAGES shared buffers;
+- two consumer warp groups, group w owning keys [w * BLOCK_N / 2, (w + 1) * BLOCK_N / 2) of
+  the tile. Per query tile, group w computes S^T and dP^T of its keys by wgmma, P^T and
+  dS^T, then dV += P^T dO and dK += dS^T Q; both groups' dS^T meet in shared memory, and
+  group w computes dQ's columns [w * D / 2, (w + 1) * D / 2) of the query tile over all
+  BLOCK_N keys (dS K), which it adds into dQ's buffer from shared memory.
+Rows past S_q read as 0 and their lse as +inf, so they add nothing; keys past S_k read as
+0, their rows of dK and dV are not stored and their dS is zeroed before dQ.
+"""
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+
+@builtin
+def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
+    """Add the shared tile ``src`` into ``tensor_desc``'s tile at ``coord`` (TMA's bulk
+    reduce, ``cp.reduce.async.bulk.tensor``; triton 3.6 builds the operation but exports no
+    function for it). tma.store_wait waits for it as for a store."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+@gluon.jit
+def _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M: gl.constexpr):
+    """Step t's query head and first row: the group's heads in turn, each over query tiles
+    m_lo, ..., m_lo + n_qt - 1."""
+    return i_hk * G + t // n_qt, (m_lo + t % n_qt) * BLOCK_M
+
+
+@gluon.jit
+def _load_row_values(lse_log2, delta, lse_smem, delta_smem, stride_lb, stride_lh, i_b, i_h,
+                     start_m, S_q, BLOCK_M: gl.constexpr):
+    """lse_log2 (a row that attended nothing, -inf, as +inf: its P is then 0; rows past S_q
+    +inf) and delta (0 past S_q) of a query tile, into shared memory (by the load warp)."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    o_m = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    row = i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+    m_m = o_m < S_q
+    b_lse = gl.load(lse_log2 + row + o_m, mask=m_m, other=float("inf"))
+    lse_smem.store(gl.where(b_lse == float("-inf"), float("inf"), b_lse))
+    delta_smem.store(gl.load(delta + row + o_m, mask=m_m, other=0.0))
+
+
+@gluon.jit
+def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
+                        lse_smem, delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q,
+                        kv_bar, full, empty, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps,
+                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The load warp: K and V once, then Q and dO of step t (by TMA) and its rows' lse and
+    delta (by loads) into buffer t % STAGES, once both consumer groups released that
+    buffer's previous tile. full[s] completes on TMA's bytes and this warp's arrival."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [i_b, start_n, i_hk, 0], kv_bar,
+                                    k_smem.reshape(k_desc.block_type.shape))
+    tma.async_copy_global_to_shared(v_desc, [i_b, start_n, i_hk, 0], kv_bar,
+                                    v_smem.reshape(v_desc.block_type.shape))
+    for t in range(n_steps):
+        s = t % STAGES
+        if t >= STAGES:
+            mbarrier.wait(empty.index(s), ((t // STAGES) - 1) & 1)
+        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
+        mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_h, 0], full.index(s),
+                                        q_smem.index(s).reshape(q_desc.block_type.shape))
+        tma.async_copy_global_to_shared(do_desc, [i_b, start_m, i_h, 0], full.index(s),
+                                        do_smem.index(s).reshape(do_desc.block_type.shape))
+        _load_row_values(lse_log2, delta, lse_smem.index(s), delta_smem.index(s), stride_lb,
+                         stride_lh, i_b, i_h, start_m, S_q, BLOCK_M)
+        mbarrier.arrive(full.index(s), count=1)
+
+
+@gluon.jit
+def _bwd_consumer_partition(
+    q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, full,
+    empty, ds_bar, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk,
+    start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+    WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+    DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
+):
+    """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
+    point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
+    every query tile over the program's 2 * KEYS keys."""
+    # S^T, dP^T [KEYS, BLOCK_M]; dK, dV [KEYS, D]; dQ's half [BLOCK_M, D / 2]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16])
+    pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+    dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    DIAGONAL_STEPS: gl.constexpr = 2 * KEYS // BLOCK_M  # query tiles that cross the diagonal
+    b_k = k_smem.slice(WG * KEYS, KEYS)
+    b_v = v_smem.slice(WG * KEYS, KEYS)
+    # [2 * KEYS, D / 2]: K's columns of this group's half of dQ
+    b_k_cols = k_smem.slice(WG * (D // 2), D // 2, dim=1)
+    b_dk = gl.zeros([KEYS, D], gl.float32, dk_layout)
+    b_dv = gl.zeros([KEYS, DV], gl.float32, dv_layout)
+    o_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
+    o_m = gl.arange(0, BLOCK_M, layout=query_layout)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_steps):
+        s = t % STAGES
+        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
+        mbarrier.wait(full.index(s), (t // STAGES) & 1)
+        b_lse = lse_smem.index(s).load(query_layout)
+        b_delta = delta_smem.index(s).load(query_layout)
+        b_q = q_smem.index(s)
+        b_do = do_smem.index(s)
+        # S^T = K Q^T, dP^T = V dO^T [KEYS, BLOCK_M]
+        st_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+        st_tok = warpgroup_mma(b_k, b_q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(b_v, b_do.permute((1, 0)), st_zero, use_acc=False,
+                                is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
+        if CAUSAL and t % n_qt < DIAGONAL_STEPS:
+            b_pt = gl.exp2(gl.fma(
+                gl.where(gl.expand_dims(o_n, 1) <= gl.expand_dims(start_m + o_m, 0), b_st,
+                         float("-inf")), qk_scale, -gl.expand_dims(b_lse, 0)))
+        else:
+            b_pt = gl.exp2(gl.fma(b_st, qk_scale, -gl.expand_dims(b_lse, 0)))
+        b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok,))
+        b_dst = b_pt * (b_dpt - gl.expand_dims(b_delta, 0))
+        if MASK_KEYS:
+            # keys past S_k: P = exp2(0 - lse) may overflow, and dQ must not take inf * 0
+            b_dst = gl.where(gl.expand_dims(o_n < S_k, 1), b_dst, 0.0)
+        b_dst = b_dst.to(dtype)
+        # dV += P^T dO [KEYS, DV]; dK += dS^T Q [KEYS, D]
+        dv_tok = warpgroup_mma(gl.convert_layout(b_pt.to(dtype), pt_layout), b_do, b_dv,
+                               is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(b_dst, dst_layout), b_q, b_dk, is_async=True)
+        # both groups' dS^T into the shared [2 * KEYS, BLOCK_M] tile of this step
+        b_ds = ds_smem.index(t % 2)
+        b_ds.slice(WG * KEYS, KEYS).store(b_dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_bar.index(t % 2), count=1)
+        mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+        # dQ's half: dS K [BLOCK_M, D / 2] over the program's keys
+        dq_zero = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
+        dq_tok = warpgroup_mma(b_ds.permute((1, 0)), b_k_cols, dq_zero, use_acc=False,
+                               is_async=True)
+        b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+        mbarrier.arrive(empty.index(s), count=1)
+        tma.store_wait(0)  # the previous step's add has read dq_smem
+        dq_smem.store(b_dq * sm_scale)
+        fence_async_shared()
+        _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, WG * (D // 2)],
+                                     dq_smem.reshape(dq_desc.block_type.shape))
+    tma.store_wait(0)
+    # dK = scale * dS^T Q; rows of keys past S_k are not stored
+    o_nk = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dk_layout))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, dk_layout))
+    p_dk = dk + (gl.expand_dims(o_nk.to(gl.int64) * stride_dks, 1)
+                 + gl.expand_dims(o_d * stride_dkd, 0))
+    gl.store(p_dk, (b_dk * sm_scale).to(dtype), mask=gl.expand_dims(o_nk < S_k, 1))
+    o_nv = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dv_layout))
+    o_dv = gl.arange(0, DV, layout=gl.SliceLayout(0, dv_layout))
+    p_dv = dv + (gl.expand_dims(o_nv.to(gl.int64) * stride_dvs, 1)
+                 + gl.expand_dims(o_dv * stride_dvd, 0))
+    gl.store(p_dv, b_dv.to(dtype), mask=gl.expand_dims(o_nv < S_k, 1))
+
+
+@gluon.jit
+def attention_bwd_gluon_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_log2, delta, dk, dv,
+    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    S_q, S_k, H_kv, G, sm_scale, qk_scale,
+    D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+):
+    """dK, dV (B, S_k, H_kv, D / DV) of one key tile, and its share of dQ added into the
+    fp32 (B, S_q, H, D) buffer behind ``dq_desc`` (zeroed by the caller); the
+    module's docstring has the partitions. lse_log2 and delta are the forward's base-2 lse
+    and rowsum(dO * O) - dlse, (B, H, S_q) with a unit stride over rows; qk_scale = scale *
+    log2(e). Where CAUSAL, S_q == S_k. MASK_KEYS: S_k not a multiple of BLOCK_N. Grid:
+    (cdiv(S_k, BLOCK_N), B * H_kv), key tiles in order (where causal, the heaviest first)."""
+    i_n = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // H_kv
+    i_hk = i_bh % H_kv
+    start_n = i_n * BLOCK_N
+    dtype: gl.constexpr = q_desc.dtype
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=q_desc.layout.swizzle_byte_width,
+        element_bitwidth=q_desc.layout.element_bitwidth, rank=2)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=q_desc.layout.element_bitwidth, rank=2)
+    dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=dq_desc.layout.swizzle_byte_width,
+        element_bitwidth=dq_desc.layout.element_bitwidth, rank=2)
+    KEYS: gl.constexpr = BLOCK_N // 2
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DV], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], smem_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DV], smem_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D // 2], dq_smem_layout)
+    dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D // 2], dq_smem_layout)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=2)  # TMA's bytes and the load warp's rows
+        mbarrier.init(empty.index(i), count=2)  # both consumer groups release a buffer
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)  # both groups wrote their dS^T
+    if CAUSAL:
+        m_lo = start_n // BLOCK_M
+    else:
+        m_lo = 0
+    n_qt = gl.cdiv(S_q, BLOCK_M) - m_lo
+    n_steps = G * n_qt
+    dk += i_b.to(gl.int64) * stride_dkb + i_hk.to(gl.int64) * stride_dkh
+    dv += i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
+    gl.warp_specialize([
+        (_bwd_consumer_partition, (
+            q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
+            full, empty, ds_bar, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
+            stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+            0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS)),
+        (_bwd_consumer_partition, (
+            q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
+            full, empty, ds_bar, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
+            stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+            1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS)),
+        (_bwd_load_partition, (
+            q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
+            delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
+            i_hk, start_n, G, m_lo, n_qt, n_steps, STAGES, BLOCK_M)),
+    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
