@@ -5,10 +5,11 @@ head dims D, sequence lengths N, causal and not. Forward and backward are timed 
 with triton.testing.do_bench (median); the backward is ``o.backward(do, retain_graph=True)``
 alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
 
-Providers: flashop (its defaults), flashop with one switch changed (flashop-atomic,
-flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws, flashop-no-gluon: README's
-Configuration, set with ``flashop.config.override`` while timing), SDPA pinned to each backend (sdpa-flash =
-FlashAttention-2, sdpa-cudnn, sdpa-mem) and compiled FlexAttention.
+Providers: flashop (its defaults), flashop with switches changed (flashop-atomic,
+flashop-atomic-no-gluon, flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws,
+flashop-no-gluon: README's Configuration, set with ``flashop.config.override`` while
+timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
+and compiled FlexAttention.
 
 Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256] [--plot out.png]
 """
@@ -36,6 +37,7 @@ HIDDEN = 2048
 FLASHOP_VARIANTS = {
     "flashop": {},
     "flashop-atomic": {"dq_atomics": True},  # the backward adds dQ by atomics
+    "flashop-atomic-no-gluon": {"dq_atomics": True, "gluon": False},  # ... in the tl kernels
     "flashop-autotune": {"autotune": True},  # autotuned tiles instead of the table
     "flashop-tma": {"tma": True},  # key/value tiles through tensor descriptors everywhere
     "flashop-no-tma": {"tma": False},  # ... nowhere
