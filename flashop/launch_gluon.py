@@ -41,6 +41,7 @@ GLUON_MIN_TAIL_KEYS = 4096
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 BWD_STAGES = 2
 BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
+BWD_HEAD_DIMS = (64, 128)
 
 
 def triton_version() -> tuple:
@@ -101,7 +102,7 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
                     causal: bool, plain: bool) -> bool:
     """Whether the Gluon backward takes this call (dQ by atomics, which the caller decided):
     where available, an eager call of the plain backward with 16-bit inputs, D == DV in
-    HEAD_DIMS, S_q == S_k where causal, B * H_kv within the grid, and inputs its
+    BWD_HEAD_DIMS, S_q == S_k where causal, B * H_kv within the grid, and inputs its
     descriptors can address; config.settings.gluon False turns it off."""
     if config.settings.gluon is False or not plain or not available(q.device):
         return False
@@ -109,7 +110,7 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
         return False
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    if D != DV or D not in HEAD_DIMS or B * H_kv > MAX_GRID_Y or (causal and S_q != S_k):
+    if D != DV or D not in BWD_HEAD_DIMS or B * H_kv > MAX_GRID_Y or (causal and S_q != S_k):
         return False
     return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v, dout))
 

@@ -195,13 +195,14 @@ def _takes_gluon(case: Case) -> bool:
 
 
 @st.composite
-def gluon_cases(draw, dtype):
+def gluon_cases(draw, dtype, head_dims=(128,)):
     causal = draw(st.booleans())
     S_k = draw(st.integers(1, 700))
+    D = draw(st.sampled_from(head_dims))
     return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
                 S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3])),
-                D=128, DV=128, dtype=dtype, causal=causal,
-                scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / 128**0.5))),
+                D=D, DV=D, dtype=dtype, causal=causal,
+                scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D**0.5))),
                 layout=draw(st.sampled_from(["contiguous", "bhsd"])))
 
 
@@ -232,10 +233,10 @@ def _takes_gluon_backward(case: Case) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_backward_matches_reference(dtype, data, seed):
-    """The Gluon backward (dQ by atomics, FLASHOP_DQ_ATOMICS=1) on its inputs: causal and
-    not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale,
-    after whichever forward the default rule picks."""
-    case = data.draw(gluon_cases(dtype))
+    """The Gluon backward (dQ by atomics, FLASHOP_DQ_ATOMICS=1) on its inputs: head dims 64
+    and 128, causal and not, any lengths (tail tiles of queries and keys), GQA, two
+    layouts, any positive scale, after whichever forward the default rule picks."""
+    case = data.draw(gluon_cases(dtype, launch_gluon.BWD_HEAD_DIMS))
     with mock.patch.object(launch_gluon, "attention_backward",
                            wraps=launch_gluon.attention_backward) as launched:
         assert _takes_gluon_backward(case)
@@ -244,9 +245,9 @@ def test_gluon_backward_matches_reference(dtype, data, seed):
 
 
 def test_where_the_gluon_backward_runs(monkeypatch):
-    """Plain dense 16-bit calls at D = 128 (S_q == S_k where causal) with 16-byte aligned
-    strides, when the caller asked for dQ by atomics; never a traced call, never with the
-    switch off, and nowhere the kernel is unavailable (here: this run's device)."""
+    """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with 16-byte
+    aligned strides, when the caller asked for dQ by atomics; never a traced call, never
+    with the switch off, and nowhere the kernel is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon_backward(causal) == GLUON
@@ -254,10 +255,11 @@ def test_where_the_gluon_backward_runs(monkeypatch):
         assert "flashop.kernels.backward_gluon" not in sys.modules
     monkeypatch.setattr(launch_gluon, "available", lambda device: True)
     for case in (base, causal, replace(base, layout="bhsd", dtype=torch.float16),
-                 replace(base, S_k=1, S_q=1), replace(base, scale=-0.1)):
+                 replace(base, S_k=1, S_q=1), replace(base, scale=-0.1),
+                 replace(base, D=64, DV=64)):
         assert _takes_gluon_backward(case), case
-    for other in (dict(causal=True), dict(D=64, DV=64), dict(DV=64), dict(dtype=torch.float32),
-                  dict(layout="padded")):
+    for other in (dict(causal=True), dict(D=96, DV=96), dict(D=256, DV=256), dict(DV=64),
+                  dict(dtype=torch.float32), dict(layout="padded")):
         assert not _takes_gluon_backward(replace(base, **other)), other
     q, k, v = make_inputs(base)[0]
     assert not launch_gluon.serves_backward(q, k, v, q, False, plain=False)  # modifiers

@@ -206,14 +206,15 @@ for dtype in (torch.bfloat16, torch.float32):
         out.sum().backward()
     elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) at D=128 and the backward
         if dtype == torch.bfloat16:
-            for causal, layout in ((False, "bshd"), (True, "bhsd")):
+            for causal, layout, Dg in ((False, "bshd", 128), (True, "bhsd", 128),
+                                       (True, "bshd", 64)):
                 S_q = S_k if causal else S_q
-                shape = lambda S, h: (B, h, S, 128) if layout == "bhsd" else (B, S, h, 128)
+                shape = lambda S, h: (B, h, S, Dg) if layout == "bhsd" else (B, S, h, Dg)
                 qg, kg, vg = (torch.randn(shape(S, h), device="cuda", dtype=dtype)
                               for S, h in ((S_q, H), (S_k, H_kv), (S_k, H_kv)))
                 if layout == "bhsd":
                     qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
-                assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True)
+                assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True) == (Dg == 128)
                 qg, kg, vg = (x.requires_grad_(True) for x in (qg, kg, vg))
                 out, lse = flashop.attention_with_lse(qg, kg, vg, causal=causal)
                 torch.autograd.grad((out, lse), (qg, kg, vg),
@@ -262,8 +263,8 @@ print("sanitized")
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
-# forward at D=128 over the shape's batch, lengths and heads, and its backward (with dQ by
-# atomics, the Gluon backward)
+# forward at D=128 over the shape's batch, lengths and heads, and the backward at D=128 and
+# 64 (with dQ by atomics, the Gluon backward)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
                    ("gluon", "0"), ("gluon", "1")]
