@@ -1,6 +1,7 @@
-"""torch.use_deterministic_algorithms(True) never reaches the backward's dQ atomics (the one
-nondeterministic kernel variant), whatever the switches or the caller ask for: every
-kernel launch is recorded and its DQ_ATOMIC flag read."""
+"""torch.use_deterministic_algorithms(True) never reaches the backward's dQ atomics (the
+nondeterministic kernel variants), whatever the switches or the caller ask for: every
+kernel launch is recorded and its DQ_ATOMIC flag read, and the Gluon backward's launch is
+replaced by a stand-in that would raise."""
 
 import pytest
 import torch
@@ -92,3 +93,36 @@ def test_a_caller_asking_for_atomics_gets_none_under_deterministic_algorithms(
     flashop.launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, None, mods, False,
                                       deterministic=False)
     assert dq_atomic_launches == [False]
+
+
+class _GluonReached(Exception):
+    pass
+
+
+def test_deterministic_algorithms_never_reach_the_gluon_backward(monkeypatch):
+    """The Gluon backward adds dQ by TMA reductions (not reproducible) and is launched
+    outside the recording above: with it available (here: as if on a Hopper GPU, its launch
+    replaced by a stand-in) and dQ by atomics asked for, a plain D=128 call reaches it
+    outside deterministic mode and never under torch.use_deterministic_algorithms(True)."""
+    monkeypatch.setattr(flashop.launch_gluon, "available", lambda device: True)
+
+    def stand_in(*args, **kwargs):
+        raise _GluonReached
+
+    monkeypatch.setattr(flashop.launch_gluon, "attention_backward", stand_in)
+    case = Case(B=1, S_q=17, S_k=17, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16,
+                causal=True)
+    (q, k, v), dout, _ = make_inputs(case)
+    with flashop.config.override(dq_atomics=True):
+        out = flashop.attention(q, k, v, causal=True)
+        with pytest.raises(_GluonReached):
+            torch.autograd.grad(out, (q, k, v), dout)
+        enabled = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            out = flashop.attention(q, k, v, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        finally:
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    assert all(torch.isfinite(g).all() for g in grads)
