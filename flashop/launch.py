@@ -415,11 +415,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
     short = tiles.is_short(p.S_k)
     causal = p.flags["HAS_RIGHT"]
-    # what the dK/dV and dQ kernels share
-    common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
-                  **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
-                  **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
-                  **p.modifier_args, **_dropout_args(q, mods), **p.constexprs(), **p.flags)
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
@@ -432,7 +427,17 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             o=out, do=dout, dlse=dlse, delta=delta, **o_strides, **p.strides("do", dout),
             **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
             BLOCK_M=pre_block)
-    else:
+        if launch_gluon.serves_backward(q, k, v, dout, causal, mods.is_plain and packing is None):
+            launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv,
+                                            causal, p.sm_scale, p.modifier_args["qk_scale"])
+            dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
+            return dq, dk, dv, dg, dmask
+    # what the dK/dV and dQ kernels share
+    common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
+                  **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
+                  **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
+                  **p.modifier_args, **_dropout_args(q, mods), **p.constexprs(), **p.flags)
+    if not dq_atomic:
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(
             attention_bwd_dq_kernel, "dq",
@@ -442,12 +447,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             autotune=tiles.autotunes(q.dtype) and not attn_mask_grad, **common,
             dq=dq, dgq=dgq, dattn_mask=dS, o=out, dlse=dlse, **p.strides("dq", dq),
             **o_strides, **dlse_strides, H=p.H, ATTN_MASK_GRAD=attn_mask_grad)
-    if dq_atomic and launch_gluon.serves_backward(q, k, v, dout, causal,
-                                                  mods.is_plain and packing is None):
-        launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv, causal,
-                                        p.sm_scale, p.modifier_args["qk_scale"])
-        dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
-        return dq, dk, dv, dg, dmask
     kind = "dkdv_atomic" if dq_atomic else "dkdv"
     _launch(
         attention_bwd_dkdv_kernel, kind,
