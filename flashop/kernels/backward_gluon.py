@@ -10,12 +10,13 @@ where the caller asked for dQ by atomics.
 
 One program takes BLOCK_N keys of one (batch, KV head) and runs three partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
-  group, in turn) through tensor descriptors into STAGES shared buffers;
+  group, in turn) through tensor descriptors, and the tile's rows of lse_log2 and delta by
+  loads, into STAGES shared buffers;
 - two consumer warp groups, group w owning keys [w * BLOCK_N / 2, (w + 1) * BLOCK_N / 2) of
   the tile. Per query tile, group w computes S^T and dP^T of its keys by wgmma, P^T and
   dS^T, then dV += P^T dO and dK += dS^T Q; both groups' dS^T meet in shared memory, and
   group w computes dQ's columns [w * D / 2, (w + 1) * D / 2) of the query tile over all
-  BLOCK_N keys (dS K), which it adds into dQ's buffer from shared memory.
+  BLOCK_N keys (dS K), which it adds, scaled, into dQ's buffer from shared memory.
 Rows past S_q read as 0 and their lse as +inf, so they add nothing; keys past S_k read as
 0, their rows of dK and dV are not stored and their dS is zeroed before dQ.
 """
