@@ -411,7 +411,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         deterministic = deterministic_backward()
     deterministic = deterministic or _strictly_deterministic()
     dq_atomic = not (deterministic or has_gate or attn_mask_grad)
-    # zeroed fp32 dQ / scale, laid out as q, where the dK/dV kernel adds into it
+    # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it, the
+    # Gluon backward dQ
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
     short = tiles.is_short(p.S_k)
     causal = p.flags["HAS_RIGHT"]

@@ -73,6 +73,19 @@ def _is_traced(x: torch.Tensor) -> bool:
     return type(x) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling()
 
 
+def _takes_call(q: torch.Tensor, plain: bool) -> bool:
+    """What both Gluon kernels ask of a call: the switch not off, a plain call (``plain``),
+    the kernels available on q's device, 16-bit inputs, an eager (not traced) call."""
+    return (config.settings.gluon is not False and plain and available(q.device)
+            and q.dtype in (torch.float16, torch.bfloat16) and not _is_traced(q))
+
+
+def _addressable(*tensors: torch.Tensor) -> bool:
+    """Whether the descriptors can address every tensor: a unit-stride last dimension and
+    16-byte aligned start and strides."""
+    return all(x.stride(-1) == 1 and tma_aligned(x) for x in tensors)
+
+
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_scale: float,
            plain: bool) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
@@ -82,9 +95,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
     the default rule above."""
     setting = config.settings.gluon
-    if setting is False or not plain or not available(q.device):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or _is_traced(q):
+    if not _takes_call(q, plain):
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
@@ -95,7 +106,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     if setting is None and not (S_q >= GLUON_MIN_QUERIES and (
             causal or S_k >= GLUON_MIN_KEYS or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % BLOCK_N))):
         return False
-    return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v))
+    return _addressable(q, k, v)
 
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -104,15 +115,13 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     where available, an eager call of the plain backward with 16-bit inputs, D == DV in
     BWD_HEAD_DIMS, S_q == S_k where causal, B * H_kv within the grid, and inputs its
     descriptors can address; config.settings.gluon False turns it off."""
-    if config.settings.gluon is False or not plain or not available(q.device):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or _is_traced(q):
+    if not _takes_call(q, plain):
         return False
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     if D != DV or D not in BWD_HEAD_DIMS or B * H_kv > MAX_GRID_Y or (causal and S_q != S_k):
         return False
-    return all(x.stride(-1) == 1 and tma_aligned(x) for x in (q, k, v, dout))
+    return _addressable(q, k, v, dout)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
