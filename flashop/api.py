@@ -8,9 +8,9 @@ the dispatcher; traced, both give the same graph.
 ``attention`` and ``attention_with_lse`` go one step further on plain tensors in eager mode
 (no torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform active;
 see ``_direct``): they run the forward operator's body directly in an autograd function
-whose backward is the ``attention_backward`` operator, skipping the dispatcher's layers and
-the registered operator's generated autograd function, a large part of a short call's
-host time. Results, checks and messages are the operator's; ``FLASHOP_DIRECT_EAGER=0``
+whose backward runs the ``attention_backward`` operator's body the same way, skipping the
+dispatcher's layers and the registered operator's generated autograd function, a large
+part of a short call's host time. Results, checks and messages are the operator's; ``FLASHOP_DIRECT_EAGER=0``
 (``flashop.config``) sends every call through it.
 """
 
@@ -59,8 +59,14 @@ class _DirectAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = ops.attention_grads(ctx.saved_tensors, ctx.needs_input_grad[:8], ctx.kwargs,
-                                    dout, dlse)
+        saved, needs = ctx.saved_tensors, ctx.needs_input_grad[:8]
+        if _direct(dout, dlse) and not torch.is_grad_enabled():
+            # the backward operator's body, as the forward's (a backward that builds a graph,
+            # create_graph=True, goes through the operator, which has no derivative)
+            with set_wrap_triton_enabled(False):
+                grads = ops.attention_grads(saved, needs, ctx.kwargs, dout, dlse, direct=True)
+        else:
+            grads = ops.attention_grads(saved, needs, ctx.kwargs, dout, dlse)
         return (*grads, None, None, None, None, None)
 
 

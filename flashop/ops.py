@@ -102,6 +102,15 @@ def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tens
                        window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
                        dropout_p: float = 0.0, attn_mask_grad: bool = False
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return run_backward(dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes, g,
+                        dropout_seed, causal=causal, scale=scale, window_size=window_size,
+                        softcap=softcap, dropout_p=dropout_p, attn_mask_grad=attn_mask_grad)
+
+
+def run_backward(dout, dlse, q, k, v, out, lse_log2, attn_mask=None, alibi_slopes=None,
+                 g=None, dropout_seed=None, *, causal=False, scale=None, window_size=None,
+                 softcap=0.0, dropout_p=0.0, attn_mask_grad=False):
+    """attention_backward's body: checks, then the kernels; (dq, dk, dv, dg, dattn_mask)."""
     mods = _modifiers(attn_mask, alibi_slopes, g, causal, window_size, softcap,
                       dropout_p=dropout_p, dropout_seed=dropout_seed)
     check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
@@ -142,20 +151,21 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def attention_grads(saved: tuple, needs: tuple, kwargs: dict, dout: Tensor,
-                    dlse: Tensor) -> tuple:
+                    dlse: Tensor, direct: bool = False) -> tuple:
     """Gradients of (q, k, v, attn_mask, alibi_slopes, g, sinks, dropout_seed) through
     attention_backward (and launch.sink_grad), from the tensors save_for_grads saves and the
     inputs' ``needs_input_grad`` (shared with the Python API's direct eager path,
-    flashop/api.py)."""
+    flashop/api.py, which passes ``direct``: the operator's body is run without the
+    dispatcher)."""
     q, k, v, out, lse_log2, attn_mask, alibi_slopes, g, sinks, seed = saved
     needs = tuple(needs) + (False,) * (_N_INPUTS - len(needs))
     if needs[4]:
         raise RuntimeError(
             "flashop.attention: alibi_slopes get no gradient (as in FlashAttention); detach "
             "them, or pass the ALiBi bias as a float attn_mask, whose gradient is computed")
-    dq, dk, dv, dg, dmask = torch.ops.flashop.attention_backward(
-        dout, dlse, q, k, v, out, lse_log2, attn_mask, alibi_slopes, g, seed,
-        attn_mask_grad=needs[3], **kwargs)
+    backward = run_backward if direct else torch.ops.flashop.attention_backward
+    dq, dk, dv, dg, dmask = backward(dout, dlse, q, k, v, out, lse_log2, attn_mask,
+                                     alibi_slopes, g, seed, attn_mask_grad=needs[3], **kwargs)
     dsinks = (launch.sink_grad(sinks, out, dout, lse_log2, dlse, g) if needs[6]
               else None)
     return (dq, dk, dv, dmask if needs[3] else None, None, dg if needs[5] else None, dsinks,

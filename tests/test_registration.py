@@ -119,6 +119,24 @@ def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator():
         assert _grad_fn_name(flashop.attention(q, k, v)).startswith("GeneratedBackwardFor")
 
 
+def test_the_direct_eager_path_runs_the_backward_without_the_dispatcher():
+    """The direct path's backward runs the backward operator's body itself (the profiler,
+    which records every operator the dispatcher runs, sees no flashop::attention_backward);
+    with FLASHOP_DIRECT_EAGER=0, or a backward that builds a graph, the operator runs."""
+    (q, k, v), dout, _ = make_inputs(OPCHECK_CASES[0])
+
+    def operators(direct: bool = True, create_graph: bool = False) -> list:
+        with flashop.config.override(direct_eager=direct):
+            out = flashop.attention(q, k, v, causal=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.autograd.grad(out, (q, k, v), dout, create_graph=create_graph)
+        return [e.name for e in prof.events() if e.name.startswith("flashop::")]
+
+    assert operators() == []
+    assert "flashop::attention_backward" in operators(direct=False)
+    assert "flashop::attention_backward" in operators(create_graph=True)
+
+
 def test_the_direct_eager_path_keeps_the_operators_errors():
     case = OPCHECK_CASES[0]
     (q, k, v), dout, _ = make_inputs(case)
