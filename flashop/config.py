@@ -13,6 +13,7 @@ compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
 | ``FLASHOP_GLUON=0/1`` | ``gluon`` | rule | the Gluon forward (Hopper, triton 3.6, eager calls): never / wherever the inputs allow; unset: from 1024 queries, causal, 16384+ keys, or 4096+ keys not a multiple of 128; ``0`` also keeps the dQ-by-atomics backward on the ``tl`` kernels |
 | ``FLASHOP_DQ_ATOMICS=1`` | ``dq_atomics`` | off | the backward adds dQ by fp32 atomics (not bitwise reproducible; never under ``torch.use_deterministic_algorithms``); at D=64 and 128 on Hopper with triton 3.6, the Gluon backward |
 | ``FLASHOP_DIRECT_EAGER=0`` | ``direct_eager`` | on | eager calls of ``attention`` / ``attention_with_lse`` go through the dispatcher like traced ones |
+| ``FLASHOP_CACHED_LAUNCH=0`` | ``cached_launch`` | on | eager launches go through Triton's argument binding every time (on, with triton 3.6: a kernel compiled for a call's specialisation is launched directly on later calls of it) |
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class Settings:
     gluon: Optional[bool] = None
     dq_atomics: bool = False
     direct_eager: bool = True
+    cached_launch: bool = True
 
     @classmethod
     def from_environment(cls) -> "Settings":
         return cls(autotune=_flag("FLASHOP_AUTOTUNE", False), tma=_tristate("FLASHOP_TMA"),
                    warp_specialize=_tristate("FLASHOP_WS"), gluon=_tristate("FLASHOP_GLUON"),
                    dq_atomics=_flag("FLASHOP_DQ_ATOMICS", False),
-                   direct_eager=_flag("FLASHOP_DIRECT_EAGER", True))
+                   direct_eager=_flag("FLASHOP_DIRECT_EAGER", True),
+                   cached_launch=_flag("FLASHOP_CACHED_LAUNCH", True))
 
 
 settings = Settings.from_environment()

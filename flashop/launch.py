@@ -1,9 +1,9 @@
 """Launchers of the attention kernels: allocate outputs, describe the call once, pick the
 kernel and its tiles, and launch it by keyword.
 
-Every kernel is launched through ``torch.library.wrap_triton`` so that, inside a
-``triton_op``, Inductor sees the Triton kernels themselves. Under Triton's CPU interpreter
-``wrap_triton`` hands back the interpreted kernel, which runs eagerly.
+Every kernel is launched through ``torch.library.wrap_triton`` (launch_common.launch_kernel)
+so that, inside a ``triton_op``, Inductor sees the Triton kernels themselves. Under Triton's
+CPU interpreter ``wrap_triton`` hands back the interpreted kernel, which runs eagerly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
 from flashop.launch_common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
-    known_shorter, on_inputs_device, resolve_scale, tma_aligned, unit_stride_last,
+    known_shorter, launch_kernel, on_inputs_device, resolve_scale, tma_aligned,
+    unit_stride_last,
 )
 from flashop.options import Modifiers, Packing, round_dropout_p
 
@@ -212,9 +213,8 @@ def _launch(kernel, kind: str, t: tiles.Tiles, grid: Callable, lengths: tuple,
         wrap_triton(tuned)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](
             seq_bucket=tiles.seq_bucket(*lengths), **kwargs)
     else:
-        wrap_triton(kernel)[grid(t.BLOCK_M, t.BLOCK_N)](
-            seq_bucket=0, **t.constexprs(kind), num_warps=t.num_warps,
-            num_stages=t.num_stages, **kwargs)
+        launch_kernel(kernel, grid(t.BLOCK_M, t.BLOCK_N), seq_bucket=0, **t.constexprs(kind),
+                      num_warps=t.num_warps, num_stages=t.num_stages, **kwargs)
 
 
 # --- forward ----------------------------------------------------------------------------------
@@ -424,7 +424,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         # rows here, delta being row-wise
         B_pre, rows_pre = (p.B, p.S_q) if packing is None else (1, q.shape[0])
         pre_block = 64 if not INTERPRETING else 32
-        wrap_triton(attention_bwd_preprocess_kernel)[(cdiv(rows_pre, pre_block), p.H, B_pre)](
+        launch_kernel(
+            attention_bwd_preprocess_kernel, (cdiv(rows_pre, pre_block), p.H, B_pre),
             o=out, do=dout, dlse=dlse, delta=delta, **o_strides, **p.strides("do", dout),
             **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
             BLOCK_M=pre_block)
@@ -483,8 +484,9 @@ def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
     keep = torch.empty((B, H, S_q, S_k), dtype=torch.uint8, device=dropout_seed.device)
     if keep.numel():
         block_m, block_n = (16, 32) if INTERPRETING else (64, 64)
-        wrap_triton(dropout_mask_kernel)[(cdiv(S_q, block_m), H, B)](
-            dropout_seed=dropout_seed, keep=keep, S_q=S_q, S_k=S_k,
+        launch_kernel(
+            dropout_mask_kernel, (cdiv(S_q, block_m), H, B), dropout_seed=dropout_seed,
+            keep=keep, S_q=S_q, S_k=S_k,
             dropout_p=round_dropout_p(float(dropout_p)),
             BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.bool()

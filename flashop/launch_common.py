@@ -1,15 +1,19 @@
 """Helpers every launcher uses: head-dim blocks, the dtype's compile-time options, scales,
-strides and the checks on them, the GPU's generation, Triton's scratch allocator."""
+strides and the checks on them, the GPU's generation, Triton's scratch allocator, and the
+kernels' launch (launch_kernel)."""
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Callable, Optional
 
 import torch
 import triton
+from torch.library import wrap_triton
 from triton.runtime import _allocation
 
+from flashop import config
 from flashop.kernels import INTERPRETING
 
 
@@ -127,3 +131,99 @@ def ensure_triton_allocator() -> None:
     current = getattr(_allocation, "_allocator", None)
     if current is not None and isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
+
+
+# --- launches ---------------------------------------------------------------------------------
+
+# triton==3.6: JITFunction.run returns the CompiledKernel it launched, and CompiledKernel.run
+# takes (grid x, y, z, stream, function, packed metadata, launch metadata, enter hook, exit
+# hook, every argument in the signature's order), as the cached launches call it
+CACHED_LAUNCH_TRITON = (3, 6)
+# compiled kernels kept per @triton.jit function (a key holds the call's integer values: a
+# workload of ever-new shapes starts the table again rather than growing it)
+CACHED_LAUNCHES_PER_KERNEL = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_allows_cached_launches() -> bool:
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    return not INTERPRETING and version == CACHED_LAUNCH_TRITON
+
+
+class _Launches:
+    """One @triton.jit function's compiled kernels, by the specialisation of their calls."""
+
+    def __init__(self, kernel):
+        params = kernel.params
+        self.names = tuple(p.name for p in params)
+        self.defaults = tuple(p.default for p in params)
+        self.compiled: dict = {}
+
+
+_LAUNCHES: dict = {}  # id(kernel) -> _Launches; the kernels are module-level functions
+_Tensor = torch.Tensor
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set (triton 3.6 keeps an empty chain of them when none is)."""
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
+def _call_key(values: tuple) -> tuple:
+    """What Triton specialises a call on, or finer: each tensor's dtype and whether its
+    address is 16-byte aligned; every other argument (integers, floats, flags, strings,
+    descriptors that define equality by dtype, block and layout; Triton's options) by type
+    and value."""
+    return (tuple(map(type, values)),
+            tuple([(v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor) else v
+                   for v in values]))
+
+
+def launch_kernel(kernel, grid: tuple, **kwargs) -> None:
+    """Launch the @triton.jit ``kernel`` on ``grid`` with its arguments (and Triton's options,
+    num_warps, num_stages) by keyword, through ``torch.library.wrap_triton``: where a graph
+    is traced, the launch is recorded in it; otherwise launch_now launches it."""
+    launcher = wrap_triton(kernel)
+    if launcher is kernel:
+        launch_now(kernel, grid, **kwargs)
+    else:
+        launcher[grid](**kwargs)
+
+
+def launch_now(kernel, grid: tuple, **kwargs) -> None:
+    """Launch ``kernel`` eagerly, as ``kernel[grid](**kwargs)`` does, skipping Triton's
+    binding of the arguments (tens of microseconds of host time per launch) where it can:
+    the kernel that Triton compiled for a call is kept under the call's key (_call_key), and
+    a later call of the same key launches it directly with the same arguments. Triton's own
+    path serves the first call of each key, the interpreter, calls while a launch hook is
+    set, Triton releases other than CACHED_LAUNCH_TRITON, and every call with
+    ``FLASHOP_CACHED_LAUNCH=0``."""
+    runtime = triton.knobs.runtime
+    if (not config.settings.cached_launch or not _triton_allows_cached_launches()
+            or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+            or kernel.pre_run_hooks):
+        kernel[grid](**kwargs)
+        return
+    launches = _LAUNCHES.get(id(kernel))  # (JITFunction's hash hashes its source)
+    if launches is None:
+        launches = _LAUNCHES[id(kernel)] = _Launches(kernel)
+    values = tuple(kwargs.values())
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()
+    key = (device, tuple(kwargs), _call_key(values))
+    entry = launches.compiled.get(key)
+    if entry is None:
+        compiled = kernel[grid](**kwargs)
+        if hasattr(compiled, "packed_metadata"):  # not a pending compilation
+            if len(launches.compiled) >= CACHED_LAUNCHES_PER_KERNEL:
+                launches.compiled.clear()
+            # the signature's arguments from (the call's values + the defaults)
+            given = {name: i for i, name in enumerate(kwargs)}
+            order = [given.get(name, len(values) + i) for i, name in enumerate(launches.names)]
+            launches.compiled[key] = (compiled, operator.itemgetter(*order))
+        return
+    compiled, arguments = entry
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device),
+                 compiled.function, compiled.packed_metadata, None, None, None,
+                 *arguments(values + launches.defaults))

@@ -14,15 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-from torch.library import wrap_triton
-
 from flashop.kernels import INTERPRETING
 from flashop.kernels.decode import (
     attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
 )
 from flashop.launch_common import (
-    block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory, next_power_of_2,
-    on_inputs_device, resolve_scale, unit_stride_last,
+    block_dim, cdiv, check_row_offsets, dtype_constexprs, launch_kernel, max_shared_memory,
+    next_power_of_2, on_inputs_device, resolve_scale, unit_stride_last,
 )
 from flashop.options import Modifiers
 from flashop.tiles import shared_memory_bytes
@@ -205,7 +203,8 @@ def kvcache_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     capacity = block_table.shape[1] * page if paged else page
     block_s = 16 if INTERPRETING else 32
     table = block_table if paged else cache_seqlens
-    wrap_triton(kvcache_append_kernel)[(cdiv(S_new, block_s), H_kv, B)](
+    launch_kernel(
+        kvcache_append_kernel, (cdiv(S_new, block_s), H_kv, B),
         k=k, v=v, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
         block_table=table,
@@ -276,7 +275,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (alibi, alibi_strides, sinks, sink_stride, qk_scale, softcap_log2, left, right,
      flags) = _modifier_args(mods, resolve_scale(scale, D), q)
     sp, lp = o_part.stride(), lse_part.stride()
-    wrap_triton(attention_decode_kernel)[(num_splits, H_kv * row_tiles, B)](
+    launch_kernel(
+        attention_decode_kernel, (num_splits, H_kv * row_tiles, B),
         q=q, k_cache=k_cache, v_cache=v_cache, o=out, lse=lse, o_part=o_part,
         lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
@@ -303,7 +303,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages,
     )
     if split:
-        wrap_triton(attention_decode_merge_kernel)[(S_q, H, B)](
+        launch_kernel(
+            attention_decode_merge_kernel, (S_q, H, B),
             o_part=o_part, lse_part=lse_part, o=out, lse=lse,
             stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
             stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],

@@ -19,19 +19,19 @@ import triton
 
 from flashop import config
 from flashop.kernels import INTERPRETING
-from flashop.launch_common import cdiv, tma_aligned
+from flashop.launch_common import cdiv, launch_now, tma_aligned
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
-BLOCK_M = BLOCK_N = 128
-STAGES = 3
+# the forward's tiles per head dim: (BLOCK_M query rows, a consumer group's half each;
+# BLOCK_N keys; STAGES of K and V in shared memory); BLOCK_M a multiple of BLOCK_N
+FWD_TILES = {128: (128, 128, 3)}
 CONSUMER_REGS, LOAD_REGS = 232, 24
-HEAD_DIMS = (128,)
 MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels, all with at least GLUON_MIN_QUERIES queries (no shorter call was measured):
 # causal calls; calls over at least GLUON_MIN_KEYS keys; calls over at least
-# GLUON_MIN_TAIL_KEYS keys that are not a multiple of BLOCK_N (which the tl warp-specialized
+# GLUON_MIN_TAIL_KEYS keys that are not a multiple of 128 (which the tl warp-specialized
 # kernel cannot take)
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = 16384
@@ -90,7 +90,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
            plain: bool) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, no dropout, dense; ``causal`` the only
-    bound) with 16-bit inputs, D == DV in HEAD_DIMS, qk_scale > 0, S_k > 0, S_q == S_k
+    bound) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
     where causal, B * H within the grid, and inputs its descriptors can address
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
     the default rule above."""
@@ -99,12 +99,12 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
-    if D != DV or D not in HEAD_DIMS or qk_scale <= 0 or S_k == 0 or B * H > MAX_GRID_Y:
+    if D != DV or D not in FWD_TILES or qk_scale <= 0 or S_k == 0 or B * H > MAX_GRID_Y:
         return False
     if causal and S_q != S_k:
         return False
     if setting is None and not (S_q >= GLUON_MIN_QUERIES and (
-            causal or S_k >= GLUON_MIN_KEYS or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % BLOCK_N))):
+            causal or S_k >= GLUON_MIN_KEYS or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % 128))):
         return False
     return _addressable(q, k, v)
 
@@ -135,13 +135,38 @@ def _tile_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
 
 
+@functools.lru_cache(maxsize=None)
+def _descriptor_type():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    class Descriptor(TensorDescriptor):
+        """A host-made tensor descriptor that equals another of the same dtype and block
+        (``spec``; its layout follows from them, _tile_layout), what Triton specialises a
+        kernel on, so that a launch's key (launch_common.launch_now) can hold it."""
+
+        def __eq__(self, other):
+            return type(other) is Descriptor and self.spec == other.spec
+
+        def __hash__(self):
+            return hash(self.spec)
+
+    return Descriptor
+
+
 def _descriptor(x: torch.Tensor, block_rows: int, block_cols: Optional[int] = None):
     """A descriptor of ``x`` (B, S, H, D) as it is strided, its tiles [1, block_rows, 1,
-    block_cols] (default: D)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    block_cols] (default: D). Made without TensorDescriptor's checks, which serves() and
+    serves_backward() have made (_addressable; no empty dimension reaches a launch)."""
     block = (1, block_rows, 1, block_cols or x.shape[-1])
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block),
-                            _tile_layout(block, x.dtype))
+    d = object.__new__(_descriptor_type())
+    d.base, d.shape, d.strides, d.block_shape = x, list(x.shape), list(x.stride()), list(block)
+    d.layout, d.padding, d.spec = _tile_layout(block, x.dtype), "zero", (x.dtype, block)
+    return d
+
+
+def _strides(prefix: str, x: torch.Tensor) -> dict:
+    """``stride_<prefix>b``, ``..s``, ``..h``, ``..d`` of a (B, S, H, D) tensor."""
+    return dict(zip((f"stride_{prefix}{d}" for d in "bshd"), x.stride()))
 
 
 def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float) -> None:
@@ -149,11 +174,13 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     (B, H, S_q), where serves() said it takes the call."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    sob, sos, soh, sod = out.stride()
-    _kernel()[(cdiv(S_q, BLOCK_M), B * H)](
-        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        out, lse, lse_log2, sob, sos, soh, sod, lse.stride(0), lse.stride(1),
-        S_q, S_k, H, H // H_kv, qk_scale,
+    BLOCK_M, BLOCK_N, STAGES = FWD_TILES[D]
+    launch_now(
+        _kernel(), (cdiv(S_q, BLOCK_M), B * H),
+        q_desc=_descriptor(q, BLOCK_M), k_desc=_descriptor(k, BLOCK_N),
+        v_desc=_descriptor(v, BLOCK_N), o=out, lse=lse, lse_log2=lse_log2,
+        **_strides("o", out), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        S_q=S_q, S_k=S_k, H=H, G=H // H_kv, qk_scale=qk_scale,
         D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
         MASK_LAST=causal or S_k % BLOCK_N != 0,
         CONSUMER_REGS=CONSUMER_REGS, LOAD_REGS=LOAD_REGS, num_warps=4)
@@ -167,11 +194,14 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv, causal: b
     stores it."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    _bwd_kernel()[(cdiv(S_k, BWD_BLOCK_N), B * H_kv)](
-        _descriptor(q, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
-        _descriptor(dout, BWD_BLOCK_M), _descriptor(dq_acc, BWD_BLOCK_M, D // 2),
-        lse_log2, delta, dk, dv, lse_log2.stride(0), lse_log2.stride(1), *dk.stride(),
-        *dv.stride(), S_q, S_k, H_kv, H // H_kv, sm_scale, qk_scale,
+    launch_now(
+        _bwd_kernel(), (cdiv(S_k, BWD_BLOCK_N), B * H_kv),
+        q_desc=_descriptor(q, BWD_BLOCK_M), k_desc=_descriptor(k, BWD_BLOCK_N),
+        v_desc=_descriptor(v, BWD_BLOCK_N), do_desc=_descriptor(dout, BWD_BLOCK_M),
+        dq_desc=_descriptor(dq_acc, BWD_BLOCK_M, D // 2), lse_log2=lse_log2, delta=delta,
+        dk=dk, dv=dv, stride_lb=lse_log2.stride(0), stride_lh=lse_log2.stride(1),
+        **_strides("dk", dk), **_strides("dv", dv),
+        S_q=S_q, S_k=S_k, H_kv=H_kv, G=H // H_kv, sm_scale=sm_scale, qk_scale=qk_scale,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

@@ -12,11 +12,20 @@ from helpers import Case, make_inputs, make_modifiers
 
 @pytest.fixture
 def dq_atomic_launches(monkeypatch):
-    """The DQ_ATOMIC flag of every kernel launch that passes one, in order."""
+    """The DQ_ATOMIC flag of every kernel launch that passes one, in order (launches by
+    launch_kernel, and autotuned ones by wrap_triton)."""
     flags = []
-    wrap = flashop.launch.wrap_triton
+    launch_kernel, wrap = flashop.launch.launch_kernel, flashop.launch.wrap_triton
 
-    def recording(kernel):
+    def record(kwargs):
+        if "DQ_ATOMIC" in kwargs:
+            flags.append(kwargs["DQ_ATOMIC"])
+
+    def recording_launch(kernel, grid, **kwargs):
+        record(kwargs)
+        return launch_kernel(kernel, grid, **kwargs)
+
+    def recording_wrap(kernel):
         launcher = wrap(kernel)
 
         class Grid:
@@ -24,13 +33,13 @@ def dq_atomic_launches(monkeypatch):
                 run = launcher[grid]
 
                 def launch(*args, **kwargs):
-                    if "DQ_ATOMIC" in kwargs:
-                        flags.append(kwargs["DQ_ATOMIC"])
+                    record(kwargs)
                     return run(*args, **kwargs)
                 return launch
         return Grid()
 
-    monkeypatch.setattr(flashop.launch, "wrap_triton", recording)
+    monkeypatch.setattr(flashop.launch, "launch_kernel", recording_launch)
+    monkeypatch.setattr(flashop.launch, "wrap_triton", recording_wrap)
     return flags
 
 

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -141,6 +142,57 @@ def test_warp_specialized_forward_under_inductor_and_in_cuda_graphs():
     result, code = run_and_get_code(lambda: dynamic(q, k, v))
     assert "attention_fwd_ws_kernel" not in "\n".join(code)
     assert all(torch.equal(a, b) for a, b in zip(result, split))
+
+
+def _attention_with_grads(q, k, v, dout, dlse, **options):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out, lse = flashop.attention_with_lse(q, k, v, **options)
+    return (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
+
+
+def test_cached_launches_equal_tritons_own():
+    """An eager launch keeps the kernel Triton compiled for the call's key and launches it
+    directly on later calls of that key (launch_common.launch_now): results equal Triton's
+    own launches bit for bit, a tensor of other alignment gets its own kernel, and a repeated
+    call binds no argument through Triton (its JITFunction.run is not entered)."""
+    import triton.runtime.jit as jit
+    from flashop import launch_common
+
+    if not launch_common._triton_allows_cached_launches():
+        pytest.skip(f"cached launches serve triton {launch_common.CACHED_LAUNCH_TRITON}")
+    cases = [Case(B=1, S_q=1, S_k=1, H_kv=1, G=1, D=64, DV=64, dtype=torch.bfloat16),
+             Case(B=2, S_q=200, S_k=333, H_kv=2, G=2, D=128, DV=128, dtype=torch.float16,
+                  causal=True, layout="bhsd"),
+             Case(B=3, S_q=77, S_k=1000, H_kv=1, G=4, D=96, DV=96, dtype=torch.bfloat16,
+                  layout="padded"),
+             Case(B=1, S_q=1024, S_k=1024, H_kv=2, G=1, D=128, DV=128, dtype=torch.bfloat16,
+                  causal=True)]  # the Gluon forward's default on Hopper
+    entered = []
+    run = jit.JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        entered.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    for case in cases:
+        (q, k, v), dout, dlse = make_inputs(case)
+        options = case.options()
+        with flashop.config.override(cached_launch=False):
+            expected = _attention_with_grads(q, k, v, dout, dlse, **options)
+        first = _attention_with_grads(q, k, v, dout, dlse, **options)
+        with mock.patch.object(jit.JITFunction, "run", counted):
+            again = _attention_with_grads(q, k, v, dout, dlse, **options)
+        assert entered == [], (case, entered)
+        for a, b, c in zip(expected, first, again):
+            assert torch.equal(a, b) and torch.equal(a, c), case
+        # q one element past a 16-byte boundary: Triton specialises on the alignment (and
+        # the Gluon kernels take only aligned inputs)
+        shifted = torch.empty(q.numel() + 1, device=q.device, dtype=q.dtype)[1:].view(q.shape)
+        shifted.copy_(q)
+        with flashop.config.override(cached_launch=False):
+            expected = _attention_with_grads(shifted, k, v, dout, dlse, **options)
+        for a, b in zip(expected, _attention_with_grads(shifted, k, v, dout, dlse, **options)):
+            assert torch.equal(a, b), case
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -137,6 +137,22 @@ def test_the_direct_eager_path_runs_the_backward_without_the_dispatcher():
     assert "flashop::attention_backward" in operators(create_graph=True)
 
 
+def test_launch_keys_separate_what_triton_specialises_on():
+    """An eager launch reuses a compiled kernel for calls of the same key
+    (launch_common.launch_now); a key must tell apart whatever Triton compiles differently:
+    a tensor's dtype and 16-byte alignment, an argument's type (1, True and 1.0 are equal
+    in Python) and value."""
+    from flashop.launch_common import _call_key
+
+    x = torch.zeros(64)
+    shifted = torch.zeros(65)[1:]
+    keys = [_call_key(values) for values in (
+        (x, 16), (x.clone(), 16), (shifted, 16), (x.double(), 16), (x, 17), (x, 1), (x, True),
+        (x, 1.0), (x, 16.0), (x, None), (x, "ieee"), (x, "tf32"))]
+    assert keys[0] == keys[1]  # other tensors of the same dtype and alignment
+    assert len(set(keys[1:])) == len(keys) - 1
+
+
 def test_the_direct_eager_path_keeps_the_operators_errors():
     case = OPCHECK_CASES[0]
     (q, k, v), dout, _ = make_inputs(case)
