@@ -25,16 +25,17 @@ from flashop.launch_common import cdiv, launch_now, tma_aligned
 GLUON_TRITON = (3, 6)
 # the forward's tiles per head dim: (BLOCK_M query rows, a consumer group's half each;
 # BLOCK_N keys; STAGES of K and V in shared memory); BLOCK_M a multiple of BLOCK_N
-FWD_TILES = {128: (128, 128, 3)}
+FWD_TILES = {64: (128, 128, 3), 128: (128, 128, 3)}
 CONSUMER_REGS, LOAD_REGS = 232, 24
 MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels, all with at least GLUON_MIN_QUERIES queries (no shorter call was measured):
-# causal calls; calls over at least GLUON_MIN_KEYS keys; calls over at least
-# GLUON_MIN_TAIL_KEYS keys that are not a multiple of 128 (which the tl warp-specialized
-# kernel cannot take)
+# calls over at least GLUON_MIN_KEYS keys; at the head dims of GLUON_SHORT_HEAD_DIMS also
+# causal calls, and calls over at least GLUON_MIN_TAIL_KEYS keys that are not a multiple of
+# 128 (which the tl warp-specialized kernel cannot take)
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = 16384
+GLUON_SHORT_HEAD_DIMS = (128,)
 GLUON_MIN_TAIL_KEYS = 4096
 # the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
 # BWD_BLOCK_M, Q and dO BWD_STAGES deep
@@ -103,8 +104,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     if causal and S_q != S_k:
         return False
-    if setting is None and not (S_q >= GLUON_MIN_QUERIES and (
-            causal or S_k >= GLUON_MIN_KEYS or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % 128))):
+    short = D in GLUON_SHORT_HEAD_DIMS and (
+        causal or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % 128 != 0))
+    if setting is None and not (S_q >= GLUON_MIN_QUERIES and (S_k >= GLUON_MIN_KEYS or short)):
         return False
     return _addressable(q, k, v)
 

@@ -211,10 +211,10 @@ def gluon_cases(draw, dtype, head_dims=(128,)):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_forward_matches_reference(dtype, data, seed):
-    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: causal and not, any lengths (tail
-    tiles of queries and keys), GQA, two layouts, any positive scale; its lse feeds the tl
-    backward."""
-    case = data.draw(gluon_cases(dtype))
+    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: head dims 64 and 128, causal and
+    not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale;
+    its lse feeds the tl backward."""
+    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
     with mock.patch.object(launch_gluon, "attention_forward",
                            wraps=launch_gluon.attention_forward) as launched:
         with flashop.config.override(gluon=True):
@@ -276,10 +276,10 @@ def test_where_the_gluon_backward_runs(monkeypatch):
 
 
 def test_where_the_gluon_forward_runs(monkeypatch):
-    """Plain dense 16-bit calls at D = 128 (S_q == S_k where causal) with positive scales
-    and 16-byte aligned strides; by default, from 1024 queries, causal calls, calls over
-    16384+ keys and over 4096+ keys not a multiple of 128; never a traced call, and nowhere
-    the kernel is unavailable (here: this run's device)."""
+    """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with positive
+    scales and 16-byte aligned strides; by default, from 1024 queries, calls over 16384+
+    keys, and at D = 128 causal calls and calls over 4096+ keys not a multiple of 128; never
+    a traced call, and nowhere the kernel is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is True)
@@ -291,7 +291,8 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert _takes_gluon(causal)
         assert _takes_gluon(replace(base, layout="bhsd", dtype=torch.float16))
         assert _takes_gluon(replace(base, S_k=257, S_q=1))
-        for other in (dict(causal=True), dict(D=64, DV=64), dict(DV=64),
+        assert _takes_gluon(replace(causal, D=64, DV=64))
+        for other in (dict(causal=True), dict(D=96, DV=96), dict(D=256, DV=256), dict(DV=64),
                       dict(dtype=torch.float32), dict(scale=-0.1), dict(layout="padded")):
             assert not _takes_gluon(replace(base, **other)), other
         q, k, v = make_inputs(base)[0]
@@ -313,6 +314,11 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=3))
         assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=n))
         assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 128, S_q=n))
+        d64 = dict(D=64, DV=64)
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=n, **d64))
+        assert not _takes_gluon(replace(long_causal, **d64))  # measured slower below 16k
+        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=n,
+                                        **d64))
     with flashop.config.override(gluon=False):
         assert not _takes_gluon(long_causal)
 

@@ -256,7 +256,7 @@ for dtype in (torch.bfloat16, torch.float32):
         out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
                                        cu_k, S_q, S_k, sinks=sinks, causal=True, dropout_p=0.5)
         out.sum().backward()
-    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) at D=128 and the backward
+    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) and backward, D=64 and 128
         if dtype == torch.bfloat16:
             for causal, layout, Dg in ((False, "bshd", 128), (True, "bhsd", 128),
                                        (True, "bshd", 64)):
@@ -266,7 +266,7 @@ for dtype in (torch.bfloat16, torch.float32):
                               for S, h in ((S_q, H), (S_k, H_kv), (S_k, H_kv)))
                 if layout == "bhsd":
                     qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
-                assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True) == (Dg == 128)
+                assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True)
                 qg, kg, vg = (x.requires_grad_(True) for x in (qg, kg, vg))
                 out, lse = flashop.attention_with_lse(qg, kg, vg, causal=causal)
                 torch.autograd.grad((out, lse), (qg, kg, vg),
