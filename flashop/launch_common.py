@@ -172,8 +172,8 @@ def _hooked(hook) -> bool:
 def _call_key(values: tuple) -> tuple:
     """What Triton specialises a call on, or finer: each tensor's dtype and whether its
     address is 16-byte aligned; every other argument (integers, floats, flags, strings,
-    descriptors that define equality by dtype, block and layout; Triton's options) by type
-    and value."""
+    descriptors that define equality by dtype and block; Triton's options) by type and
+    value."""
     return (tuple(map(type, values)),
             tuple([(v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor) else v
                    for v in values]))
@@ -197,7 +197,8 @@ def launch_now(kernel, grid: tuple, **kwargs) -> None:
     a later call of the same key launches it directly with the same arguments. Triton's own
     path serves the first call of each key, the interpreter, calls while a launch hook is
     set, Triton releases other than CACHED_LAUNCH_TRITON, and every call with
-    ``FLASHOP_CACHED_LAUNCH=0``."""
+    ``FLASHOP_CACHED_LAUNCH=0``. (Triton's compile-time knobs, such as TRITON_DEBUG, are
+    those in force at a key's first call.)"""
     runtime = triton.knobs.runtime
     if (not config.settings.cached_launch or not _triton_allows_cached_launches()
             or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
@@ -211,7 +212,11 @@ def launch_now(kernel, grid: tuple, **kwargs) -> None:
     driver = triton.runtime.driver.active
     device = driver.get_current_device()
     key = (device, tuple(kwargs), _call_key(values))
-    entry = launches.compiled.get(key)
+    try:
+        entry = launches.compiled.get(key)
+    except TypeError:  # an argument that cannot be hashed: Triton's path
+        kernel[grid](**kwargs)
+        return
     if entry is None:
         compiled = kernel[grid](**kwargs)
         if hasattr(compiled, "packed_metadata"):  # not a pending compilation
@@ -220,7 +225,9 @@ def launch_now(kernel, grid: tuple, **kwargs) -> None:
             # the signature's arguments from (the call's values + the defaults)
             given = {name: i for i, name in enumerate(kwargs)}
             order = [given.get(name, len(values) + i) for i, name in enumerate(launches.names)]
-            launches.compiled[key] = (compiled, operator.itemgetter(*order))
+            arguments = (operator.itemgetter(*order) if len(order) > 1
+                         else lambda all_values: (all_values[order[0]],))
+            launches.compiled[key] = (compiled, arguments)
         return
     compiled, arguments = entry
     grid = tuple(grid) + (1,) * (3 - len(grid))
