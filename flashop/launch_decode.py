@@ -131,18 +131,25 @@ def sm_count(device: torch.device) -> int:
 
 def auto_splits(programs: int, capacity: int, block_n: int, slots: int) -> int:
     """Splits of each sequence's keys for ``programs`` (B * H_kv * row tiles) programs per
-    split on ``slots`` resident programs (SMs times programs per SM).
+    split on ``slots`` resident programs (SMs times programs per SM): _splits_for_occupancy
+    with splits of at least two key tiles (one under the interpreter)."""
+    return _splits_for_occupancy(programs, capacity, block_n, slots, 1 if INTERPRETING else 2)
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits_for_occupancy(programs: int, capacity: int, block_n: int, slots: int,
+                          min_tiles: int) -> int:
+    """auto_splits' rule (looked up once per shape: it tries every split count, a decode
+    step's largest host cost otherwise).
 
     Every split of a full cache does the same work, so the last wave's occupancy counts:
     the fewest splits whose waves are within 5% of the best occupancy of any split count,
-    each split keeping at least two key tiles of the cache's ``capacity`` (one under the
-    interpreter): small caches are bound by latency, and short splits finish sooner, down to
-    two tiles (as measured). A split count is counted as the splits its tiles per split
-    fill (31 splits of 64 tiles take 3 each: 22 splits). Many waves without splitting: one
-    split."""
+    each split keeping at least ``min_tiles`` key tiles of the cache's ``capacity``: small
+    caches are bound by latency, and short splits finish sooner, down to two tiles (as
+    measured). A split count is counted as the splits its tiles per split fill (31 splits
+    of 64 tiles take 3 each: 22 splits). Many waves without splitting: one split."""
     if programs >= 4 * slots:
         return 1
-    min_tiles = 1 if INTERPRETING else 2
     tiles = cdiv(capacity, block_n)
     most = max(1, min(MAX_SPLITS, cdiv(tiles, min_tiles)))
     occupancy = {}
