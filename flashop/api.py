@@ -10,8 +10,8 @@ the dispatcher; traced, both give the same graph.
 see ``_direct``): they run the forward operator's body directly in an autograd function
 whose backward runs the ``attention_backward`` operator's body the same way, skipping the
 dispatcher's layers and the registered operator's generated autograd function, a large
-part of a short call's host time. Results, checks and messages are the operator's; ``FLASHOP_DIRECT_EAGER=0``
-(``flashop.config``) sends every call through it.
+part of a short call's host time. Results, checks and messages are the operator's;
+``FLASHOP_DIRECT_EAGER=0`` (``flashop.config``) sends every call through it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
 from flashop.kernels import INTERPRETING
 from flashop.kernels.decode import (
     attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,

@@ -24,7 +24,8 @@ from flashop.launch_common import cdiv, launch_now, tma_aligned
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
 # the forward's tiles per head dim: (BLOCK_M query rows, a consumer group's half each;
-# BLOCK_N keys; STAGES of K and V in shared memory); BLOCK_M a multiple of BLOCK_N
+# BLOCK_N keys, equal to BLOCK_M: a causal program's diagonal is its one last key tile;
+# STAGES of K and V in shared memory)
 FWD_TILES = {64: (128, 128, 3), 128: (128, 128, 3)}
 CONSUMER_REGS, LOAD_REGS = 232, 24
 MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
