@@ -144,10 +144,14 @@ CACHED_LAUNCH_TRITON = (3, 6)
 CACHED_LAUNCHES_PER_KERNEL = 1024
 
 
+def triton_version() -> tuple:
+    """The installed Triton's (major, minor) release."""
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_allows_cached_launches() -> bool:
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    return not INTERPRETING and version == CACHED_LAUNCH_TRITON
+    return not INTERPRETING and triton_version() == CACHED_LAUNCH_TRITON
 
 
 class _Launches:

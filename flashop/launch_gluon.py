@@ -15,11 +15,10 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 
 from flashop import config
 from flashop.kernels import INTERPRETING
-from flashop.launch_common import cdiv, launch_now, tma_aligned
+from flashop.launch_common import cdiv, launch_now, tma_aligned, triton_version
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
@@ -44,10 +43,6 @@ BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 BWD_STAGES = 2
 BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
 BWD_HEAD_DIMS = (64, 128)
-
-
-def triton_version() -> tuple:
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 @functools.lru_cache(maxsize=None)
