@@ -100,6 +100,15 @@ def max_shared_memory(device_index: int) -> int:
         device_index)["max_shared_mem"]
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (looked up once); off a GPU (the
+    interpreter) a nominal 4, so that the tests' small batches take several decode splits."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def known_shorter(n, bound: int) -> bool:
     """Whether the length ``n`` is known to be below ``bound``: a symbolic length (under
     torch.compile with dynamic shapes) counts as long, so that no guard is put on it."""

@@ -21,7 +21,7 @@ from flashop.kernels.decode import (
 )
 from flashop.launch_common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, launch_kernel, max_shared_memory,
-    next_power_of_2, on_inputs_device, resolve_scale, unit_stride_last,
+    next_power_of_2, on_inputs_device, resolve_scale, sm_count, unit_stride_last,
 )
 from flashop.options import Modifiers
 from flashop.tiles import shared_memory_bytes
@@ -119,15 +119,6 @@ def programs_per_sm(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int) 
         return t.per_sm
     staged = t.num_stages * t.BLOCK_N * (block_d + block_dv) * itemsize
     return 2 if 2 * staged <= 200 * 1024 else 1
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (looked up once); under the interpreter a
-    nominal 4, so that the tests' small batches take several splits."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def auto_splits(programs: int, capacity: int, block_n: int, slots: int) -> int:
