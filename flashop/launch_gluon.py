@@ -18,7 +18,7 @@ import torch
 
 from flashop import config
 from flashop.kernels import INTERPRETING
-from flashop.launch_common import cdiv, launch_now, tma_aligned, triton_version
+from flashop.launch_common import cdiv, launch_now, sm_count, tma_aligned, triton_version
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
@@ -27,16 +27,12 @@ GLUON_TRITON = (3, 6)
 # STAGES of K and V in shared memory)
 FWD_TILES = {64: (128, 128, 3), 128: (128, 128, 3)}
 CONSUMER_REGS, LOAD_REGS = 232, 24
-MAX_GRID_Y = 65535  # the grid's second dimension holds B * H
+MAX_GRID_Y = 65535  # the backward grid's second dimension holds B * H_kv
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
-# kernels, all with at least GLUON_MIN_QUERIES queries (no shorter call was measured):
-# calls over at least GLUON_MIN_KEYS keys; at the head dims of GLUON_SHORT_HEAD_DIMS also
-# causal calls, and calls over at least GLUON_MIN_TAIL_KEYS keys that are not a multiple of
-# 128 (which the tl warp-specialized kernel cannot take)
+# kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
+# least GLUON_MIN_KEYS[D] keys (entries 67 and 68 of docs/notes/performance-notes.md)
 GLUON_MIN_QUERIES = 1024
-GLUON_MIN_KEYS = 16384
-GLUON_SHORT_HEAD_DIMS = (128,)
-GLUON_MIN_TAIL_KEYS = 4096
+GLUON_MIN_KEYS = {64: 16384, 128: 1024}
 # the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
 # BWD_BLOCK_M, Q and dO BWD_STAGES deep
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
@@ -88,7 +84,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, no dropout, dense; ``causal`` the only
     bound) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
-    where causal, B * H within the grid, and inputs its descriptors can address
+    where causal, and inputs its descriptors can address
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
     the default rule above."""
     setting = config.settings.gluon
@@ -96,13 +92,11 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
-    if D != DV or D not in FWD_TILES or qk_scale <= 0 or S_k == 0 or B * H > MAX_GRID_Y:
+    if D != DV or D not in FWD_TILES or qk_scale <= 0 or S_k == 0:
         return False
     if causal and S_q != S_k:
         return False
-    short = D in GLUON_SHORT_HEAD_DIMS and (
-        causal or (S_k >= GLUON_MIN_TAIL_KEYS and S_k % 128 != 0))
-    if setting is None and not (S_q >= GLUON_MIN_QUERIES and (S_k >= GLUON_MIN_KEYS or short)):
+    if setting is None and not (S_q >= GLUON_MIN_QUERIES and S_k >= GLUON_MIN_KEYS[D]):
         return False
     return _addressable(q, k, v)
 
@@ -167,18 +161,28 @@ def _strides(prefix: str, x: torch.Tensor) -> dict:
     return dict(zip((f"stride_{prefix}{d}" for d in "bshd"), x.stride()))
 
 
+def work_units(S_q: int, bh: int, block_m: int, causal: bool) -> int:
+    """The Gluon forward's work units (its kernel's _work_item): each (batch, head)'s query
+    tiles, or where causal its pairs of them (the middle tile of an odd count alone). Its
+    grid holds one program per SM (the shared memory holds one), each taking units in turn,
+    so that one program's epilogue runs while its next unit's tiles load."""
+    tiles = cdiv(S_q, block_m)
+    return bh * (cdiv(tiles, 2) if causal else tiles)
+
+
 def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float) -> None:
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
     (B, H, S_q), where serves() said it takes the call."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = FWD_TILES[D]
+    units = work_units(S_q, B * H, BLOCK_M, causal)
     launch_now(
-        _kernel(), (cdiv(S_q, BLOCK_M), B * H),
+        _kernel(), (min(units, sm_count(q.device)),),
         q_desc=_descriptor(q, BLOCK_M), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o=out, lse=lse, lse_log2=lse_log2,
         **_strides("o", out), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-        S_q=S_q, S_k=S_k, H=H, G=H // H_kv, qk_scale=qk_scale,
+        S_q=S_q, S_k=S_k, H=H, G=H // H_kv, n_units=units, qk_scale=qk_scale,
         D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
         MASK_LAST=causal or S_k % BLOCK_N != 0,
         CONSUMER_REGS=CONSUMER_REGS, LOAD_REGS=LOAD_REGS, num_warps=4)

@@ -213,10 +213,14 @@ def gluon_cases(draw, dtype, head_dims=(128,)):
 def test_gluon_forward_matches_reference(dtype, data, seed):
     """The Gluon forward (FLASHOP_GLUON=1) on its inputs: head dims 64 and 128, causal and
     not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale;
-    its lse feeds the tl backward."""
+    its lse feeds the tl backward. Its grid, one program per SM, is drawn smaller too, so
+    that each program takes several work units (its buffers carried from one to the next)."""
     case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
+    programs = data.draw(st.sampled_from([None, 1, 2, 5]), label="programs")
+    sm_count = launch_gluon.sm_count if programs is None else (lambda device: programs)
     with mock.patch.object(launch_gluon, "attention_forward",
-                           wraps=launch_gluon.attention_forward) as launched:
+                           wraps=launch_gluon.attention_forward) as launched, \
+            mock.patch.object(launch_gluon, "sm_count", sm_count):
         with flashop.config.override(gluon=True):
             assert _takes_gluon(case)
             check_case(case, seed)
@@ -277,9 +281,9 @@ def test_where_the_gluon_backward_runs(monkeypatch):
 
 def test_where_the_gluon_forward_runs(monkeypatch):
     """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with positive
-    scales and 16-byte aligned strides; by default, from 1024 queries, calls over 16384+
-    keys, and at D = 128 causal calls and calls over 4096+ keys not a multiple of 128; never
-    a traced call, and nowhere the kernel is unavailable (here: this run's device)."""
+    scales and 16-byte aligned strides; by default, from 1024 queries, calls over 1024+ keys
+    at D = 128 and over 16384+ keys at D = 64; never a traced call, and nowhere the kernel
+    is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is True)
@@ -298,9 +302,8 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         q, k, v = make_inputs(base)[0]
         assert not launch_gluon.serves(q, k, v, False, 0.1, plain=False)  # modifiers
         many = torch.empty(launch_gluon.MAX_GRID_Y + 1, 1, 1, 128, device=DEVICE,
-                           dtype=torch.bfloat16)  # B * H past the grid's second dimension
-        assert not launch_gluon.serves(many, many, many, False, 0.1, plain=True)
-        assert launch_gluon.serves(many[1:], many[1:], many[1:], False, 0.1, plain=True)
+                           dtype=torch.bfloat16)  # more (batch, head) pairs than a grid row
+        assert launch_gluon.serves(many, many, many, False, 0.1, plain=True)
         with FakeTensorMode() as mode:  # a traced call
             fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
             assert not launch_gluon.serves(fq, fk, fv, False, 0.1, plain=True)
@@ -309,15 +312,13 @@ def test_where_the_gluon_forward_runs(monkeypatch):
     with flashop.config.override(gluon=None):
         assert _takes_gluon(long_causal)
         assert not _takes_gluon(causal)  # fewer queries than were measured
-        assert not _takes_gluon(replace(base, S_q=n))
-        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=n))
-        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=3))
-        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=n))
-        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 128, S_q=n))
+        assert not _takes_gluon(replace(base, S_q=n))  # fewer keys than were measured
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS[128], S_q=n))
+        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS[128], S_q=n - 1))
         d64 = dict(D=64, DV=64)
-        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS, S_q=n, **d64))
+        assert _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS[64], S_q=n, **d64))
         assert not _takes_gluon(replace(long_causal, **d64))  # measured slower below 16k
-        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_TAIL_KEYS + 1, S_q=n,
+        assert not _takes_gluon(replace(base, S_k=launch_gluon.GLUON_MIN_KEYS[64] - 1, S_q=n,
                                         **d64))
     with flashop.config.override(gluon=False):
         assert not _takes_gluon(long_causal)

@@ -4,16 +4,19 @@ version (flashop/launch_gluon.py). Triton's interpreter cannot run Gluon: the ``
 (flashop/kernels/forward.py) stays the reference, and the GPU suite checks this kernel
 against the same reference.
 
-One program takes BLOCK_M query rows of one (batch, head) and runs three partitions:
-- a load warp: Q once, then K and V tile by tile through tensor descriptors (TMA) into
-  STAGES shared buffers, refilling a buffer once both consumer groups released it;
+The grid holds one program per SM. Each takes work units in turn (_work_item: a query tile
+of BLOCK_M rows of one (batch, head), or where causal a pair of them) and runs three
+partitions over its units:
+- a load warp: each item's Q, then its K and V tile by tile through tensor descriptors
+  (TMA) into STAGES shared buffers, refilling a buffer once both consumer groups released
+  it, and running ahead into the next item while the consumers finish one;
 - two consumer warp groups of BLOCK_M / 2 rows each: S = Q K^T and O += P V by wgmma, with
   S_{j+1} issued together with P_j V_j, so the softmax of S_{j+1} runs while P_j V_j does.
-Where CAUSAL (S_q == S_k, BLOCK_M == BLOCK_N) each program's last key tile is the diagonal
-one, the only one masked, and the programs run heaviest first.
+Where CAUSAL (S_q == S_k, BLOCK_M == BLOCK_N) each item's last key tile is the diagonal
+one, the only one masked.
 
 The descriptors read each (B, S, H, D) input as it is strided, a tile being [1, rows, 1, D]:
-rows past a sequence's end read as 0. The last key tile of each program is masked (keys
+rows past a sequence's end read as 0. The last key tile of each item is masked (keys
 past S_k, where S_k is not a multiple of BLOCK_N; where causal, the diagonal); query rows
 past S_q are computed and not stored.
 """
@@ -61,35 +64,81 @@ def _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, S_k, dtype: gl.constex
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
-                    i_b, i_h, i_hk, start_m, n_tiles, STAGES: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
-    """The load warp: Q once, then K and V of each key tile into buffer j % STAGES, once
-    both consumer groups released that buffer's previous tile. A [rows, D] buffer takes a
-    [1, rows, 1, D] tile of the (B, S, H, D) input."""
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_h, 0], q_bar,
-                                    q_smem.reshape(q_desc.block_type.shape))
-    for j in range(n_tiles):
-        s = j % STAGES
-        if j >= STAGES:
-            mbarrier.wait(empty.index(s), ((j // STAGES) - 1) & 1)
-        mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
-                                        k_smem.index(s).reshape(k_desc.block_type.shape))
-        tma.async_copy_global_to_shared(v_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
-                                        v_smem.index(s).reshape(v_desc.block_type.shape))
+def _work_item(u, side, n_m, H, S_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Item ``side`` of work unit ``u``: its query tile i_m, batch i_b, head i_h and key
+    tiles n_tiles (0: no item). A (batch, head)'s units come in turn, so that the programs
+    running at once share its keys and values in L2. Without CAUSAL a unit is one query
+    tile. Where CAUSAL, unit a of a (batch, head) pairs query tile n_m - 1 - a with tile a,
+    n_m + 1 key tiles in all, so that all units weigh the same and the programs, taking
+    units in turn, end together (the middle tile of an odd n_m is a unit alone; entry 68
+    of docs/notes/performance-notes.md measured the orders)."""
+    if CAUSAL:
+        half = (n_m + 1) // 2
+        i_bh = u // half
+        a = u % half
+        i_m = n_m - 1 - a
+        n_tiles = i_m + 1
+        if side == 1:
+            i_m = a
+            n_tiles = a + 1
+            if 2 * a + 1 == n_m:
+                n_tiles = 0
+    else:
+        i_bh = u // n_m
+        i_m = u % n_m
+        n_tiles = gl.cdiv(S_k, BLOCK_N)
+    return i_m, i_bh // H, i_bh % H, n_tiles
 
 
 @gluon.jit
-def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_log2,
-                        stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale,
-                        WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                        D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr):
-    """Consumer group WG: query rows [start_m + WG * ROWS, + ROWS) over n_tiles key tiles;
-    writes their output and lse (``o``, ``lse``, ``lse_log2`` point at the (batch, head)'s
-    first row)."""
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, full,
+                    empty, n_units, n_m, H, G, S_k, STAGES: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    SIDES: gl.constexpr):
+    """The load warp, over this program's work items: Q once both consumer groups are done
+    with the previous item's, then K and V of each key tile into buffer c % STAGES (c
+    counts the program's key tiles over all its items), once both consumer groups released
+    that buffer's previous tile. A [rows, D] buffer takes a [1, rows, 1, D] tile of the
+    (B, S, H, D) input."""
+    c = 0
+    n_done = 0
+    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        for side in range(SIDES):
+            i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_N, CAUSAL)
+            if n_tiles > 0:
+                if n_done > 0:
+                    mbarrier.wait(q_empty, (n_done - 1) & 1)
+                mbarrier.expect(q_full, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [i_b, i_m * BLOCK_M, i_h, 0], q_full,
+                                                q_smem.reshape(q_desc.block_type.shape))
+                i_hk = i_h // G
+                for j in range(n_tiles):
+                    s = c % STAGES
+                    if c >= STAGES:
+                        mbarrier.wait(empty.index(s), ((c // STAGES) - 1) & 1)
+                    mbarrier.expect(full.index(s),
+                                    k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(
+                        k_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
+                        k_smem.index(s).reshape(k_desc.block_type.shape))
+                    tma.async_copy_global_to_shared(
+                        v_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
+                        v_smem.index(s).reshape(v_desc.block_type.shape))
+                    c += 1
+                n_done += 1
+
+
+@gluon.jit
+def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
+                 stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c, n_done,
+                 WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 MASK_LAST: gl.constexpr):
+    """Consumer group WG on one work item: query rows [start_m + WG * ROWS, + ROWS) over
+    n_tiles key tiles, the first in buffer c % STAGES; the item is the program's n_done-th.
+    Writes their output and lse (``o``, ``lse``, ``lse_log2`` point at the (batch, head)'s
+    first row) and releases Q once its last S = Q K^T is done, so that the load warp fetches
+    the next item's Q while this one's last P V and its stores run."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -106,10 +155,11 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
     o_q = start_m + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
     o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     # the first tile's scores, alone
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(full.index(0), 0)
+    mbarrier.wait(q_full, n_done & 1)
+    s = c % STAGES
+    mbarrier.wait(full.index(s), (c // STAGES) & 1)
     # [ROWS, BLOCK_N]
-    s_tok = warpgroup_mma(b_q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+    s_tok = warpgroup_mma(b_q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if MASK_LAST and n_tiles == 1:
@@ -119,9 +169,9 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
         b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
     # S_{j+1} and O += P_j V_j issued together; the softmax of S_{j+1} under P_j V_j
     for j in range(n_tiles - 1):
-        s = j % STAGES
-        s1 = (j + 1) % STAGES
-        mbarrier.wait(full.index(s1), ((j + 1) // STAGES) & 1)
+        s = (c + j) % STAGES
+        s1 = (c + j + 1) % STAGES
+        mbarrier.wait(full.index(s1), ((c + j + 1) // STAGES) & 1)
         # [ROWS, BLOCK_N]
         s_tok = warpgroup_mma(b_q, k_smem.index(s1).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
@@ -137,7 +187,8 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         mbarrier.arrive(empty.index(s), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-    s = (n_tiles - 1) % STAGES
+    mbarrier.arrive(q_empty, count=1)
+    s = (c + n_tiles - 1) % STAGES
     # [ROWS, DV]
     acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
@@ -151,13 +202,37 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_
     b_lse_log2 = m_i + gl.log2(l_i)
     gl.store(lse_log2 + o_q, b_lse_log2, mask=o_q < S_q)
     gl.store(lse + o_q, b_lse_log2 * LN2, mask=o_q < S_q)
+    return c + n_tiles
+
+
+@gluon.jit
+def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
+                        stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
+                        n_units, n_m, H, S_q, S_k, qk_scale, WG: gl.constexpr,
+                        ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        MASK_LAST: gl.constexpr, SIDES: gl.constexpr):
+    """Consumer group WG over this program's work items (_attend_item)."""
+    c = 0
+    n_done = 0
+    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        for side in range(SIDES):
+            i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_N, CAUSAL)
+            if n_tiles > 0:
+                o_bh = i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
+                l_bh = i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+                c = _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                 o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os, stride_od,
+                                 i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c, n_done, WG,
+                                 ROWS, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST)
+                n_done += 1
 
 
 @gluon.jit
 def attention_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o, lse, lse_log2,
     stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
-    S_q, S_k, H, G, qk_scale,
+    S_q, S_k, H, G, n_units, qk_scale,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
@@ -166,15 +241,10 @@ def attention_fwd_gluon_kernel(
     module's docstring has the partitions), lse[b, h, i] in natural log and lse_log2 in
     base 2; qk_scale = scale * log2(e) > 0. Where CAUSAL, S_q == S_k. MASK_LAST: CAUSAL or
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
-    cost 2% where there is nothing to mask). Grid: (cdiv(S_q, BLOCK_M), B * H)."""
-    i_m = gl.program_id(0)
-    if CAUSAL:  # heaviest first
-        i_m = gl.num_programs(0) - 1 - i_m
-    i_bh = gl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hk = i_h // G
-    start_m = i_m * BLOCK_M
+    cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
+    p + P, ... of the n_units (launch_gluon.work_units; _work_item)."""
+    n_m = gl.cdiv(S_q, BLOCK_M)
+    SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
     # 2-D buffers (the wgmmas' operands) in the descriptors' swizzle
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
@@ -183,30 +253,26 @@ def attention_fwd_gluon_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], smem_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_full, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumer groups release Q
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer groups release a buffer
-    if CAUSAL:
-        n_tiles = i_m + 1
-    else:
-        n_tiles = gl.cdiv(S_k, BLOCK_N)
-    o += i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
-    lse += i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-    lse_log2 += i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
     ROWS: gl.constexpr = BLOCK_M // 2
     gl.warp_specialize([
-        (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_log2,
-                               stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, 0,
-                               ROWS,
-                               BLOCK_N, D, DV, STAGES, CAUSAL, MASK_LAST)),
-        (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, full, empty, o, lse, lse_log2,
-                               stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, 1,
-                               ROWS,
-                               BLOCK_N, D, DV, STAGES, CAUSAL, MASK_LAST)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
-                           i_b, i_h, i_hk, start_m, n_tiles, STAGES, BLOCK_N)),
+        (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse,
+                               lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                               stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale, 0,
+                               ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+        (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse,
+                               lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                               stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale, 1,
+                               ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty,
+                           full, empty, n_units, n_m, H, G, S_k, STAGES, BLOCK_M, BLOCK_N,
+                           CAUSAL, SIDES)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
