@@ -10,7 +10,7 @@ compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
 | ``FLASHOP_AUTOTUNE=1`` | ``autotune`` | off | time the tile candidates on each kernel's first call per key instead of the tile table |
 | ``FLASHOP_TMA=0/1`` | ``tma`` | rule | the forward's key/value tiles through tensor descriptors: never / wherever aligned; unset: head dims above 128 over 4096+ keys on Hopper |
 | ``FLASHOP_WS=0/1`` | ``warp_specialize`` | rule | the warp-specialized plain forward: never / wherever the inputs allow; unset: Hopper, 64 < D <= 128 |
-| ``FLASHOP_GLUON=0/1`` | ``gluon`` | rule | the Gluon forward (Hopper, triton 3.6, eager calls; D=64 and 128): never / wherever the inputs allow; unset: from 1024 queries, over 1024+ keys at D=128 and 16384+ at D=64; ``0`` also keeps the dQ-by-atomics backward on the ``tl`` kernels |
+| ``FLASHOP_GLUON=0/1`` | ``gluon`` | rule | the Gluon forward (Hopper, triton 3.6, eager calls; D=64 and 128): never / wherever the inputs allow; unset: from 1024 queries, over 1024+ keys at D=128, and at D=64 over 2048+ (causal: 16384+); ``0`` also keeps the dQ-by-atomics backward on the ``tl`` kernels |
 | ``FLASHOP_DQ_ATOMICS=1`` | ``dq_atomics`` | off | the backward adds dQ by fp32 atomics (not bitwise reproducible; never under ``torch.use_deterministic_algorithms``); at D=64 and 128 on Hopper with triton 3.6, the Gluon backward |
 | ``FLASHOP_DIRECT_EAGER=0`` | ``direct_eager`` | on | eager calls of ``attention`` / ``attention_with_lse`` go through the dispatcher like traced ones |
 | ``FLASHOP_CACHED_LAUNCH=0`` | ``cached_launch`` | on | eager launches go through Triton's argument binding every time (on, with triton 3.6: a kernel compiled for a call's specialisation is launched directly on later calls of it) |

@@ -5,13 +5,14 @@ version (flashop/launch_gluon.py). Triton's interpreter cannot run Gluon: the ``
 against the same reference.
 
 The grid holds one program per SM. Each takes work units in turn (_work_item: a query tile
-of BLOCK_M rows of one (batch, head), or where causal a pair of them) and runs three
+of BLOCK_M rows of one (batch, head), or where causal a pair of them) and runs its
 partitions over its units:
 - a load warp: each item's Q, then its K and V tile by tile through tensor descriptors
-  (TMA) into STAGES shared buffers, refilling a buffer once both consumer groups released
+  (TMA) into STAGES shared buffers, refilling a buffer once every consumer group released
   it, and running ahead into the next item while the consumers finish one;
-- two consumer warp groups of BLOCK_M / 2 rows each: S = Q K^T and O += P V by wgmma, with
-  S_{j+1} issued together with P_j V_j, so the softmax of S_{j+1} runs while P_j V_j does.
+- BLOCK_M / 64 consumer warp groups (two or three) of 64 rows each: S = Q K^T and O += P V
+  by wgmma, with S_{j+1} issued together with P_j V_j, so the softmax of S_{j+1} runs while
+  P_j V_j does.
 Where CAUSAL (S_q == S_k, BLOCK_M == BLOCK_N) each item's last key tile is the diagonal
 one, the only one masked.
 
@@ -77,12 +78,11 @@ def _work_item(u, side, n_m, H, S_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr
         i_bh = u // half
         a = u % half
         i_m = n_m - 1 - a
-        n_tiles = i_m + 1
         if side == 1:
             i_m = a
-            n_tiles = a + 1
-            if 2 * a + 1 == n_m:
-                n_tiles = 0
+        n_tiles = i_m + 1  # BLOCK_M == BLOCK_N
+        if side == 1 and 2 * a + 1 == n_m:
+            n_tiles = 0
     else:
         i_bh = u // n_m
         i_m = u % n_m
@@ -95,11 +95,13 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
                     empty, n_units, n_m, H, G, S_k, STAGES: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                     SIDES: gl.constexpr):
-    """The load warp, over this program's work items: Q once both consumer groups are done
+    """The load warp, over this program's work items: Q once every consumer group is done
     with the previous item's, then K and V of each key tile into buffer c % STAGES (c
-    counts the program's key tiles over all its items), once both consumer groups released
+    counts the program's key tiles over all its items), once every consumer group released
     that buffer's previous tile. A [rows, D] buffer takes a [1, rows, 1, D] tile of the
-    (B, S, H, D) input."""
+    (B, S, H, D) input; Q comes as one [ROWS, D] buffer per consumer group."""
+    GROUPS: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = q_smem.shape[1]
     c = 0
     n_done = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
@@ -108,9 +110,11 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
             if n_tiles > 0:
                 if n_done > 0:
                     mbarrier.wait(q_empty, (n_done - 1) & 1)
-                mbarrier.expect(q_full, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [i_b, i_m * BLOCK_M, i_h, 0], q_full,
-                                                q_smem.reshape(q_desc.block_type.shape))
+                mbarrier.expect(q_full, GROUPS * q_desc.block_type.nbytes)
+                for g in gl.static_range(GROUPS):
+                    tma.async_copy_global_to_shared(
+                        q_desc, [i_b, i_m * BLOCK_M + g * ROWS, i_h, 0], q_full,
+                        q_smem.index(g).reshape(q_desc.block_type.shape))
                 i_hk = i_h // G
                 for j in range(n_tiles):
                     s = c % STAGES
@@ -147,7 +151,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
-    b_q = q_smem.slice(WG * ROWS, ROWS)
+    b_q = q_smem.index(WG)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
@@ -212,7 +216,8 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                         ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         MASK_LAST: gl.constexpr, SIDES: gl.constexpr):
-    """Consumer group WG over this program's work items (_attend_item)."""
+    """Consumer group WG over this program's work items (_attend_item), in the load warp's
+    order."""
     c = 0
     n_done = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
@@ -243,6 +248,10 @@ def attention_fwd_gluon_kernel(
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
     cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
     p + P, ... of the n_units (launch_gluon.work_units; _work_item)."""
+    # BLOCK_M / 64 consumer groups of 64 rows
+    GROUPS: gl.constexpr = BLOCK_M // 64
+    gl.static_assert(GROUPS == 2 or GROUPS == 3, "two or three consumer groups")
+    gl.static_assert(not CAUSAL or BLOCK_M == BLOCK_N, "a causal item's diagonal in one tile")
     n_m = gl.cdiv(S_q, BLOCK_M)
     SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -250,7 +259,7 @@ def attention_fwd_gluon_kernel(
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=q_desc.layout.swizzle_byte_width,
         element_bitwidth=q_desc.layout.element_bitwidth, rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [GROUPS, 64, D], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], smem_layout)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -258,21 +267,47 @@ def attention_fwd_gluon_kernel(
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_full, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumer groups release Q
+    mbarrier.init(q_empty, count=GROUPS)  # every consumer group releases Q
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumer groups release a buffer
-    ROWS: gl.constexpr = BLOCK_M // 2
-    gl.warp_specialize([
-        (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse,
-                               lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                               stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale, 0,
-                               ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
-        (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse,
-                               lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                               stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale, 1,
-                               ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty,
-                           full, empty, n_units, n_m, H, G, S_k, STAGES, BLOCK_M, BLOCK_N,
-                           CAUSAL, SIDES)),
-    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
+        mbarrier.init(empty.index(i), count=GROUPS)  # every consumer group releases a buffer
+    ROWS: gl.constexpr = 64
+    # (each partition's arguments written out: in a tuple, Triton 3.6 passes constexprs as
+    # tensors)
+    if GROUPS == 2:
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
+                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
+                                   0, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
+                                   SIDES)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
+                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
+                                   1, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
+                                   SIDES)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
+                               q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
+                               BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
+        ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
+                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
+                                   0, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
+                                   SIDES)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
+                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
+                                   1, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
+                                   SIDES)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
+                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
+                                   2, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
+                                   SIDES)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
+                               q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
+                               BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOAD_REGS])
