@@ -22,13 +22,10 @@ from flashop.launch_common import cdiv, launch_now, sm_count, tma_aligned, trito
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
-# the forward's tiles per (head dim, causal): (BLOCK_M query rows, 64 per consumer group;
-# BLOCK_N keys, equal to BLOCK_M where causal: an item's diagonal is its one last key tile;
-# STAGES of K and V in shared memory). Three groups at D = 64 not causal (entry 69 of
-# docs/notes/performance-notes.md)
-FWD_TILES = {(64, False): (192, 128, 3), (64, True): (128, 128, 3),
-             (128, False): (128, 128, 3), (128, True): (128, 128, 3)}
-FWD_HEAD_DIMS = (64, 128)
+# the forward's tiles per head dim: (BLOCK_M query rows, 64 per consumer group; BLOCK_N keys,
+# a multiple of 64, so that a causal group's diagonal is one key tile; STAGES of K and V in
+# shared memory). Three groups at D = 64 (entry 69 of docs/notes/performance-notes.md)
+FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3)}
 # registers per thread of each consumer group (by the number of groups, BLOCK_M / 64) and of
 # the load warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
 CONSUMER_REGS = {2: 232, 3: 160}
@@ -38,7 +35,7 @@ MAX_GRID_Y = 65535  # the backward grid's second dimension holds B * H_kv
 # kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
 # least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 of docs/notes/performance-notes.md)
 GLUON_MIN_QUERIES = 1024
-GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 16384, (128, False): 1024, (128, True): 1024}
+GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024}
 # the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
 # BWD_BLOCK_M, Q and dO BWD_STAGES deep
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
@@ -89,7 +86,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
            plain: bool) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, no dropout, dense; ``causal`` the only
-    bound) with 16-bit inputs, D == DV in FWD_HEAD_DIMS, qk_scale > 0, S_k > 0, S_q == S_k
+    bound) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
     where causal, and inputs its descriptors can address
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
     the default rule above."""
@@ -98,7 +95,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
-    if D != DV or D not in FWD_HEAD_DIMS or qk_scale <= 0 or S_k == 0:
+    if D != DV or D not in FWD_TILES or qk_scale <= 0 or S_k == 0:
         return False
     if causal and S_q != S_k:
         return False
@@ -181,7 +178,7 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     (B, H, S_q), where serves() said it takes the call."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    BLOCK_M, BLOCK_N, STAGES = FWD_TILES[D, causal]
+    BLOCK_M, BLOCK_N, STAGES = FWD_TILES[D]
     units = work_units(S_q, B * H, BLOCK_M, causal)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),

@@ -215,7 +215,7 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
     not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale;
     its lse feeds the tl backward. Its grid, one program per SM, is drawn smaller too, so
     that each program takes several work units (its buffers carried from one to the next)."""
-    case = data.draw(gluon_cases(dtype, launch_gluon.FWD_HEAD_DIMS))
+    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
     programs = data.draw(st.sampled_from([None, 1, 2, 5]), label="programs")
     sm_count = launch_gluon.sm_count if programs is None else (lambda device: programs)
     with mock.patch.object(launch_gluon, "attention_forward",
@@ -282,7 +282,7 @@ def test_where_the_gluon_backward_runs(monkeypatch):
 def test_where_the_gluon_forward_runs(monkeypatch):
     """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with positive
     scales and 16-byte aligned strides; by default, from 1024 queries, calls over 1024+ keys
-    at D = 128, and at D = 64 over 2048+ keys (16384+ where causal); never a traced call,
+    at D = 128, and at D = 64 over 2048+ keys (4096+ where causal); never a traced call,
     and nowhere the kernel is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
@@ -319,7 +319,7 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         d64 = dict(D=64, DV=64)
         assert _takes_gluon(replace(base, S_k=min_keys[64, False], S_q=n, **d64))
         assert not _takes_gluon(replace(base, S_k=min_keys[64, False] - 1, S_q=n, **d64))
-        assert not _takes_gluon(replace(long_causal, **d64))  # measured slower below 16k
+        assert not _takes_gluon(replace(long_causal, **d64))  # measured slower below 4k
         n64 = min_keys[64, True]
         assert _takes_gluon(replace(long_causal, S_q=n64, S_k=n64, **d64))
     with flashop.config.override(gluon=False):

@@ -13,13 +13,14 @@ partitions over its units:
 - BLOCK_M / 64 consumer warp groups (two or three) of 64 rows each: S = Q K^T and O += P V
   by wgmma, with S_{j+1} issued together with P_j V_j, so the softmax of S_{j+1} runs while
   P_j V_j does.
-Where CAUSAL (S_q == S_k, BLOCK_M == BLOCK_N) each item's last key tile is the diagonal
-one, the only one masked.
+Where CAUSAL (S_q == S_k) a consumer group's last key tile is its diagonal, the only one
+it masks; a group whose diagonal comes before the item's last tile (three groups over
+128-key tiles) releases the tiles after it unread.
 
 The descriptors read each (B, S, H, D) input as it is strided, a tile being [1, rows, 1, D]:
-rows past a sequence's end read as 0. The last key tile of each item is masked (keys
-past S_k, where S_k is not a multiple of BLOCK_N; where causal, the diagonal); query rows
-past S_q are computed and not stored.
+rows past a sequence's end read as 0. The last key tile of each item is masked where S_k is
+not a multiple of BLOCK_N (where causal, each group's diagonal); query rows past S_q are
+computed and not stored.
 """
 
 from triton.experimental import gluon
@@ -56,7 +57,7 @@ def _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, dtype: gl.constexp
 @gluon.jit
 def _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, S_k, dtype: gl.constexpr,
                        p_layout: gl.constexpr, CAUSAL: gl.constexpr):
-    """_softmax_tile of a program's last key tile: the causal diagonal (S_q == S_k, which
+    """_softmax_tile of a group's last key tile: the causal diagonal (S_q == S_k, which
     also masks the keys past S_k for every stored row), else the keys past S_k."""
     if CAUSAL:
         return _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, dtype, p_layout)
@@ -65,7 +66,8 @@ def _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, S_k, dtype: gl.constex
 
 
 @gluon.jit
-def _work_item(u, side, n_m, H, S_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _work_item(u, side, n_m, H, S_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr):
     """Item ``side`` of work unit ``u``: its query tile i_m, batch i_b, head i_h and key
     tiles n_tiles (0: no item). A (batch, head)'s units come in turn, so that the programs
     running at once share its keys and values in L2. Without CAUSAL a unit is one query
@@ -80,7 +82,7 @@ def _work_item(u, side, n_m, H, S_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr
         i_m = n_m - 1 - a
         if side == 1:
             i_m = a
-        n_tiles = i_m + 1  # BLOCK_M == BLOCK_N
+        n_tiles = gl.cdiv((i_m + 1) * BLOCK_M, BLOCK_N)  # the keys up to its last row
         if side == 1 and 2 * a + 1 == n_m:
             n_tiles = 0
     else:
@@ -106,7 +108,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
     n_done = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for side in range(SIDES):
-            i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_N, CAUSAL)
+            i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_M, BLOCK_N, CAUSAL)
             if n_tiles > 0:
                 if n_done > 0:
                     mbarrier.wait(q_empty, (n_done - 1) & 1)
@@ -138,11 +140,13 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
                  WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  MASK_LAST: gl.constexpr):
-    """Consumer group WG on one work item: query rows [start_m + WG * ROWS, + ROWS) over
-    n_tiles key tiles, the first in buffer c % STAGES; the item is the program's n_done-th.
-    Writes their output and lse (``o``, ``lse``, ``lse_log2`` point at the (batch, head)'s
-    first row) and releases Q once its last S = Q K^T is done, so that the load warp fetches
-    the next item's Q while this one's last P V and its stores run."""
+    """Consumer group WG on one work item of n_tiles key tiles, the first in buffer c %
+    STAGES; the item is the program's n_done-th. The group's query rows are [start_m + WG *
+    ROWS, + ROWS); where CAUSAL its keys end with its diagonal tile, which may come before
+    the item's last (three groups over 128-key tiles), and it releases the tiles after it
+    unread. Writes the rows' output and lse (``o``, ``lse``, ``lse_log2`` point at the
+    (batch, head)'s first row) and releases Q once its last S = Q K^T is done, so that the
+    load warp fetches the next item's Q while this one's last P V and its stores run."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -158,6 +162,9 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     o_q = start_m + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
     o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    n_own = n_tiles
+    if CAUSAL:  # the tile of the group's last row (64-row groups lie in one tile)
+        n_own = gl.cdiv(start_m + (WG + 1) * ROWS, BLOCK_N)
     # the first tile's scores, alone
     mbarrier.wait(q_full, n_done & 1)
     s = c % STAGES
@@ -166,13 +173,13 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     s_tok = warpgroup_mma(b_q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    if MASK_LAST and n_tiles == 1:
+    if MASK_LAST and n_own == 1:
         b_p, m_i, l_i, alpha = _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_n, S_k,
                                                   dtype, p_layout, CAUSAL)
     else:
         b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
     # S_{j+1} and O += P_j V_j issued together; the softmax of S_{j+1} under P_j V_j
-    for j in range(n_tiles - 1):
+    for j in range(n_own - 1):
         s = (c + j) % STAGES
         s1 = (c + j + 1) % STAGES
         mbarrier.wait(full.index(s1), ((c + j + 1) // STAGES) & 1)
@@ -182,7 +189,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         # [ROWS, DV]
         acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
         b_s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        if MASK_LAST and j + 2 == n_tiles:
+        if MASK_LAST and j + 2 == n_own:
             b_p, m_i, l_i, alpha = _softmax_last_tile(
                 b_s, m_i, l_i, qk_scale, o_q, (j + 1) * BLOCK_N + o_n, S_k, dtype, p_layout,
                 CAUSAL)
@@ -192,11 +199,17 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         mbarrier.arrive(empty.index(s), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     mbarrier.arrive(q_empty, count=1)
-    s = (c + n_tiles - 1) % STAGES
+    s = (c + n_own - 1) % STAGES
     # [ROWS, DV]
     acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     mbarrier.arrive(empty.index(s), count=1)
+    # the item's tiles past the group's own, which the other groups read (each released
+    # once loaded, so that no release counts toward a later fill of its buffer)
+    for j in range(n_own, n_tiles):
+        s = (c + j) % STAGES
+        mbarrier.wait(full.index(s), ((c + j) // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
     # every row attends at least one key (S_k >= 1; causal: its own), so l_i > 0
     b_o = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
     o_m = start_m + WG * ROWS + gl.arange(0, ROWS, layout=orow_layout)
@@ -222,7 +235,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
     n_done = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for side in range(SIDES):
-            i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_N, CAUSAL)
+            i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_M, BLOCK_N, CAUSAL)
             if n_tiles > 0:
                 o_bh = i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
                 l_bh = i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
@@ -251,7 +264,7 @@ def attention_fwd_gluon_kernel(
     # BLOCK_M / 64 consumer groups of 64 rows
     GROUPS: gl.constexpr = BLOCK_M // 64
     gl.static_assert(GROUPS == 2 or GROUPS == 3, "two or three consumer groups")
-    gl.static_assert(not CAUSAL or BLOCK_M == BLOCK_N, "a causal item's diagonal in one tile")
+    gl.static_assert(BLOCK_N % 64 == 0, "a consumer group's rows within one key tile")
     n_m = gl.cdiv(S_q, BLOCK_M)
     SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
