@@ -167,8 +167,8 @@ def _strides(prefix: str, x: torch.Tensor) -> dict:
 def work_units(S_q: int, bh: int, block_m: int, causal: bool) -> int:
     """The Gluon forward's work units (its kernel's _work_item): each (batch, head)'s query
     tiles, or where causal its pairs of them (the middle tile of an odd count alone). Its
-    grid holds one program per SM (the shared memory holds one), each taking units in turn,
-    so that one program's epilogue runs while its next unit's tiles load."""
+    grid holds one program per SM (its registers and shared memory hold one), each taking
+    units in turn, so that one program's epilogue runs while its next unit's tiles load."""
     tiles = cdiv(S_q, block_m)
     return bh * (cdiv(tiles, 2) if causal else tiles)
 
