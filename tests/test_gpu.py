@@ -259,7 +259,7 @@ for dtype in (torch.bfloat16, torch.float32):
     elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) and backward, D=64 and 128
         if dtype == torch.bfloat16:
             for causal, layout, Dg in ((False, "bshd", 128), (True, "bhsd", 128),
-                                       (True, "bshd", 64)):
+                                       (True, "bshd", 64), (False, "bhsd", 64)):
                 S_q = S_k if causal else S_q
                 shape = lambda S, h: (B, h, S, Dg) if layout == "bhsd" else (B, S, h, Dg)
                 qg, kg, vg = (torch.randn(shape(S, h), device="cuda", dtype=dtype)
@@ -315,8 +315,8 @@ print("sanitized")
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
-# forward at D=128 over the shape's batch, lengths and heads, and the backward at D=128 and
-# 64 (with dQ by atomics, the Gluon backward)
+# forward at D=128 and 64 (causal and not) over the shape's batch, lengths and heads, and the
+# backward at D=128 and 64 (with dQ by atomics, the Gluon backward)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
                    ("gluon", "0"), ("gluon", "1")]
