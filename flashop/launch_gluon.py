@@ -22,12 +22,14 @@ from flashop.launch_common import cdiv, launch_now, sm_count, tma_aligned, trito
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
-# the forward's tiles per head dim: (BLOCK_M query rows, 64 per consumer group; BLOCK_N keys,
-# a multiple of 64, so that a causal group's diagonal is one key tile; STAGES of K and V in
-# shared memory). Three groups at D = 64 (entry 69 of docs/notes/performance-notes.md)
+# the forward's tiles per head dim: (BLOCK_M query rows, FWD_GROUP_ROWS per consumer group;
+# BLOCK_N keys, a multiple of FWD_GROUP_ROWS, so that a causal group's diagonal is one key
+# tile; STAGES of K and V in shared memory). Three groups at D = 64 (entry 69 of
+# docs/notes/performance-notes.md)
+FWD_GROUP_ROWS = 64
 FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3)}
-# registers per thread of each consumer group (by the number of groups, BLOCK_M / 64) and of
-# the load warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
+# registers per thread of each consumer group (by the number of groups) and of the load
+# warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
 CONSUMER_REGS = {2: 232, 3: 160}
 LOAD_REGS = 24
 MAX_GRID_Y = 65535  # the backward grid's second dimension holds B * H_kv
@@ -182,13 +184,14 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     units = work_units(S_q, B * H, BLOCK_M, causal)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),
-        q_desc=_descriptor(q, 64), k_desc=_descriptor(k, BLOCK_N),
+        q_desc=_descriptor(q, FWD_GROUP_ROWS), k_desc=_descriptor(k, BLOCK_N),
         v_desc=_descriptor(v, BLOCK_N), o=out, lse=lse, lse_log2=lse_log2,
         **_strides("o", out), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         S_q=S_q, S_k=S_k, H=H, G=H // H_kv, n_units=units, qk_scale=qk_scale,
         D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
         MASK_LAST=causal or S_k % BLOCK_N != 0,
-        CONSUMER_REGS=CONSUMER_REGS[BLOCK_M // 64], LOAD_REGS=LOAD_REGS, num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS[BLOCK_M // FWD_GROUP_ROWS], LOAD_REGS=LOAD_REGS,
+        num_warps=4)
 
 
 def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv, causal: bool,

@@ -260,11 +260,14 @@ def attention_fwd_gluon_kernel(
     base 2; qk_scale = scale * log2(e) > 0. Where CAUSAL, S_q == S_k. MASK_LAST: CAUSAL or
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
     cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
-    p + P, ... of the n_units (launch_gluon.work_units; _work_item)."""
-    # BLOCK_M / 64 consumer groups of 64 rows
-    GROUPS: gl.constexpr = BLOCK_M // 64
-    gl.static_assert(GROUPS == 2 or GROUPS == 3, "two or three consumer groups")
-    gl.static_assert(BLOCK_N % 64 == 0, "a consumer group's rows within one key tile")
+    p + P, ... of the n_units (launch_gluon.work_units; _work_item). q_desc's tiles are one
+    consumer group's rows (64)."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    GROUPS: gl.constexpr = BLOCK_M // ROWS
+    gl.static_assert(ROWS == 64, "consumer groups of 64 rows (a warp group's wgmma)")
+    gl.static_assert(GROUPS * ROWS == BLOCK_M and (GROUPS == 2 or GROUPS == 3),
+                     "two or three consumer groups")
+    gl.static_assert(BLOCK_N % ROWS == 0, "a consumer group's rows within one key tile")
     n_m = gl.cdiv(S_q, BLOCK_M)
     SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -272,7 +275,7 @@ def attention_fwd_gluon_kernel(
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=q_desc.layout.swizzle_byte_width,
         element_bitwidth=q_desc.layout.element_bitwidth, rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [GROUPS, 64, D], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [GROUPS, ROWS, D], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], smem_layout)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -284,7 +287,6 @@ def attention_fwd_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=GROUPS)  # every consumer group releases a buffer
-    ROWS: gl.constexpr = 64
     # (each partition's arguments written out: in a tuple, Triton 3.6 passes constexprs as
     # tensors)
     if GROUPS == 2:
