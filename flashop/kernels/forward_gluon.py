@@ -137,9 +137,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
 @gluon.jit
 def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
                  stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c, n_done,
-                 WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 MASK_LAST: gl.constexpr):
+                 WG: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr):
     """Consumer group WG on one work item of n_tiles key tiles, the first in buffer c %
     STAGES; the item is the program's n_done-th. The group's query rows are [start_m + WG *
     ROWS, + ROWS); where CAUSAL its keys end with its diagonal tile, which may come before
@@ -155,6 +154,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
+    ROWS: gl.constexpr = q_smem.shape[1]
     b_q = q_smem.index(WG)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -226,9 +226,9 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
 def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
                         stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
                         n_units, n_m, H, S_q, S_k, qk_scale, WG: gl.constexpr,
-                        ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        MASK_LAST: gl.constexpr, SIDES: gl.constexpr):
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
+                        SIDES: gl.constexpr):
     """Consumer group WG over this program's work items (_attend_item), in the load warp's
     order."""
     c = 0
@@ -242,7 +242,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                 c = _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
                                  o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os, stride_od,
                                  i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c, n_done, WG,
-                                 ROWS, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST)
+                                 BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST)
                 n_done += 1
 
 
@@ -294,13 +294,11 @@ def attention_fwd_gluon_kernel(
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   0, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
-                                   SIDES)),
+                                   0, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   1, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
-                                   SIDES)),
+                                   1, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
                                q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
@@ -310,18 +308,15 @@ def attention_fwd_gluon_kernel(
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   0, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
-                                   SIDES)),
+                                   0, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   1, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
-                                   SIDES)),
+                                   1, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   2, ROWS, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST,
-                                   SIDES)),
+                                   2, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
                                q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
