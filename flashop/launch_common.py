@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -58,6 +58,38 @@ def unit_stride_last(x: torch.Tensor) -> torch.Tensor:
     if x.size(-1) > 1 and x.stride(-1) != 1:
         return x.contiguous()
     return x
+
+
+class TensorMeta(NamedTuple):
+    """What a launcher's plan reads of a tensor: its shape, strides, dtype and device."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensor_meta(t: Optional[torch.Tensor]) -> Optional[TensorMeta]:
+    return None if t is None else TensorMeta(t.shape, t.stride(), t.dtype, t.device)
+
+
+def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
+    """Each tensor's (shape, strides, dtype, device) (TensorMeta's fields; None for None),
+    where every tensor is a plain eager tensor (no fake, functional or other subclass, whose
+    shapes may be symbolic); else None. The key of what is computed once per signature of
+    eager calls."""
+    metas = []
+    for t in tensors:
+        if t is None:
+            metas.append(None)
+        elif type(t) in _PLAIN_TENSORS:
+            metas.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    return tuple(metas)
 
 
 def check_row_offsets(op: str, tensors: tuple, row_strides: tuple, rows: tuple) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -20,8 +20,9 @@ from flashop.kernels.decode import (
     attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
 )
 from flashop.launch_common import (
-    block_dim, cdiv, check_row_offsets, dtype_constexprs, launch_kernel, max_shared_memory,
-    next_power_of_2, on_inputs_device, resolve_scale, sm_count, unit_stride_last,
+    TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, eager_meta,
+    launch_kernel, max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale,
+    sm_count, tensor_meta, unit_stride_last,
 )
 from flashop.options import Modifiers
 from flashop.tiles import shared_memory_bytes
@@ -162,64 +163,160 @@ def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
     return out, lse
 
 
-def _modifier_args(mods: Modifiers, sm_scale: float, dummy: torch.Tensor):
-    """(alibi tensor, its (batch, head) strides, sinks tensor, its head stride, qk_scale,
-    softcap_log2, left, right, flags); ``dummy`` stands for an absent tensor. Scores in
-    base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under a softcap (then
-    ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
-    left, right = mods.window_size
-    if mods.causal:
+class _Launch(NamedTuple):
+    """One kernel launch as planned: its grid and its arguments but the tensors."""
+
+    grid: tuple
+    static: dict
+
+
+class _Plan(NamedTuple):
+    """A call's launches: the append (None without new keys), the split-KV attention (None
+    where the output is empty), the merge of its splits (None with one split), and the
+    shapes of the splits' partial outputs and lse (None with one split)."""
+
+    append: Optional[_Launch]
+    decode: Optional[_Launch]
+    merge: Optional[_Launch]
+    parts: Optional[tuple]
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def _modifier_args(causal: bool, window_size: tuple, softcap: float,
+                   alibi: Optional[TensorMeta], sinks: Optional[TensorMeta],
+                   sm_scale: float) -> dict:
+    """The attention kernel's modifier arguments but its tensors: the alibi slopes'
+    (batch, head) strides, the sinks' head stride, qk_scale, softcap_log2, left, right and
+    the flags. Scores in base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under
+    a softcap (then ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
+    left, right = window_size
+    if causal:
         right = 0
-    alibi, alibi_strides = dummy, (0, 0)
-    if mods.alibi_slopes is not None:
-        alibi = mods.alibi_slopes
-        alibi_strides = alibi.stride() if alibi.dim() == 2 else (0, alibi.stride(0))
-    sinks = dummy if mods.sinks is None else mods.sinks
-    sink_stride = 0 if mods.sinks is None else sinks.stride(0)
-    if mods.softcap > 0:
-        qk_scale, softcap_log2 = sm_scale / mods.softcap, mods.softcap * LOG2E
+    alibi_strides = (0, 0)
+    if alibi is not None:
+        alibi_strides = alibi.stride if len(alibi.shape) == 2 else (0, alibi.stride[0])
+    if softcap > 0:
+        qk_scale, softcap_log2 = sm_scale / softcap, softcap * LOG2E
     else:
         qk_scale, softcap_log2 = sm_scale * LOG2E, 0.0
-    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
-                 HAS_ALIBI=mods.alibi_slopes is not None, HAS_SINK=mods.sinks is not None)
-    return (alibi, alibi_strides, sinks, sink_stride, qk_scale, softcap_log2, max(left, 0),
-            max(right, 0), flags)
+    return dict(stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
+                stride_sh=0 if sinks is None else sinks.stride[0],
+                qk_scale=qk_scale, softcap_log2=softcap_log2, left=max(left, 0),
+                right=max(right, 0), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+                HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None,
+                HAS_SINK=sinks is not None)
 
 
-def kvcache_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                   cache_batch_idx: Optional[torch.Tensor],
-                   block_table: Optional[torch.Tensor]) -> None:
-    """Write k, v (B, S_new, H_kv, .) into the caches at positions cache_seqlens[b] + s,
-    in place; positions past the cache's capacity are dropped."""
+def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta,
+                   block_table: Optional[TensorMeta], batch_idx: bool) -> Optional[_Launch]:
+    """The append of k, v (B, S_new, H_kv, .) into the caches at positions
+    cache_seqlens[b] + s, in place; positions past the cache's capacity are dropped. None
+    where there is nothing to write."""
     B, S_new, H_kv, D = k.shape
     DV = v.shape[-1]
     if B == 0 or S_new == 0 or H_kv == 0:
-        return
-    k, v = unit_stride_last(k), unit_stride_last(v)
+        return None
     paged = block_table is not None
     D, DV, page = int(D), int(DV), int(k_cache.shape[1])
     capacity = block_table.shape[1] * page if paged else page
     block_s = 16 if INTERPRETING else 32
-    table = block_table if paged else cache_seqlens
-    launch_kernel(
-        kvcache_append_kernel, (cdiv(S_new, block_s), H_kv, B),
-        k=k, v=v, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
-        block_table=table,
-        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-        stride_kcb=k_cache.stride(0), stride_kcs=k_cache.stride(1),
-        stride_kch=k_cache.stride(2),
-        stride_vcb=v_cache.stride(0), stride_vcs=v_cache.stride(1),
-        stride_vch=v_cache.stride(2),
-        stride_tb=table.stride(0) if paged else 0,
+    return _Launch((cdiv(S_new, block_s), H_kv, B), dict(
+        stride_kb=k.stride[0], stride_ks=k.stride[1], stride_kh=k.stride[2],
+        stride_vb=v.stride[0], stride_vs=v.stride[1], stride_vh=v.stride[2],
+        stride_kcb=k_cache.stride[0], stride_kcs=k_cache.stride[1],
+        stride_kch=k_cache.stride[2],
+        stride_vcb=v_cache.stride[0], stride_vcs=v_cache.stride[1],
+        stride_vch=v_cache.stride[2],
+        stride_tb=block_table.stride[0] if paged else 0,
         S_new=S_new, capacity=capacity,
         D=D, DV=DV, BLOCK_D=block_dim(D), BLOCK_DV=block_dim(DV), BLOCK_S=block_s,
+        PAGE_SIZE=page if paged else 1, IS_PAGED=paged, HAS_BATCH_IDX=batch_idx,
+        num_warps=4, num_stages=1))
+
+
+def _make_plan(metas: Optional[tuple], options: tuple, tensors: tuple = ()) -> _Plan:
+    """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
+    block_table, alibi_slopes, sinks) have the (shape, strides, dtype, device) ``metas``
+    (None for None; launch_common.eager_meta), or where ``metas`` is None are ``tensors``,
+    with ``options`` (causal, window_size, softcap, scale, num_splits)."""
+    if metas is None:
+        metas = tuple(map(tensor_meta, tensors))
+    q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks = (
+        None if m is None else TensorMeta(*m) for m in metas)
+    causal, window_size, softcap, scale, num_splits = options
+    paged = block_table is not None
+    append = None
+    S_new = 0
+    if k is not None:
+        S_new = k.shape[1]
+        append = _append_launch(k, v, k_cache, v_cache, block_table, batch_idx is not None)
+    B, S_q, H, D = q.shape
+    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
+    if B * S_q * H * DV == 0:
+        return _Plan(append, None, None, None)
+    # what sets tiles, splits and compile-time arguments is a plain int (symbolic shapes
+    # under torch.compile(dynamic=True) are specialized here; the lengths never are)
+    D, DV, G, page = int(D), int(DV), int(H // H_kv), int(k_cache.shape[1])
+    capacity = block_table.shape[1] * page if paged else page
+    page_size = page if paged else 0  # the tile rules' page (0: a dense cache)
+    block_d, block_dv = block_dim(D), block_dim(DV)
+    itemsize = q.dtype.itemsize
+    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page_size)
+    if not INTERPRETING:
+        t = fit_shared_memory(t, block_d, block_dv, itemsize,
+                              max_shared_memory(q.device.index))
+    row_tiles = cdiv(G * S_q, t.BLOCK_M)
+    if num_splits == 0:
+        slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, itemsize)
+        num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
+    num_splits = min(num_splits, MAX_SPLITS)
+    t = short_run_tiles(t, int(capacity), num_splits, page_size)
+    split = num_splits > 1
+    out_strides = _contiguous_strides((B, S_q, H, DV))  # kvcache_outputs' allocations
+    lse_strides = _contiguous_strides((B, H, S_q))
+    parts = merge = None
+    sp = lp = (0, 0, 0, 0)
+    if split:
+        parts = ((num_splits, B, S_q, H, DV), (num_splits, B, H, S_q))
+        sp, lp = _contiguous_strides(parts[0]), _contiguous_strides(parts[1])
+        merge = _Launch((S_q, H, B), dict(
+            stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
+            stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
+            stride_ob=out_strides[0], stride_os=out_strides[1], stride_oh=out_strides[2],
+            stride_lb=lse_strides[0], stride_lh=lse_strides[1],
+            n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
+            BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1))
+    decode = _Launch((num_splits, H_kv * row_tiles, B), dict(
+        stride_qb=q.stride[0], stride_qs=q.stride[1], stride_qh=q.stride[2],
+        stride_kcb=k_cache.stride[0], stride_kcs=k_cache.stride[1],
+        stride_kch=k_cache.stride[2],
+        stride_vcb=v_cache.stride[0], stride_vcs=v_cache.stride[1],
+        stride_vch=v_cache.stride[2],
+        stride_ob=out_strides[0], stride_os=out_strides[1], stride_oh=out_strides[2],
+        stride_lb=lse_strides[0], stride_lh=lse_strides[1],
+        stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
+        stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
+        stride_tb=block_table.stride[0] if paged else 0,
+        **_modifier_args(causal, window_size, softcap, alibi, sinks, resolve_scale(scale, D)),
+        S_q=S_q, S_new=S_new, capacity=capacity, G=G,
+        D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
-        HAS_BATCH_IDX=cache_batch_idx is not None,
-        num_warps=4, num_stages=1,
-    )
+        TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
+        HAS_BATCH_IDX=batch_idx is not None, SPLIT=split,
+        **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages))
+    return _Plan(append, decode, merge, parts)
+
+
+# eager calls of one signature share their plan (a decode loop repeats one signature; the
+# plan is most of a step's host time otherwise)
+_plan = functools.lru_cache(maxsize=1024)(_make_plan)
 
 
 @on_inputs_device
@@ -230,86 +327,47 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            mods: Modifiers, num_splits: int
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v into the caches (in place), then attend; returns (out, lse) as
-    kvcache_outputs allocates them. ``num_splits`` 0 picks the splits (auto_splits)."""
+    kvcache_outputs allocates them. ``num_splits`` 0 picks the splits (auto_splits). The
+    launches' arguments but the tensors are planned once per signature of eager calls
+    (_plan; traced calls plan each time)."""
     cache_seqlens = cache_seqlens.contiguous()
     if cache_batch_idx is not None:
         cache_batch_idx = cache_batch_idx.contiguous()
     if block_table is not None:
         block_table = unit_stride_last(block_table)
-    S_new = 0
     if k is not None:
-        S_new = k.shape[1]
-        kvcache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table)
+        k, v = unit_stride_last(k), unit_stride_last(v)
     q = unit_stride_last(q)
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, mods.alibi_slopes,
+               mods.sinks)
+    options = (mods.causal, mods.window_size, mods.softcap, scale, num_splits)
+    metas = eager_meta(*tensors)
+    plan = (_plan(metas, options) if metas is not None
+            else _make_plan(metas, options, tensors))
+    # the index tensors, or a tensor standing for an absent one (never read)
+    batch_idx = cache_seqlens if cache_batch_idx is None else cache_batch_idx
+    table = cache_seqlens if block_table is None else block_table
+    if plan.append is not None:
+        launch_kernel(kvcache_append_kernel, plan.append.grid, k=k, v=v, k_cache=k_cache,
+                      v_cache=v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx,
+                      block_table=table, **plan.append.static)
     out, lse = kvcache_outputs(q, v_cache)
-    B, S_q, H, D = q.shape
-    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
-    if out.numel() == 0:
+    if plan.decode is None:
         return out, lse
-    # what sets tiles, splits and compile-time arguments is a plain int (symbolic shapes
-    # under torch.compile(dynamic=True) are specialized here; the lengths never are)
-    D, DV, G, page = int(D), int(DV), int(H // H_kv), int(k_cache.shape[1])
     check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
-                      (S_q, S_q))
-    paged = block_table is not None
-    capacity = block_table.shape[1] * page if paged else page
-    page_size = page if paged else 0  # the tile rules' page (0: a dense cache)
-    block_d, block_dv = block_dim(D), block_dim(DV)
-    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page_size)
-    if not INTERPRETING:
-        t = fit_shared_memory(t, block_d, block_dv, q.element_size(),
-                              max_shared_memory(q.device.index))
-    row_tiles = cdiv(G * S_q, t.BLOCK_M)
-    if num_splits == 0:
-        slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, q.element_size())
-        num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
-    num_splits = min(num_splits, MAX_SPLITS)
-    t = short_run_tiles(t, int(capacity), num_splits, page_size)
-    split = num_splits > 1
-    if split:
-        o_part = q.new_empty(num_splits, B, S_q, H, DV, dtype=torch.float32)
-        lse_part = q.new_empty(num_splits, B, H, S_q, dtype=torch.float32)
+                      (q.shape[1], q.shape[1]))
+    if plan.parts is not None:
+        o_part = q.new_empty(plan.parts[0], dtype=torch.float32)
+        lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
     else:  # not read: the kernel writes out and lse directly
         o_part, lse_part = q, q
-    (alibi, alibi_strides, sinks, sink_stride, qk_scale, softcap_log2, left, right,
-     flags) = _modifier_args(mods, resolve_scale(scale, D), q)
-    sp, lp = o_part.stride(), lse_part.stride()
     launch_kernel(
-        attention_decode_kernel, (num_splits, H_kv * row_tiles, B),
-        q=q, k_cache=k_cache, v_cache=v_cache, o=out, lse=lse, o_part=o_part,
-        lse_part=lse_part, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_seqlens if cache_batch_idx is None else cache_batch_idx,
-        block_table=block_table if paged else cache_seqlens, alibi=alibi, sinks=sinks,
-        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-        stride_kcb=k_cache.stride(0), stride_kcs=k_cache.stride(1),
-        stride_kch=k_cache.stride(2),
-        stride_vcb=v_cache.stride(0), stride_vcs=v_cache.stride(1),
-        stride_vch=v_cache.stride(2),
-        stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
-        stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-        stride_pp=sp[0] if split else 0, stride_pb=sp[1] if split else 0,
-        stride_ps=sp[2] if split else 0, stride_ph=sp[3] if split else 0,
-        stride_lpp=lp[0] if split else 0, stride_lpb=lp[1] if split else 0,
-        stride_lph=lp[2] if split else 0,
-        stride_tb=block_table.stride(0) if paged else 0,
-        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], stride_sh=sink_stride,
-        S_q=S_q, S_new=S_new, capacity=capacity, G=G, qk_scale=qk_scale,
-        softcap_log2=softcap_log2, left=left, right=right,
-        D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
-        PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
-        TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
-        HAS_BATCH_IDX=cache_batch_idx is not None, **flags, SPLIT=split,
-        **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages,
-    )
-    if split:
-        launch_kernel(
-            attention_decode_merge_kernel, (S_q, H, B),
-            o_part=o_part, lse_part=lse_part, o=out, lse=lse,
-            stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
-            stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
-            stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
-            stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-            n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
-            BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1,
-        )
+        attention_decode_kernel, plan.decode.grid, q=q, k_cache=k_cache, v_cache=v_cache,
+        o=out, lse=lse, o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
+        cache_batch_idx=batch_idx, block_table=table,
+        alibi=q if mods.alibi_slopes is None else mods.alibi_slopes,
+        sinks=q if mods.sinks is None else mods.sinks, **plan.decode.static)
+    if plan.merge is not None:
+        launch_kernel(attention_decode_merge_kernel, plan.merge.grid, o_part=o_part,
+                      lse_part=lse_part, o=out, lse=lse, **plan.merge.static)
     return out, lse

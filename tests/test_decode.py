@@ -19,6 +19,16 @@ from flashop.testing import accuracy
 from helpers import DEVICE, poisoned_outputs
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test plans its calls anew: an eager call's launches are planned once per
+    signature (launch_decode._plan), and tests that patch the rules must see them used."""
+    from flashop import launch_decode
+    launch_decode._plan.cache_clear()
+    yield
+    launch_decode._plan.cache_clear()
+
+
 @dataclass(frozen=True)
 class CacheCase:
     """One call: B sequences of S_q queries over caches of ``lengths`` (before the append of
@@ -429,6 +439,35 @@ def test_sinks_on_another_device():
     message = _error(sinks=torch.zeros(4, device="meta"))
     assert re.fullmatch(re.escape(OP + "all tensors must be on one device, got q on ") + ".*"
                         + re.escape("sinks on meta"), message), message
+
+
+def test_a_repeated_signature_reuses_its_checks_and_plan():
+    """A decode loop's calls share one signature: the second call takes the first's checks
+    and plan and gives the same results; a call of another signature (strides, a dtype,
+    an option) is checked and planned anew, and a bad one raises however often it comes."""
+    from flashop import launch_decode, validation_decode
+    case = CacheCase((3, 9), 1, 1, 2, 2, 16, 16, torch.float16, paged=True, capacity=32,
+                     causal=True)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    validation_decode._PASSED.clear()
+    first = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
+                                           **kwargs, return_lse=True)
+    assert launch_decode._plan.cache_info().misses == 1 and len(validation_decode._PASSED) == 1
+    again = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
+                                           **kwargs, return_lse=True)
+    assert launch_decode._plan.cache_info().hits == 1 and len(validation_decode._PASSED) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # strides (q as a view of a wider tensor), an option: new signatures
+    wide = torch.zeros(q.shape[:-1] + (2 * q.shape[-1],), dtype=q.dtype, device=DEVICE)
+    q_view = wide[..., :q.shape[-1]].copy_(q)
+    flashop.attention_with_kvcache(q_view, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
+    flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
+                                   **{**kwargs, "causal": False})
+    assert launch_decode._plan.cache_info().misses == 3 and len(validation_decode._PASSED) == 3
+    bad = {**kwargs, "cache_seqlens": kwargs["cache_seqlens"].long()}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cache_seqlens must be a 1-D int32 tensor"):
+            flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **bad)
 
 
 @pytest.fixture
