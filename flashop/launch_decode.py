@@ -182,6 +182,7 @@ class _Plan(NamedTuple):
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (the splits' partial outputs)."""
     strides, n = [], 1
     for size in reversed(shape):
         strides.append(n)
@@ -241,13 +242,11 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
         num_warps=4, num_stages=1))
 
 
-def _make_plan(metas: Optional[tuple], options: tuple, tensors: tuple = ()) -> _Plan:
+def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks) have the (shape, strides, dtype, device) ``metas``
-    (None for None; launch_common.eager_meta), or where ``metas`` is None are ``tensors``,
-    with ``options`` (causal, window_size, softcap, scale, num_splits)."""
-    if metas is None:
-        metas = tuple(map(tensor_meta, tensors))
+    (None for None; launch_common.eager_meta), with ``options`` (causal, window_size,
+    softcap, scale, num_splits). The outputs' strides are the call's to add."""
     q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks = (
         None if m is None else TensorMeta(*m) for m in metas)
     causal, window_size, softcap, scale, num_splits = options
@@ -279,8 +278,6 @@ def _make_plan(metas: Optional[tuple], options: tuple, tensors: tuple = ()) -> _
     num_splits = min(num_splits, MAX_SPLITS)
     t = short_run_tiles(t, int(capacity), num_splits, page_size)
     split = num_splits > 1
-    out_strides = _contiguous_strides((B, S_q, H, DV))  # kvcache_outputs' allocations
-    lse_strides = _contiguous_strides((B, H, S_q))
     parts = merge = None
     sp = lp = (0, 0, 0, 0)
     if split:
@@ -289,8 +286,6 @@ def _make_plan(metas: Optional[tuple], options: tuple, tensors: tuple = ()) -> _
         merge = _Launch((S_q, H, B), dict(
             stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
             stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
-            stride_ob=out_strides[0], stride_os=out_strides[1], stride_oh=out_strides[2],
-            stride_lb=lse_strides[0], stride_lh=lse_strides[1],
             n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
             BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1))
     decode = _Launch((num_splits, H_kv * row_tiles, B), dict(
@@ -299,8 +294,6 @@ def _make_plan(metas: Optional[tuple], options: tuple, tensors: tuple = ()) -> _
         stride_kch=k_cache.stride[2],
         stride_vcb=v_cache.stride[0], stride_vcs=v_cache.stride[1],
         stride_vch=v_cache.stride[2],
-        stride_ob=out_strides[0], stride_os=out_strides[1], stride_oh=out_strides[2],
-        stride_lb=lse_strides[0], stride_lh=lse_strides[1],
         stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
@@ -343,7 +336,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     options = (mods.causal, mods.window_size, mods.softcap, scale, num_splits)
     metas = eager_meta(*tensors)
     plan = (_plan(metas, options) if metas is not None
-            else _make_plan(metas, options, tensors))
+            else _make_plan(tuple(map(tensor_meta, tensors)), options))
     # the index tensors, or a tensor standing for an absent one (never read)
     batch_idx = cache_seqlens if cache_batch_idx is None else cache_batch_idx
     table = cache_seqlens if block_table is None else block_table
@@ -361,13 +354,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
     else:  # not read: the kernel writes out and lse directly
         o_part, lse_part = q, q
+    so, sl = out.stride(), lse.stride()
+    outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
+                   stride_lb=sl[0], stride_lh=sl[1])
     launch_kernel(
         attention_decode_kernel, plan.decode.grid, q=q, k_cache=k_cache, v_cache=v_cache,
-        o=out, lse=lse, o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
+        o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=batch_idx, block_table=table,
         alibi=q if mods.alibi_slopes is None else mods.alibi_slopes,
-        sinks=q if mods.sinks is None else mods.sinks, **plan.decode.static)
+        sinks=q if mods.sinks is None else mods.sinks, **outputs, **plan.decode.static)
     if plan.merge is not None:
         launch_kernel(attention_decode_merge_kernel, plan.merge.grid, o_part=o_part,
-                      lse_part=lse_part, o=out, lse=lse, **plan.merge.static)
+                      lse_part=lse_part, **outputs, **plan.merge.static)
     return out, lse
