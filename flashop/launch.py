@@ -410,16 +410,19 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     if deterministic is None:
         deterministic = deterministic_backward()
     deterministic = deterministic or _strictly_deterministic()
-    dq_atomic = not (deterministic or has_gate or attn_mask_grad)
-    # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it, the
-    # Gluon backward dQ
+    causal = p.flags["HAS_RIGHT"]
+    # the Gluon backward (dQ added in key-tile order where deterministic, by atomics where
+    # not) serves plain calls; the tl kernels the rest
+    gluon = (not (has_gate or attn_mask_grad) and launch_gluon.serves_backward(
+        q, k, v, dout, causal, mods.is_plain and packing is None, deterministic))
+    dq_atomic = not (deterministic or has_gate or attn_mask_grad or gluon)
+    # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
     short = tiles.is_short(p.S_k)
-    causal = p.flags["HAS_RIGHT"]
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
-    if dq_atomic:
+    if dq_atomic or gluon:
         # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
         # rows here, delta being row-wise
         B_pre, rows_pre = (p.B, p.S_q) if packing is None else (1, q.shape[0])
@@ -429,11 +432,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             o=out, do=dout, dlse=dlse, delta=delta, **o_strides, **p.strides("do", dout),
             **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
             BLOCK_M=pre_block)
-        if launch_gluon.serves_backward(q, k, v, dout, causal, mods.is_plain and packing is None):
-            launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv,
-                                            causal, p.sm_scale, p.modifier_args["qk_scale"])
-            dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
-            return dq, dk, dv, dg, dmask
+    if gluon:
+        dq_acc, dq_sem = launch_gluon.backward_buffer(q, deterministic)
+        launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv,
+                                        causal, p.sm_scale, p.modifier_args["qk_scale"])
+        dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
+        return dq, dk, dv, dg, dmask
     # what the dK/dV and dQ kernels share
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),

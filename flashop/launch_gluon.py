@@ -32,7 +32,7 @@ FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3)}
 # warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
 CONSUMER_REGS = {2: 232, 3: 160}
 LOAD_REGS = 24
-MAX_GRID_Y = 65535  # the backward grid's second dimension holds B * H_kv
+MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv, or the key tiles
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
 # least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 of docs/notes/performance-notes.md)
@@ -44,6 +44,9 @@ BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 BWD_STAGES = 2
 BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
 BWD_HEAD_DIMS = (64, 128)
+# The deterministic backward's default rule (its dQ adds in key-tile order), where it
+# measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys
+BWD_MIN_KEYS = {(64, False): 1024, (64, True): 1024, (128, False): 1024, (128, True): 1024}
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,16 +110,23 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
 
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    causal: bool, plain: bool) -> bool:
-    """Whether the Gluon backward takes this call (dQ by atomics, which the caller decided):
-    where available, an eager call of the plain backward with 16-bit inputs, D == DV in
-    BWD_HEAD_DIMS, S_q == S_k where causal, B * H_kv within the grid, and inputs its
-    descriptors can address; config.settings.gluon False turns it off."""
+                    causal: bool, plain: bool, deterministic: bool) -> bool:
+    """Whether the Gluon backward takes this call, with dQ's adds in key-tile order
+    (``deterministic``) or not (dQ by atomics, which the caller asked for): where
+    available, an eager call of the plain backward with 16-bit inputs, D == DV in
+    BWD_HEAD_DIMS, S_q == S_k where causal, a grid within bounds, and inputs its
+    descriptors can address; where deterministic, unless the switch forces it, the default
+    rule above. config.settings.gluon False turns it off."""
     if not _takes_call(q, plain):
         return False
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    if D != DV or D not in BWD_HEAD_DIMS or B * H_kv > MAX_GRID_Y or (causal and S_q != S_k):
+    if D != DV or D not in BWD_HEAD_DIMS or (causal and S_q != S_k):
+        return False
+    if (cdiv(S_k, BWD_BLOCK_N) if deterministic else B * H_kv) > MAX_GRID_Y:
+        return False
+    if (deterministic and config.settings.gluon is None
+            and S_k < BWD_MIN_KEYS[D, causal]):
         return False
     return _addressable(q, k, v, dout)
 
@@ -194,22 +204,36 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
         num_warps=4)
 
 
-def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dk, dv, causal: bool,
+def backward_buffer(q: torch.Tensor, deterministic: bool):
+    """The zeroed fp32 buffer the Gluon backward adds dQ into, laid out as q (contiguous),
+    and where ``deterministic`` its int32 counters (one per query tile and half of D),
+    zeroed with it: (dq_acc, dq_sem or None)."""
+    B, S_q, H, D = q.shape
+    n_sem = B * H * cdiv(S_q, BWD_BLOCK_M) * 2 if deterministic else 0
+    buf = torch.zeros(q.numel() + n_sem, device=q.device, dtype=torch.float32)
+    dq_acc = buf[:q.numel()].view(q.shape)
+    return dq_acc, (buf[q.numel():].view(torch.int32) if deterministic else None)
+
+
+def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal: bool,
                        sm_scale: float, qk_scale: float) -> None:
     """Launch the Gluon backward where serves_backward() said it takes the call: dK and dV
-    into ``dk``, ``dv`` (B, S_k, H_kv, D), dQ added into the zeroed fp32 ``dq_acc``
-    (B, S_q, H, D, contiguous); ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel
-    stores it."""
+    into ``dk``, ``dv`` (B, S_k, H_kv, D), dQ added into ``dq_acc`` in key-tile order where
+    ``dq_sem`` is given, by atomics where it is None (backward_buffer() makes both);
+    ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
+    deterministic = dq_sem is not None
+    n_tiles = cdiv(S_k, BWD_BLOCK_N)
     launch_now(
-        _bwd_kernel(), (cdiv(S_k, BWD_BLOCK_N), B * H_kv),
+        _bwd_kernel(), (B * H_kv, n_tiles) if deterministic else (n_tiles, B * H_kv),
         q_desc=_descriptor(q, BWD_BLOCK_M), k_desc=_descriptor(k, BWD_BLOCK_N),
         v_desc=_descriptor(v, BWD_BLOCK_N), do_desc=_descriptor(dout, BWD_BLOCK_M),
-        dq_desc=_descriptor(dq_acc, BWD_BLOCK_M, D // 2), lse_log2=lse_log2, delta=delta,
+        dq_desc=_descriptor(dq_acc, BWD_BLOCK_M, D // 2),
+        dq_sem=dq_sem if deterministic else dq_acc, lse_log2=lse_log2, delta=delta,
         dk=dk, dv=dv, stride_lb=lse_log2.stride(0), stride_lh=lse_log2.stride(1),
         **_strides("dk", dk), **_strides("dv", dv),
         S_q=S_q, S_k=S_k, H_kv=H_kv, G=H // H_kv, sm_scale=sm_scale, qk_scale=qk_scale,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
-        CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0,
+        CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

@@ -4,9 +4,16 @@ interpreter; the ``tl`` backward in flashop/kernels/backward.py stays the refere
 
 One kernel computes dK and dV of one key tile and adds its share of dQ into an fp32 buffer
 by TMA's bulk reduce-add, so S and dP are computed once (five products per tile pair, where
-the deterministic ``tl`` backward computes seven): FlashAttention-3's structure. The sum's
-order over key tiles is not fixed, so dQ is not bitwise reproducible; flashop runs it only
-where the caller asked for dQ by atomics.
+the deterministic ``tl`` backward computes seven): FlashAttention-3's structure. Where
+DETERMINISTIC is off the sum's order over key tiles is not fixed, so dQ is not bitwise
+reproducible (flashop runs it so only where the caller asked for dQ by atomics); where it
+is on, each (query tile, column half) of dQ takes its key tiles' adds in order, 0, 1, 2,
+..., by a counter in global memory (zeroed by the caller): the program of key tile n waits
+until the counter reads n before its add, and raises it once the add is complete. A
+program waits only on the program of the key tile before it, launched before it, so the
+waits end whatever the number of programs resident; the grid then runs (batch, KV head)
+fastest, so that the programs resident at once hold few key tiles of one head and rarely
+wait.
 
 One program takes BLOCK_N keys of one (batch, KV head) and runs three partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
@@ -38,6 +45,35 @@ def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
                                               coord, src.handle)
+
+
+@gluon.jit
+def _dq_add_done(sem):
+    """Once the group's bulk reduce-adds are complete (written, not only read from shared
+    memory: each issuing thread waits for its own), raise the counter ``sem`` (a scalar
+    pointer; one thread, after the group's barrier) with release semantics."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;",
+                              "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _dq_wait_turn(sem, turn):
+    """Wait until the counter ``sem`` reads ``turn`` (acquire), so that the add that
+    follows comes after those of the key tiles before."""
+    while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != turn:
+        pass
+    gl.inline_asm_elementwise("fence.proxy.async.global;", "=r,r", [turn], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, WG: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """The counter of dQ's column half WG of query tile start_m / BLOCK_M of (i_b, i_h)."""
+    return dq_sem + ((i_b * H + i_h) * n_m + start_m // BLOCK_M) * 2 + WG
 
 
 @gluon.jit
@@ -92,10 +128,11 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
 @gluon.jit
 def _bwd_consumer_partition(
     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, full,
-    empty, ds_bar, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk,
-    start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+    empty, ds_bar, dq_desc, dq_sem, dk, dv, stride_dks, stride_dkd, stride_dvs, stride_dvd,
+    i_b, i_hk, i_n, start_n, G, H_kv, m_lo, n_qt, n_m, n_steps, S_k, qk_scale, sm_scale,
     WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
 ):
     """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
     point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
@@ -123,6 +160,7 @@ def _bwd_consumer_partition(
     b_dv = gl.zeros([KEYS, DV], gl.float32, dv_layout)
     o_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
     o_m = gl.arange(0, BLOCK_M, layout=query_layout)
+    sem = dq_sem  # the counter of the previous step's add (DETERMINISTIC)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):
         s = t % STAGES
@@ -166,12 +204,22 @@ def _bwd_consumer_partition(
                                is_async=True)
         b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
         mbarrier.arrive(empty.index(s), count=1)
-        tma.store_wait(0)  # the previous step's add has read dq_smem
+        if DETERMINISTIC:
+            if t > 0:  # the previous step's add complete: the next key tile's turn there
+                _dq_add_done(sem)
+        else:
+            tma.store_wait(0)  # the previous step's add has read dq_smem
         dq_smem.store(b_dq * sm_scale)
         fence_async_shared()
+        if DETERMINISTIC:  # this tile's add after those of the key tiles before
+            sem = _dq_counter(dq_sem, i_b, i_h, H_kv * G, start_m, n_m, WG, BLOCK_M)
+            _dq_wait_turn(sem, i_n)
         _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, WG * (D // 2)],
                                      dq_smem.reshape(dq_desc.block_type.shape))
-    tma.store_wait(0)
+    if DETERMINISTIC:
+        _dq_add_done(sem)
+    else:
+        tma.store_wait(0)
     # dK = scale * dS^T Q; rows of keys past S_k are not stored
     o_nk = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dk_layout))
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, dk_layout))
@@ -187,22 +235,28 @@ def _bwd_consumer_partition(
 
 @gluon.jit
 def attention_bwd_gluon_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_log2, delta, dk, dv,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, dq_sem, lse_log2, delta, dk, dv,
     stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     S_q, S_k, H_kv, G, sm_scale, qk_scale,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """dK, dV (B, S_k, H_kv, D / DV) of one key tile, and its share of dQ added into the
     fp32 (B, S_q, H, D) buffer behind ``dq_desc`` (zeroed by the caller); the
     module's docstring has the partitions. lse_log2 and delta are the forward's base-2 lse
     and rowsum(dO * O) - dlse, (B, H, S_q) with a unit stride over rows; qk_scale = scale *
     log2(e). Where CAUSAL, S_q == S_k. MASK_KEYS: S_k not a multiple of BLOCK_N. Grid:
-    (cdiv(S_k, BLOCK_N), B * H_kv), key tiles in order (where causal, the heaviest first)."""
-    i_n = gl.program_id(0)
-    i_bh = gl.program_id(1)
+    (cdiv(S_k, BLOCK_N), B * H_kv), key tiles in order (where causal, the heaviest first);
+    where DETERMINISTIC, (B * H_kv, cdiv(S_k, BLOCK_N)), and ``dq_sem`` holds the zeroed
+    int32 counters, (B, H, cdiv(S_q, BLOCK_M), 2) (otherwise unused)."""
+    if DETERMINISTIC:
+        i_bh = gl.program_id(0)
+        i_n = gl.program_id(1)
+    else:
+        i_n = gl.program_id(0)
+        i_bh = gl.program_id(1)
     i_b = i_bh // H_kv
     i_hk = i_bh % H_kv
     start_n = i_n * BLOCK_N
@@ -240,21 +294,24 @@ def attention_bwd_gluon_kernel(
         m_lo = start_n // BLOCK_M
     else:
         m_lo = 0
-    n_qt = gl.cdiv(S_q, BLOCK_M) - m_lo
+    n_m = gl.cdiv(S_q, BLOCK_M)
+    n_qt = n_m - m_lo
     n_steps = G * n_qt
     dk += i_b.to(gl.int64) * stride_dkb + i_hk.to(gl.int64) * stride_dkh
     dv += i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
     gl.warp_specialize([
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
-            full, empty, ds_bar, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
-            stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
-            0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS)),
+            full, empty, ds_bar, dq_desc, dq_sem, dk, dv, stride_dks, stride_dkd, stride_dvs,
+            stride_dvd, i_b, i_hk, i_n, start_n, G, H_kv, m_lo, n_qt, n_m, n_steps, S_k,
+            qk_scale, sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS,
+            DETERMINISTIC)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
-            full, empty, ds_bar, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
-            stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
-            1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS)),
+            full, empty, ds_bar, dq_desc, dq_sem, dk, dv, stride_dks, stride_dkd, stride_dvs,
+            stride_dvd, i_b, i_hk, i_n, start_n, G, H_kv, m_lo, n_qt, n_m, n_steps, S_k,
+            qk_scale, sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS,
+            DETERMINISTIC)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
