@@ -363,8 +363,9 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
 
 
 def deterministic_backward() -> bool:
-    """Whether backwards sum dQ in one program per query tile (the dQ kernel, bitwise
-    reproducible) rather than by fp32 atomics: always, unless atomics were opted into
+    """Whether backwards sum dQ in a fixed order (bitwise reproducible: the dQ kernel sums
+    each row in one program; the Gluon backward adds its key tiles' shares in order) rather
+    than by fp32 atomics: always, unless atomics were opted into
     (config.settings.dq_atomics), and always under torch.use_deterministic_algorithms."""
     return not config.settings.dq_atomics or torch.are_deterministic_algorithms_enabled()
 
@@ -383,6 +384,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     """Launch the backward from the forward's ``out`` and base-2 ``lse_log2``; returns (dq,
     dk, dv, dg, dattn_mask) (the last two as in attention_backward_outputs).
 
+    Plain calls that the Gluon backward serves (launch_gluon.serves_backward) take it: one
+    kernel adds dQ into an fp32 buffer, in key-tile order where ``deterministic``. Elsewhere
     dQ comes from the dQ kernel (each row summed in one program) unless ``deterministic``
     is False (default: not deterministic_backward()) and there is no gate and no mask
     gradient: then the dK/dV kernel adds it by fp32 atomics, with no second pass over S and

@@ -227,9 +227,10 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
     assert launched.called  # the Gluon kernel computed the forward checked
 
 
-def _takes_gluon_backward(case: Case) -> bool:
+def _takes_gluon_backward(case: Case, deterministic: bool = False) -> bool:
     q, k, v = make_inputs(case)[0]
-    return launch_gluon.serves_backward(q, k, v, torch.empty_like(q), case.causal, plain=True)
+    return launch_gluon.serves_backward(q, k, v, torch.empty_like(q), case.causal, plain=True,
+                                        deterministic=deterministic)
 
 
 @pytest.mark.skipif(not GLUON, reason="the Gluon backward needs a Hopper GPU and triton 3.6 "
@@ -246,12 +247,37 @@ def test_gluon_backward_matches_reference(dtype, data, seed):
         assert _takes_gluon_backward(case)
         check_case(case, seed, deterministic_backward=False)
     assert launched.called  # the Gluon kernel computed the gradients checked
+    assert all(call.args[7] is None for call in launched.call_args_list)  # no counters
+
+
+@pytest.mark.skipif(not GLUON, reason="the Gluon backward needs a Hopper GPU and triton 3.6 "
+                                      "(Triton's interpreter cannot run Gluon)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_gluon_deterministic_backward_matches_reference(dtype, data, seed):
+    """The Gluon backward with dQ's adds in key-tile order (the default backward's, here
+    forced on with FLASHOP_GLUON=1) on the same inputs; a second run equals the first bit
+    for bit."""
+    case = data.draw(gluon_cases(dtype, launch_gluon.BWD_HEAD_DIMS))
+    with mock.patch.object(launch_gluon, "attention_backward",
+                           wraps=launch_gluon.attention_backward) as launched:
+        with flashop.config.override(gluon=True):
+            assert _takes_gluon_backward(case, deterministic=True)
+            check_case(case, seed)
+            inputs, dout, dlse = make_inputs(case, seed)
+            first = run_flashop(case, inputs, dout, dlse)[2]
+            second = run_flashop(case, inputs, dout, dlse)[2]
+    assert launched.called and all(call.args[7] is not None  # the counters
+                                   for call in launched.call_args_list)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_where_the_gluon_backward_runs(monkeypatch):
     """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with 16-byte
-    aligned strides, when the caller asked for dQ by atomics; never a traced call, never
-    with the switch off, and nowhere the kernel is unavailable (here: this run's device)."""
+    aligned strides: with dQ by atomics wherever the inputs allow, with dQ in key-tile order
+    (the default) by default from launch_gluon.BWD_MIN_KEYS keys; never a traced call,
+    never with the switch off, and nowhere the kernel is unavailable (here: this run's
+    device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon_backward(causal) == GLUON
@@ -262,21 +288,45 @@ def test_where_the_gluon_backward_runs(monkeypatch):
                  replace(base, S_k=1, S_q=1), replace(base, scale=-0.1),
                  replace(base, D=64, DV=64)):
         assert _takes_gluon_backward(case), case
+        with flashop.config.override(gluon=True):
+            assert _takes_gluon_backward(case, deterministic=True), case
     for other in (dict(causal=True), dict(D=96, DV=96), dict(D=256, DV=256), dict(DV=64),
                   dict(dtype=torch.float32), dict(layout="padded")):
         assert not _takes_gluon_backward(replace(base, **other)), other
+        with flashop.config.override(gluon=True):
+            assert not _takes_gluon_backward(replace(base, **other), deterministic=True)
+    for (D, is_causal), keys in launch_gluon.BWD_MIN_KEYS.items():  # the default rule
+        case = replace(base, D=D, DV=D, causal=is_causal, S_k=keys, S_q=keys)
+        assert _takes_gluon_backward(case, deterministic=True), case
+        shorter = replace(case, S_k=keys - 1, S_q=keys - 1)
+        assert not _takes_gluon_backward(shorter, deterministic=True), shorter
     q, k, v = make_inputs(base)[0]
-    assert not launch_gluon.serves_backward(q, k, v, q, False, plain=False)  # modifiers
+    for deterministic in (False, True):
+        assert not launch_gluon.serves_backward(q, k, v, q, False, plain=False,  # modifiers
+                                                deterministic=deterministic)
     misaligned = torch.empty(1, 40, 2, 129, device=DEVICE, dtype=q.dtype)[..., 1:]  # dO
-    assert not launch_gluon.serves_backward(q, k, v, misaligned, False, plain=True)
+    assert not launch_gluon.serves_backward(q, k, v, misaligned, False, plain=True,
+                                            deterministic=False)
     with flashop.config.override(gluon=False):
         assert not _takes_gluon_backward(base)
+        assert not _takes_gluon_backward(replace(base, S_k=4096), deterministic=True)
+    # grids past their bounds: B * H_kv (dQ by atomics), the key tiles (in order)
     many = torch.empty(launch_gluon.MAX_GRID_Y + 1, 1, 1, 128, device=DEVICE,
-                       dtype=torch.bfloat16)  # B * H_kv past the grid's second dimension
-    assert not launch_gluon.serves_backward(many, many, many, many, False, plain=True)
+                       dtype=torch.bfloat16)
+    assert not launch_gluon.serves_backward(many, many, many, many, False, plain=True,
+                                            deterministic=False)
+    with flashop.config.override(gluon=True):
+        assert launch_gluon.serves_backward(many, many, many, many, False, plain=True,
+                                            deterministic=True)
+        long = torch.empty(1, launch_gluon.MAX_GRID_Y * launch_gluon.BWD_BLOCK_N + 1, 1, 128,
+                           device="meta", dtype=torch.bfloat16)
+        assert not launch_gluon.serves_backward(long, long, long, long, False, plain=True,
+                                                deterministic=True)
     with FakeTensorMode() as mode:  # a traced call
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        assert not launch_gluon.serves_backward(fq, fk, fv, fq, False, plain=True)
+        for deterministic in (False, True):
+            assert not launch_gluon.serves_backward(fq, fk, fv, fq, False, plain=True,
+                                                    deterministic=deterministic)
 
 
 def test_where_the_gluon_forward_runs(monkeypatch):

@@ -105,18 +105,22 @@ def test_a_caller_asking_for_atomics_gets_none_under_deterministic_algorithms(
 
 
 class _GluonReached(Exception):
-    pass
+    def __init__(self, counters):
+        super().__init__()
+        self.counters = counters
 
 
-def test_deterministic_algorithms_never_reach_the_gluon_backward(monkeypatch):
-    """The Gluon backward adds dQ by TMA reductions (not reproducible) and is launched
-    outside the recording above: with it available (here: as if on a Hopper GPU, its launch
-    replaced by a stand-in) and dQ by atomics asked for, a plain D=128 call reaches it
-    outside deterministic mode and never under torch.use_deterministic_algorithms(True)."""
+def test_deterministic_algorithms_reach_the_gluon_backward_only_in_order(monkeypatch):
+    """The Gluon backward adds dQ by TMA reductions, in no fixed order unless given its
+    counters (launched outside the recording above): with it available (here: as if on a
+    Hopper GPU, its launch replaced by a stand-in) and dQ by atomics asked for, a plain
+    D=128 call reaches it without counters outside deterministic mode, and only with them
+    under torch.use_deterministic_algorithms(True) (with the switch on: the call is shorter
+    than the default rule's)."""
     monkeypatch.setattr(flashop.launch_gluon, "available", lambda device: True)
 
     def stand_in(*args, **kwargs):
-        raise _GluonReached
+        raise _GluonReached(args[7])
 
     monkeypatch.setattr(flashop.launch_gluon, "attention_backward", stand_in)
     case = Case(B=1, S_q=17, S_k=17, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16,
@@ -124,14 +128,18 @@ def test_deterministic_algorithms_never_reach_the_gluon_backward(monkeypatch):
     (q, k, v), dout, _ = make_inputs(case)
     with flashop.config.override(dq_atomics=True):
         out = flashop.attention(q, k, v, causal=True)
-        with pytest.raises(_GluonReached):
+        with pytest.raises(_GluonReached) as reached:
             torch.autograd.grad(out, (q, k, v), dout)
+        assert reached.value.counters is None
         enabled = torch.are_deterministic_algorithms_enabled()
         warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(True)
         try:
             out = flashop.attention(q, k, v, causal=True)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
+            grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # tl
+            with flashop.config.override(gluon=True), pytest.raises(_GluonReached) as reached:
+                torch.autograd.grad(out, (q, k, v), dout)
+            assert reached.value.counters is not None
         finally:
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     assert all(torch.isfinite(g).all() for g in grads)

@@ -316,7 +316,8 @@ print("sanitized")
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
 # forward at D=128 and 64 (causal and not) over the shape's batch, lengths and heads, and the
-# backward at D=128 and 64 (with dQ by atomics, the Gluon backward)
+# Gluon backward at D=128 and 64 (its dQ adds in key-tile order; by atomics with
+# FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
                    ("gluon", "0"), ("gluon", "1")]
