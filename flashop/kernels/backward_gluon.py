@@ -217,7 +217,8 @@ def _bwd_consumer_partition(
         _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, WG * (D // 2)],
                                      dq_smem.reshape(dq_desc.block_type.shape))
     if DETERMINISTIC:
-        _dq_add_done(sem)
+        if n_steps > 0:  # the last add complete: the next key tile's turn there
+            _dq_add_done(sem)
     else:
         tma.store_wait(0)
     # dK = scale * dS^T Q; rows of keys past S_k are not stored
