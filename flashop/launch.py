@@ -425,6 +425,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
+    if gluon:  # zeroed first: the memset runs while the host prepares the next launches
+        dq_acc, dq_sem = launch_gluon.backward_buffer(q, deterministic)
     if dq_atomic or gluon:
         # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
         # rows here, delta being row-wise
@@ -436,7 +438,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
             BLOCK_M=pre_block)
     if gluon:
-        dq_acc, dq_sem = launch_gluon.backward_buffer(q, deterministic)
         launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv,
                                         causal, p.sm_scale, p.modifier_args["qk_scale"])
         dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
