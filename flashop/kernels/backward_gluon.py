@@ -61,12 +61,13 @@ def _dq_add_done(sem):
 
 @gluon.jit
 def _dq_wait_turn(sem, turn):
-    """Wait until the counter ``sem`` reads ``turn`` (acquire), so that the add that
-    follows comes after those of the key tiles before."""
-    while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != turn:
-        pass
-    gl.inline_asm_elementwise("fence.proxy.async.global;", "=r,r", [turn], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    """Wait until the counter ``sem`` reads ``turn`` (each thread spins on an acquire
+    load), so that the add that follows comes after those of the key tiles before."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\t.reg .b32 v;\n\tmov.u32 $0, 0;\n"
+        "WAIT_TURN:\n\tld.acquire.gpu.global.b32 v, [$1];\n\tsetp.ne.b32 p, v, $2;\n\t"
+        "@p bra WAIT_TURN;\n\tfence.proxy.async.global;\n\t}",
+        "=r,l,r", [sem, turn], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
