@@ -32,7 +32,8 @@ FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3)}
 # warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
 CONSUMER_REGS = {2: 232, 3: 160}
 LOAD_REGS = 24
-MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv, or the key tiles
+MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv (dQ by atomics)
+MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
 # least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 of docs/notes/performance-notes.md)
@@ -43,10 +44,13 @@ GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128,
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 BWD_STAGES = 2
 BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
+# where deterministic, the key tiles of one (batch, KV head) that run side by side
+BWD_KEY_GROUP = 4
 BWD_HEAD_DIMS = (64, 128)
 # The deterministic backward's default rule (its dQ adds in key-tile order), where it
-# measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys
-BWD_MIN_KEYS = {(64, False): 1024, (64, True): 1024, (128, False): 1024, (128, True): 1024}
+# measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
+# none: slower at every length measured; entry 72 of docs/notes/performance-notes.md)
+BWD_MIN_KEYS = {(128, False): 8192, (128, True): 4096}
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,10 +127,11 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     if D != DV or D not in BWD_HEAD_DIMS or (causal and S_q != S_k):
         return False
-    if (cdiv(S_k, BWD_BLOCK_N) if deterministic else B * H_kv) > MAX_GRID_Y:
+    if (B * H_kv * cdiv(S_k, BWD_BLOCK_N) > MAX_GRID_X if deterministic
+            else B * H_kv > MAX_GRID_Y):
         return False
     if (deterministic and config.settings.gluon is None
-            and S_k < BWD_MIN_KEYS[D, causal]):
+            and S_k < BWD_MIN_KEYS.get((D, causal), float("inf"))):
         return False
     return _addressable(q, k, v, dout)
 
@@ -206,10 +211,10 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
 
 def backward_buffer(q: torch.Tensor, deterministic: bool):
     """The zeroed fp32 buffer the Gluon backward adds dQ into, laid out as q (contiguous),
-    and where ``deterministic`` its int32 counters (one per query tile and half of D),
+    and where ``deterministic`` its int32 counters (one per query tile),
     zeroed with it: (dq_acc, dq_sem or None)."""
     B, S_q, H, D = q.shape
-    n_sem = B * H * cdiv(S_q, BWD_BLOCK_M) * 2 if deterministic else 0
+    n_sem = B * H * cdiv(S_q, BWD_BLOCK_M) if deterministic else 0
     buf = torch.zeros(q.numel() + n_sem, device=q.device, dtype=torch.float32)
     dq_acc = buf[:q.numel()].view(q.shape)
     return dq_acc, (buf[q.numel():].view(torch.int32) if deterministic else None)
@@ -226,7 +231,7 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
     deterministic = dq_sem is not None
     n_tiles = cdiv(S_k, BWD_BLOCK_N)
     launch_now(
-        _bwd_kernel(), (B * H_kv, n_tiles) if deterministic else (n_tiles, B * H_kv),
+        _bwd_kernel(), (B * H_kv * n_tiles,) if deterministic else (n_tiles, B * H_kv),
         q_desc=_descriptor(q, BWD_BLOCK_M), k_desc=_descriptor(k, BWD_BLOCK_N),
         v_desc=_descriptor(v, BWD_BLOCK_N), do_desc=_descriptor(dout, BWD_BLOCK_M),
         dq_desc=_descriptor(dq_acc, BWD_BLOCK_M, D // 2),
@@ -236,4 +241,5 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         S_q=S_q, S_k=S_k, H_kv=H_kv, G=H // H_kv, sm_scale=sm_scale, qk_scale=qk_scale,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
+        KEY_GROUP=BWD_KEY_GROUP,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

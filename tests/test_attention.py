@@ -300,6 +300,10 @@ def test_where_the_gluon_backward_runs(monkeypatch):
         assert _takes_gluon_backward(case, deterministic=True), case
         shorter = replace(case, S_k=keys - 1, S_q=keys - 1)
         assert not _takes_gluon_backward(shorter, deterministic=True), shorter
+    for D, is_causal in ((64, False), (64, True), (128, False), (128, True)):
+        if (D, is_causal) not in launch_gluon.BWD_MIN_KEYS:  # never by default
+            case = replace(base, D=D, DV=D, causal=is_causal, S_k=1 << 15, S_q=1 << 15)
+            assert not _takes_gluon_backward(case, deterministic=True), case
     q, k, v = make_inputs(base)[0]
     for deterministic in (False, True):
         assert not launch_gluon.serves_backward(q, k, v, q, False, plain=False,  # modifiers
@@ -310,7 +314,7 @@ def test_where_the_gluon_backward_runs(monkeypatch):
     with flashop.config.override(gluon=False):
         assert not _takes_gluon_backward(base)
         assert not _takes_gluon_backward(replace(base, S_k=4096), deterministic=True)
-    # grids past their bounds: B * H_kv (dQ by atomics), the key tiles (in order)
+    # grids past their bounds: B * H_kv (dQ by atomics), every program (in order)
     many = torch.empty(launch_gluon.MAX_GRID_Y + 1, 1, 1, 128, device=DEVICE,
                        dtype=torch.bfloat16)
     assert not launch_gluon.serves_backward(many, many, many, many, False, plain=True,
@@ -318,8 +322,9 @@ def test_where_the_gluon_backward_runs(monkeypatch):
     with flashop.config.override(gluon=True):
         assert launch_gluon.serves_backward(many, many, many, many, False, plain=True,
                                             deterministic=True)
-        long = torch.empty(1, launch_gluon.MAX_GRID_Y * launch_gluon.BWD_BLOCK_N + 1, 1, 128,
-                           device="meta", dtype=torch.bfloat16)
+        tiles = launch_gluon.MAX_GRID_X // (launch_gluon.MAX_GRID_Y + 1) + 1
+        long = torch.empty(launch_gluon.MAX_GRID_Y + 1, tiles * launch_gluon.BWD_BLOCK_N, 1,
+                           128, device="meta", dtype=torch.bfloat16)
         assert not launch_gluon.serves_backward(long, long, long, long, False, plain=True,
                                                 deterministic=True)
     with FakeTensorMode() as mode:  # a traced call

@@ -7,15 +7,17 @@ by TMA's bulk reduce-add, so S and dP are computed once (five products per tile 
 the deterministic ``tl`` backward computes seven): FlashAttention-3's structure. Where
 DETERMINISTIC is off the sum's order over key tiles is not fixed, so dQ is not bitwise
 reproducible (flashop runs it so only where the caller asked for dQ by atomics); where it
-is on, each (query tile, column half) of dQ takes its key tiles' adds in order, 0, 1, 2,
-..., by a counter in global memory (zeroed by the caller): the program of key tile n waits
-until the counter reads n before its add, and raises it once the add is complete. A
+is on, each query tile of dQ takes its key tiles' adds in order, 0, 1, 2, ..., by a
+counter per query tile in global memory (zeroed by the caller): the program of key tile n
+waits until the counter reads n before its adds, and raises it once they are complete. A
 program waits only on the program of the key tile before it, launched before it, so the
-waits end whatever the number of programs resident; the grid then runs (batch, KV head)
-fastest, so that the programs resident at once hold few key tiles of one head and rarely
-wait.
+waits end whatever the number of programs resident; the grid runs key tiles in bands of a
+few per (batch, KV head), so that the programs resident at once share Q, dO and dQ's tiles
+(in L2) yet hold few key tiles of one head to wait on each other. The waits and the adds
+are a warp's of their own, so that the consumer groups never wait for an add to complete,
+only for it to have read their shared tile (two buffers each).
 
-One program takes BLOCK_N keys of one (batch, KV head) and runs three partitions:
+One program takes BLOCK_N keys of one (batch, KV head) and runs four partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
   group, in turn) through tensor descriptors, and the tile's rows of lse_log2 and delta by
   loads, into STAGES shared buffers;
@@ -23,7 +25,10 @@ One program takes BLOCK_N keys of one (batch, KV head) and runs three partitions
   the tile. Per query tile, group w computes S^T and dP^T of its keys by wgmma, P^T and
   dS^T, then dV += P^T dO and dK += dS^T Q; both groups' dS^T meet in shared memory, and
   group w computes dQ's columns [w * D / 2, (w + 1) * D / 2) of the query tile over all
-  BLOCK_N keys (dS K), which it adds, scaled, into dQ's buffer from shared memory.
+  BLOCK_N keys (dS K), which it adds, scaled, into dQ's buffer from shared memory (where
+  DETERMINISTIC, it leaves the tile in shared memory to the dQ warp);
+- where DETERMINISTIC, a dQ warp: per query tile, the wait for its turn, both halves'
+  adds, and the counter's raise once they are complete (otherwise it has nothing to do).
 Rows past S_q read as 0 and their lse as +inf, so they add nothing; keys past S_k read as
 0, their rows of dK and dV are not stored and their dS is zeroed before dQ.
 """
@@ -48,13 +53,19 @@ def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dq_add_done(sem):
-    """Once the group's bulk reduce-adds are complete (written, not only read from shared
-    memory: each issuing thread waits for its own), raise the counter ``sem`` (a scalar
-    pointer; one thread, after the group's barrier) with release semantics."""
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;",
-                              "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)
+def _dq_add_done(sem, PENDING: gl.constexpr):
+    """Once the warp's bulk reduce-adds but the last PENDING (0 or 2) are complete (written,
+    not only read from shared memory), raise the counter ``sem`` (a scalar pointer; one
+    thread, after the warp's barrier) with release semantics."""
+    if PENDING == 0:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;",
+                                  "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.static_assert(PENDING == 2)
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;",
+                                  "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
     gl.atomic_add(sem, 1, sem="release", scope="gpu")
 
@@ -71,10 +82,9 @@ def _dq_wait_turn(sem, turn):
 
 
 @gluon.jit
-def _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, WG: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-    """The counter of dQ's column half WG of query tile start_m / BLOCK_M of (i_b, i_h)."""
-    return dq_sem + ((i_b * H + i_h) * n_m + start_m // BLOCK_M) * 2 + WG
+def _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, BLOCK_M: gl.constexpr):
+    """The counter of dQ's query tile start_m / BLOCK_M of (i_b, i_h)."""
+    return dq_sem + (i_b * H + i_h) * n_m + start_m // BLOCK_M
 
 
 @gluon.jit
@@ -129,15 +139,17 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
 @gluon.jit
 def _bwd_consumer_partition(
     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, full,
-    empty, ds_bar, dq_desc, dq_sem, dk, dv, stride_dks, stride_dkd, stride_dvs, stride_dvd,
-    i_b, i_hk, i_n, start_n, G, H_kv, m_lo, n_qt, n_m, n_steps, S_k, qk_scale, sm_scale,
+    empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
+    stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
     WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
 ):
     """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
     point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
-    every query tile over the program's 2 * KEYS keys."""
+    every query tile over the program's 2 * KEYS keys (where DETERMINISTIC, left in buffer
+    t % 2 of dq_smem to the dQ warp: dq_full[2 * WG + t % 2] once stored, dq_empty[...]
+    once read)."""
     # S^T, dP^T [KEYS, BLOCK_M]; dK, dV [KEYS, D]; dQ's half [BLOCK_M, D / 2]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
@@ -161,7 +173,6 @@ def _bwd_consumer_partition(
     b_dv = gl.zeros([KEYS, DV], gl.float32, dv_layout)
     o_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
     o_m = gl.arange(0, BLOCK_M, layout=query_layout)
-    sem = dq_sem  # the counter of the previous step's add (DETERMINISTIC)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):
         s = t % STAGES
@@ -206,21 +217,20 @@ def _bwd_consumer_partition(
         b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
         mbarrier.arrive(empty.index(s), count=1)
         if DETERMINISTIC:
-            if t > 0:  # the previous step's add complete: the next key tile's turn there
-                _dq_add_done(sem)
+            b_dqs = dq_smem.index(t % 2)
+            if t >= 2:  # the dQ warp's add of step t - 2 has read the buffer
+                mbarrier.wait(dq_empty.index(2 * WG + t % 2), ((t // 2) - 1) & 1)
         else:
+            b_dqs = dq_smem.index(0)
             tma.store_wait(0)  # the previous step's add has read dq_smem
-        dq_smem.store(b_dq * sm_scale)
+        b_dqs.store(b_dq * sm_scale)
         fence_async_shared()
-        if DETERMINISTIC:  # this tile's add after those of the key tiles before
-            sem = _dq_counter(dq_sem, i_b, i_h, H_kv * G, start_m, n_m, WG, BLOCK_M)
-            _dq_wait_turn(sem, i_n)
-        _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, WG * (D // 2)],
-                                     dq_smem.reshape(dq_desc.block_type.shape))
-    if DETERMINISTIC:
-        if n_steps > 0:  # the last add complete: the next key tile's turn there
-            _dq_add_done(sem)
-    else:
+        if DETERMINISTIC:
+            mbarrier.arrive(dq_full.index(2 * WG + t % 2), count=1)
+        else:
+            _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, WG * (D // 2)],
+                                         b_dqs.reshape(dq_desc.block_type.shape))
+    if not DETERMINISTIC:
         tma.store_wait(0)
     # dK = scale * dS^T Q; rows of keys past S_k are not stored
     o_nk = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dk_layout))
@@ -236,6 +246,38 @@ def _bwd_consumer_partition(
 
 
 @gluon.jit
+def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, i_hk, i_n,
+                      G, H_kv, m_lo, n_qt, n_m, n_steps, D: gl.constexpr,
+                      BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The dQ warp (where DETERMINISTIC; otherwise idle): per step, once the key tile
+    before this one added its share into the step's query tile (its counter reads i_n), the
+    adds of both groups' halves as each is stored; once they have read shared memory, the
+    groups may store the next; once they are complete (checked after the next step's adds
+    are issued, so that adds overlap), the counter is raised."""
+    if DETERMINISTIC:
+        sem = dq_sem
+        for t in range(n_steps):
+            i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
+            sem_prev = sem
+            sem = _dq_counter(dq_sem, i_b, i_h, H_kv * G, start_m, n_m, BLOCK_M)
+            _dq_wait_turn(sem, i_n)
+            b = t % 2
+            mbarrier.wait(dq_full.index(b), (t // 2) & 1)
+            _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, 0],
+                                         dq0_smem.index(b).reshape(dq_desc.block_type.shape))
+            mbarrier.wait(dq_full.index(2 + b), (t // 2) & 1)
+            _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, D // 2],
+                                         dq1_smem.index(b).reshape(dq_desc.block_type.shape))
+            tma.store_wait(0)  # both adds have read shared memory
+            mbarrier.arrive(dq_empty.index(b), count=1)
+            mbarrier.arrive(dq_empty.index(2 + b), count=1)
+            if t > 0:  # the previous step's two adds complete: the next key tile's turn
+                _dq_add_done(sem_prev, 2)
+        if n_steps > 0:
+            _dq_add_done(sem, 0)
+
+
+@gluon.jit
 def attention_bwd_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dq_sem, lse_log2, delta, dk, dv,
     stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dkd,
@@ -243,7 +285,8 @@ def attention_bwd_gluon_kernel(
     S_q, S_k, H_kv, G, sm_scale, qk_scale,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
 ):
     """dK, dV (B, S_k, H_kv, D / DV) of one key tile, and its share of dQ added into the
     fp32 (B, S_q, H, D) buffer behind ``dq_desc`` (zeroed by the caller); the
@@ -251,11 +294,19 @@ def attention_bwd_gluon_kernel(
     and rowsum(dO * O) - dlse, (B, H, S_q) with a unit stride over rows; qk_scale = scale *
     log2(e). Where CAUSAL, S_q == S_k. MASK_KEYS: S_k not a multiple of BLOCK_N. Grid:
     (cdiv(S_k, BLOCK_N), B * H_kv), key tiles in order (where causal, the heaviest first);
-    where DETERMINISTIC, (B * H_kv, cdiv(S_k, BLOCK_N)), and ``dq_sem`` holds the zeroed
-    int32 counters, (B, H, cdiv(S_q, BLOCK_M), 2) (otherwise unused)."""
+    where DETERMINISTIC, (B * H_kv * cdiv(S_k, BLOCK_N),): bands of KEY_GROUP key tiles in
+    order, within a band each (batch, KV head)'s tiles in turn, so that a program waits only
+    on programs before it, and the programs resident at once share Q, dO and dQ's tiles in
+    groups (L2); ``dq_sem`` holds the zeroed int32 counters, (B, H, cdiv(S_q, BLOCK_M))
+    (otherwise unused)."""
     if DETERMINISTIC:
-        i_bh = gl.program_id(0)
-        i_n = gl.program_id(1)
+        n_tiles = gl.cdiv(S_k, BLOCK_N)
+        band_size = gl.minimum(n_tiles, KEY_GROUP) * (gl.num_programs(0) // n_tiles)
+        band = gl.program_id(0) // band_size
+        in_band = gl.program_id(0) - band * band_size
+        band_tiles = gl.minimum(n_tiles - band * KEY_GROUP, KEY_GROUP)
+        i_bh = in_band // band_tiles
+        i_n = band * KEY_GROUP + in_band % band_tiles
     else:
         i_n = gl.program_id(0)
         i_bh = gl.program_id(1)
@@ -277,8 +328,11 @@ def attention_bwd_gluon_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DV], smem_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D // 2], dq_smem_layout)
-    dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D // 2], dq_smem_layout)
+    DQ_BUFFERS: gl.constexpr = 2 if DETERMINISTIC else 1  # the dQ warp's adds lag
+    dq0_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D // 2],
+                                         dq_smem_layout)
+    dq1_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D // 2],
+                                         dq_smem_layout)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
@@ -286,12 +340,17 @@ def attention_bwd_gluon_kernel(
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=2)  # TMA's bytes and the load warp's rows
         mbarrier.init(empty.index(i), count=2)  # both consumer groups release a buffer
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)  # both groups wrote their dS^T
+    for i in gl.static_range(4):
+        mbarrier.init(dq_full.index(i), count=1)  # group i // 2 stored buffer i % 2 of dQ
+        mbarrier.init(dq_empty.index(i), count=1)  # the dQ warp's add read it
     if CAUSAL:
         m_lo = start_n // BLOCK_M
     else:
@@ -304,18 +363,19 @@ def attention_bwd_gluon_kernel(
     gl.warp_specialize([
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
-            full, empty, ds_bar, dq_desc, dq_sem, dk, dv, stride_dks, stride_dkd, stride_dvs,
-            stride_dvd, i_b, i_hk, i_n, start_n, G, H_kv, m_lo, n_qt, n_m, n_steps, S_k,
-            qk_scale, sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS,
-            DETERMINISTIC)),
+            full, empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd,
+            stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale,
+            sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
-            full, empty, ds_bar, dq_desc, dq_sem, dk, dv, stride_dks, stride_dkd, stride_dvs,
-            stride_dvd, i_b, i_hk, i_n, start_n, G, H_kv, m_lo, n_qt, n_m, n_steps, S_k,
-            qk_scale, sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS,
-            DETERMINISTIC)),
+            full, empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd,
+            stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale,
+            sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
             i_hk, start_n, G, m_lo, n_qt, n_steps, STAGES, BLOCK_M)),
-    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
+        (_bwd_dq_partition, (
+            dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, i_hk, i_n, G, H_kv,
+            m_lo, n_qt, n_m, n_steps, D, BLOCK_M, DETERMINISTIC)),
+    ], [4, 1, 1], [CONSUMER_REGS, LOAD_REGS, LOAD_REGS])
