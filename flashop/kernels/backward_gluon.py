@@ -15,7 +15,7 @@ waits end whatever the number of programs resident; the grid runs key tiles in b
 few per (batch, KV head), so that the programs resident at once share Q, dO and dQ's tiles
 (in L2) yet hold few key tiles of one head to wait on each other. The waits and the adds
 are a warp's of their own, so that the consumer groups never wait for an add to complete,
-only for it to have read their shared tile (two buffers each).
+only for it to have read their shared tile.
 
 One program takes BLOCK_N keys of one (batch, KV head) and runs four partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
@@ -53,19 +53,13 @@ def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dq_add_done(sem, PENDING: gl.constexpr):
-    """Once the warp's bulk reduce-adds but the last PENDING (0 or 2) are complete (written,
-    not only read from shared memory), raise the counter ``sem`` (a scalar pointer; one
-    thread, after the warp's barrier) with release semantics."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;",
-                                  "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.static_assert(PENDING == 2)
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;",
-                                  "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+def _dq_add_done(sem):
+    """Once the warp's bulk reduce-adds are complete (written, not only read from shared
+    memory), raise the counter ``sem`` (a scalar pointer; one thread, after the warp's
+    barrier) with release semantics."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;",
+                              "=r,r", [sem.to(gl.int64, bitcast=True).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
     gl.atomic_add(sem, 1, sem="release", scope="gpu")
 
@@ -147,9 +141,8 @@ def _bwd_consumer_partition(
 ):
     """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
     point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
-    every query tile over the program's 2 * KEYS keys (where DETERMINISTIC, left in buffer
-    t % 2 of dq_smem to the dQ warp: dq_full[2 * WG + t % 2] once stored, dq_empty[...]
-    once read)."""
+    every query tile over the program's 2 * KEYS keys (where DETERMINISTIC, left in dq_smem
+    to the dQ warp: dq_full once stored, dq_empty once read)."""
     # S^T, dP^T [KEYS, BLOCK_M]; dK, dV [KEYS, D]; dQ's half [BLOCK_M, D / 2]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
@@ -217,19 +210,17 @@ def _bwd_consumer_partition(
         b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
         mbarrier.arrive(empty.index(s), count=1)
         if DETERMINISTIC:
-            b_dqs = dq_smem.index(t % 2)
-            if t >= 2:  # the dQ warp's add of step t - 2 has read the buffer
-                mbarrier.wait(dq_empty.index(2 * WG + t % 2), ((t // 2) - 1) & 1)
+            if t > 0:  # the dQ warp's add of the previous step has read dq_smem
+                mbarrier.wait(dq_empty, (t - 1) & 1)
         else:
-            b_dqs = dq_smem.index(0)
             tma.store_wait(0)  # the previous step's add has read dq_smem
-        b_dqs.store(b_dq * sm_scale)
+        dq_smem.store(b_dq * sm_scale)
         fence_async_shared()
         if DETERMINISTIC:
-            mbarrier.arrive(dq_full.index(2 * WG + t % 2), count=1)
+            mbarrier.arrive(dq_full, count=1)
         else:
             _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, WG * (D // 2)],
-                                         b_dqs.reshape(dq_desc.block_type.shape))
+                                         dq_smem.reshape(dq_desc.block_type.shape))
     if not DETERMINISTIC:
         tma.store_wait(0)
     # dK = scale * dS^T Q; rows of keys past S_k are not stored
@@ -252,29 +243,22 @@ def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_
     """The dQ warp (where DETERMINISTIC; otherwise idle): per step, once the key tile
     before this one added its share into the step's query tile (its counter reads i_n), the
     adds of both groups' halves as each is stored; once they have read shared memory, the
-    groups may store the next; once they are complete (checked after the next step's adds
-    are issued, so that adds overlap), the counter is raised."""
+    groups may store the next; once they are complete, the counter is raised."""
     if DETERMINISTIC:
-        sem = dq_sem
         for t in range(n_steps):
             i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
-            sem_prev = sem
             sem = _dq_counter(dq_sem, i_b, i_h, H_kv * G, start_m, n_m, BLOCK_M)
             _dq_wait_turn(sem, i_n)
-            b = t % 2
-            mbarrier.wait(dq_full.index(b), (t // 2) & 1)
+            mbarrier.wait(dq_full.index(0), t & 1)
             _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, 0],
-                                         dq0_smem.index(b).reshape(dq_desc.block_type.shape))
-            mbarrier.wait(dq_full.index(2 + b), (t // 2) & 1)
+                                         dq0_smem.reshape(dq_desc.block_type.shape))
+            mbarrier.wait(dq_full.index(1), t & 1)
             _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, D // 2],
-                                         dq1_smem.index(b).reshape(dq_desc.block_type.shape))
+                                         dq1_smem.reshape(dq_desc.block_type.shape))
             tma.store_wait(0)  # both adds have read shared memory
-            mbarrier.arrive(dq_empty.index(b), count=1)
-            mbarrier.arrive(dq_empty.index(2 + b), count=1)
-            if t > 0:  # the previous step's two adds complete: the next key tile's turn
-                _dq_add_done(sem_prev, 2)
-        if n_steps > 0:
-            _dq_add_done(sem, 0)
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            _dq_add_done(sem)
 
 
 @gluon.jit
@@ -328,11 +312,8 @@ def attention_bwd_gluon_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DV], smem_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    DQ_BUFFERS: gl.constexpr = 2 if DETERMINISTIC else 1  # the dQ warp's adds lag
-    dq0_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D // 2],
-                                         dq_smem_layout)
-    dq1_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D // 2],
-                                         dq_smem_layout)
+    dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D // 2], dq_smem_layout)
+    dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D // 2], dq_smem_layout)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
@@ -340,16 +321,15 @@ def attention_bwd_gluon_kernel(
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=2)  # TMA's bytes and the load warp's rows
         mbarrier.init(empty.index(i), count=2)  # both consumer groups release a buffer
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)  # both groups wrote their dS^T
-    for i in gl.static_range(4):
-        mbarrier.init(dq_full.index(i), count=1)  # group i // 2 stored buffer i % 2 of dQ
+        mbarrier.init(dq_full.index(i), count=1)  # group i stored its half of dQ
         mbarrier.init(dq_empty.index(i), count=1)  # the dQ warp's add read it
     if CAUSAL:
         m_lo = start_n // BLOCK_M
@@ -363,14 +343,16 @@ def attention_bwd_gluon_kernel(
     gl.warp_specialize([
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
-            full, empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd,
-            stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale,
-            sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC)),
+            full, empty, ds_bar, dq_full.index(0), dq_empty.index(0), dq_desc, dk, dv,
+            stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
+            n_steps, S_k, qk_scale, sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL,
+            MASK_KEYS, DETERMINISTIC)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
-            full, empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd,
-            stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale,
-            sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC)),
+            full, empty, ds_bar, dq_full.index(1), dq_empty.index(1), dq_desc, dk, dv,
+            stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
+            n_steps, S_k, qk_scale, sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL,
+            MASK_KEYS, DETERMINISTIC)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
