@@ -235,6 +235,14 @@ def launch_kernel(kernel, grid: tuple, **kwargs) -> None:
         launcher[grid](**kwargs)
 
 
+def _cached_launches_allowed(kernel) -> bool:
+    """Whether launch_now may launch ``kernel``'s compiled kernels itself (see there)."""
+    runtime = triton.knobs.runtime
+    return (config.settings.cached_launch and _triton_allows_cached_launches()
+            and not _hooked(runtime.launch_enter_hook)
+            and not _hooked(runtime.launch_exit_hook) and not kernel.pre_run_hooks)
+
+
 def launch_now(kernel, grid: tuple, **kwargs) -> None:
     """Launch ``kernel`` eagerly, as ``kernel[grid](**kwargs)`` does, skipping Triton's
     binding of the arguments (tens of microseconds of host time per launch) where it can:
@@ -244,20 +252,71 @@ def launch_now(kernel, grid: tuple, **kwargs) -> None:
     set, Triton releases other than CACHED_LAUNCH_TRITON, and every call with
     ``FLASHOP_CACHED_LAUNCH=0``. (Triton's compile-time knobs, such as TRITON_DEBUG, are
     those in force at a key's first call.)"""
-    runtime = triton.knobs.runtime
-    if (not config.settings.cached_launch or not _triton_allows_cached_launches()
-            or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
-            or kernel.pre_run_hooks):
+    if not _cached_launches_allowed(kernel):
         kernel[grid](**kwargs)
         return
+    values = tuple(kwargs.values())
+    device = triton.runtime.driver.active.get_current_device()
+    _launch_keyed(kernel, grid, kwargs, values,
+                  lambda: (device, tuple(kwargs), _call_key(values)), device)
+
+
+class Planned:
+    """A launch whose grid and arguments but a few are fixed (a launch plan's): ``static``
+    holds those arguments by name. Its key of Triton's specialisation on them is computed
+    once, so that launch_planned keys a call by this object and the other arguments alone."""
+
+    __slots__ = ("grid", "static", "_key", "_hash")
+
+    def __init__(self, grid: tuple, static: dict):
+        self.grid = grid
+        self.static = static
+        self._key = self._hash = None  # on first use (a traced plan's values may be symbolic)
+
+    def key(self) -> tuple:
+        if self._key is None:
+            values = tuple(self.static.values())
+            if any(isinstance(v, _Tensor) for v in values):
+                raise TypeError("Planned: tensors are per-call arguments, not planned ones")
+            self._key = (self.grid, tuple(self.static), _call_key(values))
+            self._hash = hash(self._key)
+        return self._key
+
+    def __hash__(self) -> int:
+        return self._hash if self._hash is not None else hash(self.key())
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Planned) and self.key() == other.key())
+
+    def __repr__(self) -> str:
+        return f"Planned(grid={self.grid}, static={self.static})"
+
+
+def launch_planned(kernel, planned: Planned, **per_call) -> None:
+    """launch_kernel(kernel, planned.grid, **per_call, **planned.static), where an eager
+    call's key (launch_now's) is ``planned`` with the per-call arguments' alone: a plan's
+    fixed arguments are not looked at again on each call."""
+    kwargs = {**per_call, **planned.static}
+    if wrap_triton(kernel) is not kernel or not _cached_launches_allowed(kernel):
+        launch_kernel(kernel, planned.grid, **kwargs)
+        return
+    values = tuple(kwargs.values())
+    device = triton.runtime.driver.active.get_current_device()
+    _launch_keyed(kernel, planned.grid, kwargs, values,
+                  lambda: (device, planned, tuple(per_call),
+                           _call_key(values[:len(per_call)])), device)
+
+
+def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callable,
+                  device) -> None:
+    """launch_now's cache: the compiled kernel kept under ``key()`` (a call's
+    specialisation, equal keys for equal specialisations), launched directly; Triton's
+    path (which compiles or finds it) for a key's first call."""
     launches = _LAUNCHES.get(id(kernel))  # (JITFunction's hash hashes its source)
     if launches is None:
         launches = _LAUNCHES[id(kernel)] = _Launches(kernel)
-    values = tuple(kwargs.values())
-    driver = triton.runtime.driver.active
-    device = driver.get_current_device()
-    key = (device, tuple(kwargs), _call_key(values))
     try:
+        key = key()
         entry = launches.compiled.get(key)
     except TypeError:  # an argument that cannot be hashed: Triton's path
         kernel[grid](**kwargs)
@@ -276,6 +335,7 @@ def launch_now(kernel, grid: tuple, **kwargs) -> None:
         return
     compiled, arguments = entry
     grid = tuple(grid) + (1,) * (3 - len(grid))
+    driver = triton.runtime.driver.active
     compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device),
                  compiled.function, compiled.packed_metadata, None, None, None,
                  *arguments(values + launches.defaults))

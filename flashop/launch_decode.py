@@ -20,8 +20,8 @@ from flashop.kernels.decode import (
     attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
 )
 from flashop.launch_common import (
-    TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, eager_meta,
-    launch_kernel, max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale,
+    Planned, TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, eager_meta,
+    launch_planned, max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale,
     sm_count, tensor_meta, unit_stride_last,
 )
 from flashop.options import Modifiers
@@ -163,21 +163,14 @@ def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
     return out, lse
 
 
-class _Launch(NamedTuple):
-    """One kernel launch as planned: its grid and its arguments but the tensors."""
-
-    grid: tuple
-    static: dict
-
-
 class _Plan(NamedTuple):
     """A call's launches: the append (None without new keys), the split-KV attention (None
     where the output is empty), the merge of its splits (None with one split), and the
     shapes of the splits' partial outputs and lse (None with one split)."""
 
-    append: Optional[_Launch]
-    decode: Optional[_Launch]
-    merge: Optional[_Launch]
+    append: Optional[Planned]
+    decode: Optional[Planned]
+    merge: Optional[Planned]
     parts: Optional[tuple]
 
 
@@ -216,7 +209,7 @@ def _modifier_args(causal: bool, window_size: tuple, softcap: float,
 
 
 def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta,
-                   block_table: Optional[TensorMeta], batch_idx: bool) -> Optional[_Launch]:
+                   block_table: Optional[TensorMeta], batch_idx: bool) -> Optional[Planned]:
     """The append of k, v (B, S_new, H_kv, .) into the caches at positions
     cache_seqlens[b] + s, in place; positions past the cache's capacity are dropped. None
     where there is nothing to write."""
@@ -228,7 +221,7 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
     D, DV, page = int(D), int(DV), int(k_cache.shape[1])
     capacity = block_table.shape[1] * page if paged else page
     block_s = 16 if INTERPRETING else 32
-    return _Launch((cdiv(S_new, block_s), H_kv, B), dict(
+    return Planned((cdiv(S_new, block_s), H_kv, B), dict(
         stride_kb=k.stride[0], stride_ks=k.stride[1], stride_kh=k.stride[2],
         stride_vb=v.stride[0], stride_vs=v.stride[1], stride_vh=v.stride[2],
         stride_kcb=k_cache.stride[0], stride_kcs=k_cache.stride[1],
@@ -283,12 +276,12 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     if split:
         parts = ((num_splits, B, S_q, H, DV), (num_splits, B, H, S_q))
         sp, lp = _contiguous_strides(parts[0]), _contiguous_strides(parts[1])
-        merge = _Launch((S_q, H, B), dict(
+        merge = Planned((S_q, H, B), dict(
             stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
             stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
             n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
             BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1))
-    decode = _Launch((num_splits, H_kv * row_tiles, B), dict(
+    decode = Planned((num_splits, H_kv * row_tiles, B), dict(
         stride_qb=q.stride[0], stride_qs=q.stride[1], stride_qh=q.stride[2],
         stride_kcb=k_cache.stride[0], stride_kcs=k_cache.stride[1],
         stride_kch=k_cache.stride[2],
@@ -341,9 +334,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch_idx = cache_seqlens if cache_batch_idx is None else cache_batch_idx
     table = cache_seqlens if block_table is None else block_table
     if plan.append is not None:
-        launch_kernel(kvcache_append_kernel, plan.append.grid, k=k, v=v, k_cache=k_cache,
-                      v_cache=v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx,
-                      block_table=table, **plan.append.static)
+        launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
+                       v_cache=v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx,
+                       block_table=table)
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
@@ -357,13 +350,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     so, sl = out.stride(), lse.stride()
     outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
                    stride_lb=sl[0], stride_lh=sl[1])
-    launch_kernel(
-        attention_decode_kernel, plan.decode.grid, q=q, k_cache=k_cache, v_cache=v_cache,
+    launch_planned(
+        attention_decode_kernel, plan.decode, q=q, k_cache=k_cache, v_cache=v_cache,
         o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=batch_idx, block_table=table,
         alibi=q if mods.alibi_slopes is None else mods.alibi_slopes,
-        sinks=q if mods.sinks is None else mods.sinks, **outputs, **plan.decode.static)
+        sinks=q if mods.sinks is None else mods.sinks, **outputs)
     if plan.merge is not None:
-        launch_kernel(attention_decode_merge_kernel, plan.merge.grid, o_part=o_part,
-                      lse_part=lse_part, **outputs, **plan.merge.static)
+        launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
+                       lse_part=lse_part, **outputs)
     return out, lse

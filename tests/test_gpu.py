@@ -195,6 +195,57 @@ def test_cached_launches_equal_tritons_own():
             assert torch.equal(a, b), case
 
 
+def test_cached_decode_launches_equal_tritons_own():
+    """Decode steps launch their planned kernels directly (launch_common.launch_planned)
+    from their second call: outputs, lse and the appended caches equal Triton's own
+    launches bit for bit, for dense and paged caches with and without splits, a repeated
+    step binds no argument through Triton, and queries of other alignment get their own
+    kernel."""
+    import triton.runtime.jit as jit
+    from flashop import launch_common
+
+    if not launch_common._triton_allows_cached_launches():
+        pytest.skip(f"cached launches serve triton {launch_common.CACHED_LAUNCH_TRITON}")
+    torch.manual_seed(0)
+    B, H, H_kv, D, L, page = 2, 8, 2, 128, 1000, 16
+    dt = torch.bfloat16
+    dense = torch.randn(2, B, 1024, H_kv, D, device="cuda", dtype=dt)
+    paged = torch.randn(2, B * 1024 // page, page, H_kv, D, device="cuda", dtype=dt)
+    table = torch.randperm(B * 1024 // page, device="cuda").view(B, -1).to(torch.int32)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
+    k, v = torch.randn(2, B, 1, H_kv, D, device="cuda", dtype=dt)
+    lens = torch.tensor([L, 17], device="cuda", dtype=torch.int32)
+    entered = []
+    run = jit.JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        entered.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    for cache, extra in ((dense, {}), (paged, dict(block_table=table))):
+        for splits in (0, 1):
+            def step(queries, caches):
+                out = flashop.attention_with_kvcache(
+                    queries, caches[0], caches[1], k, v, cache_seqlens=lens, causal=True,
+                    num_splits=splits, return_lse=True, **extra)
+                return (*out, *caches)
+
+            with flashop.config.override(cached_launch=False):
+                expected = step(q, cache.clone())
+            step(q, cache.clone())
+            with mock.patch.object(jit.JITFunction, "run", counted):
+                again = step(q, cache.clone())
+            assert entered == [], (splits, entered)
+            for a, b in zip(expected, again):
+                assert torch.equal(a, b), (splits, extra.keys())
+            shifted = torch.empty(q.numel() + 1, device="cuda", dtype=dt)[1:].view(q.shape)
+            shifted.copy_(q)
+            with flashop.config.override(cached_launch=False):
+                expected = step(shifted, cache.clone())
+            for a, b in zip(expected, step(shifted, cache.clone())):
+                assert torch.equal(a, b), (splits, extra.keys())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("D", [64, 128])
 def test_inputs_on_another_gpu_than_the_current_one(D):

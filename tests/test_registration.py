@@ -153,6 +153,26 @@ def test_launch_keys_separate_what_triton_specialises_on():
     assert len(set(keys[1:])) == len(keys) - 1
 
 
+def test_planned_launch_keys_separate_what_a_plan_fixes():
+    """A planned launch (launch_common.Planned: a launch plan's grid and fixed arguments,
+    launch_planned) keys its compiled kernel by the plan's content and the call's other
+    arguments: plans of equal content share a key; plans that differ in the grid or in an
+    argument's name, type or value do not; a plan holds no tensor."""
+    from flashop.launch_common import Planned
+
+    base = Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5))
+    same = Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5))
+    assert base == same and hash(base) == hash(same) and base is not same
+    others = [Planned((3, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5)),
+              Planned((2, 1, 1), dict(BLOCK=32, CAUSAL=True, scale=0.5)),
+              Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=1, scale=0.5)),
+              Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=1)),
+              Planned((2, 1, 1), dict(BLOCK_N=16, CAUSAL=True, scale=0.5))]
+    assert len({base, *others}) == len(others) + 1
+    with pytest.raises(TypeError, match="per-call"):
+        hash(Planned((1,), dict(x=torch.zeros(1))))
+
+
 def test_the_direct_eager_path_keeps_the_operators_errors():
     case = OPCHECK_CASES[0]
     (q, k, v), dout, _ = make_inputs(case)
