@@ -82,10 +82,13 @@ def _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M: gl.constexpr):
+def _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
     """Step t's query head and first row: the group's heads in turn, each over query tiles
-    m_lo, ..., m_lo + n_qt - 1."""
-    return i_hk * G + t // n_qt, (m_lo + t % n_qt) * BLOCK_M
+    m_lo, ..., m_lo + n_qt - 1, or from the last down where DESCENDING."""
+    i_m = t % n_qt
+    if DESCENDING:
+        i_m = n_qt - 1 - i_m
+    return i_hk * G + t // n_qt, (m_lo + i_m) * BLOCK_M
 
 
 @gluon.jit
@@ -106,7 +109,7 @@ def _load_row_values(lse_log2, delta, lse_smem, delta_smem, stride_lb, stride_lh
 def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                         lse_smem, delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q,
                         kv_bar, full, empty, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps,
-                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
     """The load warp: K and V once, then Q and dO of step t (by TMA) and its rows' lse and
     delta (by loads) into buffer t % STAGES, once both consumer groups released that
     buffer's previous tile. full[s] completes on TMA's bytes and this warp's arrival."""
@@ -119,7 +122,7 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
         s = t % STAGES
         if t >= STAGES:
             mbarrier.wait(empty.index(s), ((t // STAGES) - 1) & 1)
-        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
+        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M, DESCENDING)
         mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_h, 0], full.index(s),
                                         q_smem.index(s).reshape(q_desc.block_type.shape))
@@ -137,7 +140,7 @@ def _bwd_consumer_partition(
     stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
     WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, DESCENDING: gl.constexpr,
 ):
     """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
     point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
@@ -169,7 +172,7 @@ def _bwd_consumer_partition(
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):
         s = t % STAGES
-        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
+        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M, DESCENDING)
         mbarrier.wait(full.index(s), (t // STAGES) & 1)
         b_lse = lse_smem.index(s).load(query_layout)
         b_delta = delta_smem.index(s).load(query_layout)
@@ -181,7 +184,7 @@ def _bwd_consumer_partition(
         dpt_tok = warpgroup_mma(b_v, b_do.permute((1, 0)), st_zero, use_acc=False,
                                 is_async=True)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
-        if CAUSAL and t % n_qt < DIAGONAL_STEPS:
+        if CAUSAL and start_m // BLOCK_M - m_lo < DIAGONAL_STEPS:
             b_pt = gl.exp2(gl.fma(
                 gl.where(gl.expand_dims(o_n, 1) <= gl.expand_dims(start_m + o_m, 0), b_st,
                          float("-inf")), qk_scale, -gl.expand_dims(b_lse, 0)))
@@ -239,14 +242,15 @@ def _bwd_consumer_partition(
 @gluon.jit
 def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, i_hk, i_n,
                       G, H_kv, m_lo, n_qt, n_m, n_steps, D: gl.constexpr,
-                      BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                      BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                      DESCENDING: gl.constexpr):
     """The dQ warp (where DETERMINISTIC; otherwise idle): per step, once the key tile
     before this one added its share into the step's query tile (its counter reads i_n), the
     adds of both groups' halves as each is stored; once they have read shared memory, the
     groups may store the next; once they are complete, the counter is raised."""
     if DETERMINISTIC:
         for t in range(n_steps):
-            i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M)
+            i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M, DESCENDING)
             sem = _dq_counter(dq_sem, i_b, i_h, H_kv * G, start_m, n_m, BLOCK_M)
             _dq_wait_turn(sem, i_n)
             mbarrier.wait(dq_full.index(0), t & 1)
@@ -331,6 +335,10 @@ def attention_bwd_gluon_kernel(
         mbarrier.init(ds_bar.index(i), count=2)  # both groups wrote their dS^T
         mbarrier.init(dq_full.index(i), count=1)  # group i stored its half of dQ
         mbarrier.init(dq_empty.index(i), count=1)  # the dQ warp's add read it
+    # Where causal and in order, a key tile takes its query tiles from the last down: the
+    # programs resident at once then all start on the last query tile, each a step behind the
+    # key tile before it, where from the diagonal up each would start two steps behind it.
+    DESCENDING: gl.constexpr = CAUSAL and DETERMINISTIC
     if CAUSAL:
         m_lo = start_n // BLOCK_M
     else:
@@ -346,18 +354,18 @@ def attention_bwd_gluon_kernel(
             full, empty, ds_bar, dq_full.index(0), dq_empty.index(0), dq_desc, dk, dv,
             stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
             n_steps, S_k, qk_scale, sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL,
-            MASK_KEYS, DETERMINISTIC)),
+            MASK_KEYS, DETERMINISTIC, DESCENDING)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(1), dq_empty.index(1), dq_desc, dk, dv,
             stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
             n_steps, S_k, qk_scale, sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL,
-            MASK_KEYS, DETERMINISTIC)),
+            MASK_KEYS, DETERMINISTIC, DESCENDING)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
-            i_hk, start_n, G, m_lo, n_qt, n_steps, STAGES, BLOCK_M)),
+            i_hk, start_n, G, m_lo, n_qt, n_steps, STAGES, BLOCK_M, DESCENDING)),
         (_bwd_dq_partition, (
             dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, i_hk, i_n, G, H_kv,
-            m_lo, n_qt, n_m, n_steps, D, BLOCK_M, DETERMINISTIC)),
+            m_lo, n_qt, n_m, n_steps, D, BLOCK_M, DETERMINISTIC, DESCENDING)),
     ], [4, 1, 1], [CONSUMER_REGS, LOAD_REGS, LOAD_REGS])
