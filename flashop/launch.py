@@ -310,8 +310,10 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
               **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
               **p.row_strides("l", lse))
     qk_scale = p.modifier_args["qk_scale"]
-    if launch_gluon.serves(q, k, v, mods.causal, qk_scale, mods.is_plain and not p.packed):
-        launch_gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale)
+    if launch_gluon.serves(q, k, v, mods.causal, qk_scale,
+                           mods.is_plain_but_dropout and not p.packed, mods.dropout):
+        launch_gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
+                                       **_dropout_args(q, mods))
         return out, lse, lse_log2
     # sinks and dropout: the general kernel
     ws = (mods.sinks is None and not mods.dropout

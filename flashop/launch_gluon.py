@@ -39,6 +39,9 @@ MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 # least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 of docs/notes/performance-notes.md)
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024}
+# with dropout, the (D, causal) where the Gluon forward measured faster than the tl one
+# (entry 74): elsewhere its draws cost more
+GLUON_DROPOUT = {(128, False)}
 # the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
 # BWD_BLOCK_M, Q and dO BWD_STAGES deep
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
@@ -92,10 +95,10 @@ def _addressable(*tensors: torch.Tensor) -> bool:
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_scale: float,
-           plain: bool) -> bool:
+           plain: bool, dropout: bool = False) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
-    plain forward (``plain``: no modifier, no sinks, no dropout, dense; ``causal`` the only
-    bound) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
+    plain forward (``plain``: no modifier, no sinks, dense; ``causal`` the only bound, and
+    ``dropout``) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
     where causal, and inputs its descriptors can address
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
     the default rule above."""
@@ -108,7 +111,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
         return False
     if causal and S_q != S_k:
         return False
-    if setting is None and not (S_q >= GLUON_MIN_QUERIES and S_k >= GLUON_MIN_KEYS[D, causal]):
+    if setting is None and not (S_q >= GLUON_MIN_QUERIES and S_k >= GLUON_MIN_KEYS[D, causal]
+                                and (not dropout or (D, causal) in GLUON_DROPOUT)):
         return False
     return _addressable(q, k, v)
 
@@ -190,9 +194,11 @@ def work_units(S_q: int, bh: int, block_m: int, causal: bool) -> int:
     return bh * (cdiv(tiles, 2) if causal else tiles)
 
 
-def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float) -> None:
+def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float,
+                      dropout_seed: torch.Tensor, dropout_p: float, DROPOUT: bool) -> None:
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
-    (B, H, S_q), where serves() said it takes the call."""
+    (B, H, S_q), where serves() said it takes the call; the dropout arguments as the ``tl``
+    forward takes them (launch._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = FWD_TILES[D]
@@ -203,8 +209,9 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
         v_desc=_descriptor(v, BLOCK_N), o=out, lse=lse, lse_log2=lse_log2,
         **_strides("o", out), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         S_q=S_q, S_k=S_k, H=H, G=H // H_kv, n_units=units, qk_scale=qk_scale,
+        dropout_seed=dropout_seed, dropout_p=dropout_p,
         D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
-        MASK_LAST=causal or S_k % BLOCK_N != 0,
+        MASK_LAST=causal or S_k % BLOCK_N != 0, DROPOUT=DROPOUT,
         CONSUMER_REGS=CONSUMER_REGS[BLOCK_M // FWD_GROUP_ROWS], LOAD_REGS=LOAD_REGS,
         num_warps=4)
 

@@ -46,6 +46,13 @@ class Modifiers:
         """No modifier but (possibly) causal: one of the shared PLAIN values."""
         return self is PLAIN[self.causal]
 
+    @property
+    def is_plain_but_dropout(self) -> bool:
+        """No modifier but (possibly) causal and dropout."""
+        return self.is_plain or (
+            self.dropout and self.window_size == (-1, -1) and self.softcap == 0.0
+            and all(x is None for x in (self.alibi_slopes, self.g, self.attn_mask, self.sinks)))
+
 
 # Calls without modifiers (but causal) share these, so the plain path adds little host time
 PLAIN = {False: Modifiers(), True: Modifiers(causal=True)}

@@ -377,6 +377,14 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert not _takes_gluon(replace(long_causal, **d64))  # measured slower below 4k
         n64 = min_keys[64, True]
         assert _takes_gluon(replace(long_causal, S_q=n64, S_k=n64, **d64))
+        # with dropout, only where it measured faster than the tl forward: D = 128, not causal
+        q, k, v = make_inputs(replace(base, S_k=min_keys[128, False], S_q=n))[0]
+        assert launch_gluon.serves(q, k, v, False, 0.1, plain=True, dropout=True)
+        q, k, v = make_inputs(replace(base, S_k=n64, S_q=n64, **d64))[0]
+        assert launch_gluon.serves(q, k, v, True, 0.1, plain=True)
+        assert not launch_gluon.serves(q, k, v, True, 0.1, plain=True, dropout=True)
+    with flashop.config.override(gluon=True):  # the switch forces it with dropout too
+        assert launch_gluon.serves(q, k, v, True, 0.1, plain=True, dropout=True)
     with flashop.config.override(gluon=False):
         assert not _takes_gluon(long_causal)
 

@@ -5,6 +5,7 @@ graphs, and bad dropout_p's errors."""
 
 import dataclasses
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
 import flashop
+from flashop import launch_gluon
 from flashop.options import round_dropout_p
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
@@ -57,6 +59,36 @@ def test_dropout_with_modifiers_matches_reference_with_its_mask(dtype, data, see
     case = data.draw(modified_cases(dtype))
     case = dataclasses.replace(case, sinks=data.draw(st.sampled_from([None, torch.float32])))
     check_with_mask(case, data.draw(st.sampled_from([0.1, 0.5, 0.9])), seed)
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" and launch_gluon.available(torch.device(DEVICE))),
+                    reason="the Gluon forward needs a Hopper GPU and triton 3.6 (Triton's "
+                           "interpreter cannot run Gluon)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data, seed):
+    """The Gluon forward (FLASHOP_GLUON=1) draws its mask in its scores' registers: its out
+    and lse against the reference given the mask of the tl kernels
+    (flashop.testing.dropout_mask), head dims 64 and 128, causal and not, tail tiles, GQA.
+    (Its backward is the tl kernels', which the tests above check.)"""
+    from test_attention import gluon_cases
+
+    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
+    dropout_p = data.draw(st.sampled_from([0.1, 0.5, 0.9]))
+    inputs, dout, dlse = make_inputs(case, seed)
+    with mock.patch.object(launch_gluon, "attention_forward",
+                           wraps=launch_gluon.attention_forward) as launched, \
+            flashop.config.override(gluon=True), poisoned_outputs():
+        out, lse, _ = torch.ops.flashop.attention_forward(
+            *inputs, None, None, None, None, _seed(seed), dropout_p=dropout_p,
+            **case.options())
+    assert launched.called  # the Gluon kernel computed the forward checked
+    keep = dropout_mask(_seed(seed), case.B, case.H, case.S_q, case.S_k, dropout_p)
+    results = check_attention(*inputs, dout, dlse, out, lse, (), dropout_p=dropout_p,
+                              dropout_mask=keep, **case.options())
+    assert [r.name for r in results] == ["out", "lse"]
+    for result in results:
+        assert result.ok, str(result)
 
 
 def test_dropout_everything_at_once():
@@ -156,15 +188,18 @@ def _philox4x32_7(key: int, counters: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("p", [0.1, 0.37])
 def test_mask_is_the_documented_philox_function(p):
-    """docs/modifiers.md's definition, computed in NumPy: key j of query i (head h, batch b)
-    takes the 16-bit half j % 2 of word (j % 8) // 2 of Philox4x32-7 of the counter
-    (j // 8, i, h, b), and is kept where it reaches dropout_p rounded to 2**-16, times 2**16.
-    S_k = 21 ends inside a group of eight keys."""
-    B, H, S_q, S_k, seed = 2, 2, 5, 21, 0x1234_5678_9ABC
+    """docs/modifiers.md's definition, computed in NumPy: with query i = 16 a + 8 y + r (r <
+    8) and key j = 16 c + 8 x + 2 u + z (u < 4) of head h, batch b, the pair takes the 16-bit
+    half z of word 2 y + x of Philox4x32-7 of the counter (4 c + u, 8 a + r, h, b), and is
+    kept where it reaches dropout_p rounded to 2**-16, times 2**16. S_q = 37 and S_k = 21 end
+    inside groups of 16 and 8 rows and keys."""
+    B, H, S_q, S_k, seed = 2, 2, 37, 21, 0x1234_5678_9ABC
     b, h, i, j = np.meshgrid(np.arange(B), np.arange(H), np.arange(S_q), np.arange(S_k),
                              indexing="ij")
-    words = _philox4x32_7(seed, np.stack([j // 8, i, h, b], axis=-1).astype(np.uint32))
-    word = np.take_along_axis(words, ((j % 8) // 2)[..., None], axis=-1)[..., 0]
+    counters = np.stack([4 * (j // 16) + (j % 8) // 2, 8 * (i // 16) + i % 8, h, b], axis=-1)
+    words = _philox4x32_7(seed, counters.astype(np.uint32))
+    word = np.take_along_axis(words, (2 * ((i // 8) % 2) + (j // 8) % 2)[..., None],
+                              axis=-1)[..., 0]
     bits = np.where(j % 2 == 0, word & 0xFFFF, word >> 16)
     expected = bits >= round(p * 2 ** 16)
     keep = dropout_mask(_seed(seed), B, H, S_q, S_k, p)

@@ -218,37 +218,41 @@ def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
     """Dropout's keep mask of one tile: True where the pair (query ``o_q[r]``, key
     ``start_k + c``) of head ``i_h`` of batch entry (or packed sequence) ``i_b`` keeps its
     probability. The tile is [queries, BLOCK_K keys], or [BLOCK_K keys, queries] where
-    ``KEYS_ON_ROWS``; ``start_k`` is a multiple of 8.
+    ``KEYS_ON_ROWS``; ``o_q`` holds consecutive rows from a multiple of 16 (a multiple of 16
+    of them) and ``start_k`` is a multiple of 16.
 
     A pure function of (seed, b, h, i, j), so every kernel and tile (the forward, both
-    backward kernels, transposed or not) draws the same mask whatever its tiles: one
-    Philox4x32-7 draw (``seed`` its 64-bit key) of the counter (j // 8, i, h, b) gives 128
-    bits, whose 16-bit eighths decide the keys 8 (j // 8) .. 8 (j // 8) + 7: key j takes
-    half j % 2 (the low one first) of word (j % 8) // 2. A pair is kept where its 16 bits
-    are at least ``dropout_p * 65536``; the ops round dropout_p to a multiple of 2**-16
-    first (options.round_dropout_p), so the keep rate is exactly 1 - dropout_p."""
-    tl.static_assert(BLOCK_K >= 8, "dropout_keep: key tiles of at least 8 keys")
-    o_c = (start_k // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.uint32)
+    backward kernels, transposed or not, the Gluon forward) draws the same mask whatever its
+    tiles. With i = 16 a + 8 y + r (r < 8) and j = 16 c + 8 x + 2 u + z (u < 4), one
+    Philox4x32-7 draw (``seed`` its 64-bit key) of the counter (4 c + u, 8 a + r, h, b)
+    gives four 32-bit words; the pair takes half z (the low one first) of word 2 y + x. These
+    eight pairs are the eight scores one thread of a Hopper wgmma accumulator holds in a
+    16-key column block, so a kernel holding its scores that way draws in place. A pair is
+    kept where its 16 bits are at least ``dropout_p * 65536``; the ops round dropout_p to a
+    multiple of 2**-16 first (options.round_dropout_p), so the keep rate is exactly 1 -
+    dropout_p."""
+    BLOCK_Q: tl.constexpr = o_q.shape[0]
+    tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0,
+                     "dropout_keep: tiles of multiples of 16 queries and keys")
     o_q = o_q.to(tl.uint32)
+    # [BLOCK_Q // 16, 8]: the counter's row word (8 a + r), alike for rows i and i + 8
+    c_q = tl.max(tl.reshape((o_q // 16) * 8 + o_q % 8, (BLOCK_Q // 16, 2, 8)), axis=1)
+    # [BLOCK_K // 16, 4]: its key word (4 c + u)
+    c_k = (start_k // 16 * 4 + tl.arange(0, BLOCK_K // 4)).to(tl.uint32)
+    c_k = tl.reshape(c_k, (BLOCK_K // 16, 4))
+    # [BLOCK_Q // 16, 8, BLOCK_K // 16, 4]
+    zero = c_q[:, :, None, None] * 0 + c_k[None, None, :, :] * 0
+    w0, w1, w2, w3 = philox(seed, zero + c_k[None, None, :, :], zero + c_q[:, :, None, None],
+                            zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
+    # [a, r, c, u, x, y, z]: half z of word 2 y + x
+    b_w = tl.join(tl.join(w0, w1), tl.join(w2, w3))
+    b_keep = tl.join(b_w & 0xFFFF, b_w >> 16) >= (dropout_p * 65536.0).to(tl.uint32)
     if KEYS_ON_ROWS:
-        c_k = o_c[:, None] + o_q[None, :] * 0  # [BLOCK_K // 8, queries]
-        c_q = o_q[None, :] + o_c[:, None] * 0
+        # [c, x, u, z, a, y, r] = [keys, queries]
+        return tl.reshape(tl.permute(b_keep, (2, 4, 3, 6, 0, 5, 1)), (BLOCK_K, BLOCK_Q))
     else:
-        c_k = o_c[None, :] + o_q[:, None] * 0  # [queries, BLOCK_K // 8]
-        c_q = o_q[:, None] + o_c[None, :] * 0
-    zero = c_k * 0
-    w0, w1, w2, w3 = philox(seed, c_k, c_q, zero + i_h.to(tl.uint32), zero + i_b.to(tl.uint32))
-    # [..., 2, 2] whose [y, x] is word 2 y + x; then [..., 2, 2, 2] whose [y, x, z] is
-    # half z of it: key 8 c + 4 y + 2 x + z once the last three dimensions are merged
-    b_w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
-    b_half = tl.join(b_w & 0xFFFF, b_w >> 16)
-    b_keep = b_half >= (dropout_p * 65536.0).to(tl.uint32)
-    if KEYS_ON_ROWS:
-        # [BLOCK_K // 8, queries, 2, 2, 2] -> [BLOCK_K // 8, 2, 2, 2, queries]
-        b_keep = tl.permute(b_keep, (0, 2, 3, 4, 1))
-        return tl.reshape(b_keep, (BLOCK_K, o_q.shape[0]))
-    else:
-        return tl.reshape(b_keep, (o_q.shape[0], BLOCK_K))
+        # [a, y, r, c, x, u, z] = [queries, keys]
+        return tl.reshape(tl.permute(b_keep, (0, 5, 1, 2, 4, 3, 6)), (BLOCK_Q, BLOCK_K))
 
 
 @triton.jit

@@ -25,6 +25,7 @@ computed and not stored.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -33,36 +34,110 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _softmax_tile(b_s, m_i, l_i, qk_scale, dtype: gl.constexpr, p_layout: gl.constexpr):
+def _philox(k0, k1, c0, c1, c2, c3):
+    """Philox4x32-7 of the counter (c0, c1, c2, c3) (uint32 tensors) under the key (k0, k1)
+    (uint32 scalars): its four words. The same function as flashop/kernels/common.py's
+    philox, which the tl kernels draw with (Gluon cannot call it)."""
+    m0 = gl.full([], 0xD2511F53, gl.uint32)
+    m1 = gl.full([], 0xCD9E8D57, gl.uint32)
+    for _ in gl.static_range(7):
+        p0, p2 = c0, c2
+        c0 = gl.umulhi(m1, p2) ^ c1 ^ k0
+        c2 = gl.umulhi(m0, p0) ^ c3 ^ k1
+        c1 = m1 * p2
+        c3 = m0 * p0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@constexpr_function
+def _draw_layout(ROWS, BLOCK_N):
+    """Where a consumer group's draws live, [ROWS / 16, 8, BLOCK_N / 16, 4] indexed (a, r,
+    c, u) as in dropout_keep (flashop/kernels/common.py): draw (a, r, c, u) in the thread of
+    the wgmma accumulator holding rows 16 a + r and 16 a + r + 8 and keys 16 c + 2 u + {0,
+    1} and 16 c + 8 + 2 u + {0, 1} (lane 4 r + u of warp a, a register per c), so that its
+    eight scores take that draw's eight halves without leaving the thread."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i, 0] for i in range((BLOCK_N // 16).bit_length() - 1)],
+        lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        warp_bases=[[1 << i, 0, 0, 0] for i in range((ROWS // 16).bit_length() - 1)],
+        block_bases=[], shape=[ROWS // 16, 8, BLOCK_N // 16, 4])
+
+
+@gluon.jit
+def _dropout_keep(k0, k1, c_q, i_b, i_h, start_k, threshold, ROWS: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """dropout_keep's mask (flashop/kernels/common.py) of a consumer group's scores against
+    the keys [start_k, + BLOCK_N), in the scores' layout: one Philox draw per thread and
+    16-key block, whose halves reach the thread's own scores (_draw_layout). ``c_q`` holds
+    the rows' counter words (_draw_rows); a pair is kept where its 16 bits reach
+    ``threshold``."""
+    draw_layout: gl.constexpr = _draw_layout(ROWS, BLOCK_N)
+    cu_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, draw_layout))
+    o_c = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(1, cu_layout))
+    o_u = gl.arange(0, 4, layout=gl.SliceLayout(0, cu_layout))
+    # [1, 1, BLOCK_N / 16, 4]: the counter's key word 4 c + u
+    c_k = (start_k // 16 * 4 + gl.expand_dims(o_c * 4, 1) + gl.expand_dims(o_u, 0)).to(gl.uint32)
+    c_k = gl.expand_dims(gl.expand_dims(c_k, 0), 0)
+    zero = c_q * 0 + c_k * 0
+    w0, w1, w2, w3 = _philox(k0, k1, zero + c_k, zero + c_q, zero + i_h.to(gl.uint32),
+                             zero + i_b.to(gl.uint32))
+    # [a, r, c, u, x, y, z]: half z of word 2 y + x, then [a, y, r, c, x, u, z] = [rows, keys]
+    b_w = gl.join(gl.join(w0, w1), gl.join(w2, w3))
+    b_half = gl.join(b_w & 0xFFFF, b_w >> 16)
+    b_half = gl.reshape(gl.permute(b_half, (0, 5, 1, 2, 4, 3, 6)), (ROWS, BLOCK_N))
+    return gl.convert_layout(b_half, s_layout, assert_trivial=True) >= threshold
+
+
+@gluon.jit
+def _draw_rows(start_q, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """[ROWS / 16, 8, 1, 1] in _draw_layout: the counter's row word 8 a + r of a consumer
+    group's rows [start_q, + ROWS) (start_q a multiple of 16)."""
+    draw_layout: gl.constexpr = _draw_layout(ROWS, BLOCK_N)
+    ar_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, draw_layout))
+    o_a = gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, ar_layout))
+    o_r = gl.arange(0, 8, layout=gl.SliceLayout(0, ar_layout))
+    c_q = ((start_q // 16 + gl.expand_dims(o_a, 1)) * 8 + gl.expand_dims(o_r, 0)).to(gl.uint32)
+    return gl.expand_dims(gl.expand_dims(c_q, 2), 3)
+
+
+@gluon.jit
+def _softmax_tile(b_s, m_i, l_i, qk_scale, b_keep, dtype: gl.constexpr,
+                  p_layout: gl.constexpr, DROPOUT: gl.constexpr):
     """One key tile's online softmax, in base 2 with m in scaled units (the scale folds into
     exp2's FMA; qk_scale > 0): (P as the PV wgmma's register operand, new m, new l, the
-    rescale alpha of the rows' earlier tiles)."""
+    rescale alpha of the rows' earlier tiles). Where DROPOUT, P V takes only the pairs
+    ``b_keep`` keeps (l sums them all)."""
     # [ROWS]
     m_new = gl.maximum(m_i, gl.max(b_s, 1) * qk_scale)
     # [ROWS, BLOCK_N]
     b_p = gl.exp2(gl.fma(b_s, qk_scale, -gl.expand_dims(m_new, 1)))
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(b_p, 1)
+    if DROPOUT:
+        b_p = gl.where(b_keep, b_p, 0.0)
     return gl.convert_layout(b_p.to(dtype), p_layout), m_new, l_new, alpha
 
 
 @gluon.jit
-def _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, dtype: gl.constexpr,
-                           p_layout: gl.constexpr):
+def _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, b_keep, o_q, o_k, dtype: gl.constexpr,
+                           p_layout: gl.constexpr, DROPOUT: gl.constexpr):
     """_softmax_tile with the keys past each row's query masked (the causal diagonal)."""
     b_s = gl.where(gl.expand_dims(o_k, 0) <= gl.expand_dims(o_q, 1), b_s, float("-inf"))
-    return _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
+    return _softmax_tile(b_s, m_i, l_i, qk_scale, b_keep, dtype, p_layout, DROPOUT)
 
 
 @gluon.jit
-def _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, S_k, dtype: gl.constexpr,
-                       p_layout: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax_last_tile(b_s, m_i, l_i, qk_scale, b_keep, o_q, o_k, S_k, dtype: gl.constexpr,
+                       p_layout: gl.constexpr, CAUSAL: gl.constexpr, DROPOUT: gl.constexpr):
     """_softmax_tile of a group's last key tile: the causal diagonal (S_q == S_k, which
     also masks the keys past S_k for every stored row), else the keys past S_k."""
     if CAUSAL:
-        return _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, o_q, o_k, dtype, p_layout)
+        return _softmax_diagonal_tile(b_s, m_i, l_i, qk_scale, b_keep, o_q, o_k, dtype,
+                                      p_layout, DROPOUT)
     b_s = gl.where(gl.expand_dims(o_k < S_k, 0), b_s, float("-inf"))
-    return _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
+    return _softmax_tile(b_s, m_i, l_i, qk_scale, b_keep, dtype, p_layout, DROPOUT)
 
 
 @gluon.jit
@@ -137,15 +212,19 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
 @gluon.jit
 def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
                  stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c, n_done,
+                 i_b, i_h, k0, k1, threshold, dropout_p,
                  WG: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr):
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
+                 DROPOUT: gl.constexpr):
     """Consumer group WG on one work item of n_tiles key tiles, the first in buffer c %
     STAGES; the item is the program's n_done-th. The group's query rows are [start_m + WG *
     ROWS, + ROWS); where CAUSAL its keys end with its diagonal tile, which may come before
     the item's last (three groups over 128-key tiles), and it releases the tiles after it
     unread. Writes the rows' output and lse (``o``, ``lse``, ``lse_log2`` point at the
     (batch, head)'s first row) and releases Q once its last S = Q K^T is done, so that the
-    load warp fetches the next item's Q while this one's last P V and its stores run."""
+    load warp fetches the next item's Q while this one's last P V and its stores run. Where
+    DROPOUT, each tile's keep mask is drawn (_dropout_keep, key (k0, k1), ``threshold``)
+    while its S = Q K^T runs, and the output is scaled by 1 / (1 - dropout_p)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -165,6 +244,10 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     n_own = n_tiles
     if CAUSAL:  # the tile of the group's last row (64-row groups lie in one tile)
         n_own = gl.cdiv(start_m + (WG + 1) * ROWS, BLOCK_N)
+    b_keep = 0
+    c_q = 0
+    if DROPOUT:
+        c_q = _draw_rows(start_m + WG * ROWS, ROWS, BLOCK_N)
     # the first tile's scores, alone
     mbarrier.wait(q_full, n_done & 1)
     s = c % STAGES
@@ -172,12 +255,15 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     # [ROWS, BLOCK_N]
     s_tok = warpgroup_mma(b_q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
+    if DROPOUT:
+        b_keep = _dropout_keep(k0, k1, c_q, i_b, i_h, 0, threshold, ROWS, BLOCK_N, s_layout)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if MASK_LAST and n_own == 1:
-        b_p, m_i, l_i, alpha = _softmax_last_tile(b_s, m_i, l_i, qk_scale, o_q, o_n, S_k,
-                                                  dtype, p_layout, CAUSAL)
+        b_p, m_i, l_i, alpha = _softmax_last_tile(b_s, m_i, l_i, qk_scale, b_keep, o_q, o_n,
+                                                  S_k, dtype, p_layout, CAUSAL, DROPOUT)
     else:
-        b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
+        b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, b_keep, dtype, p_layout,
+                                             DROPOUT)
     # S_{j+1} and O += P_j V_j issued together; the softmax of S_{j+1} under P_j V_j
     for j in range(n_own - 1):
         s = (c + j) % STAGES
@@ -189,12 +275,16 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         # [ROWS, DV]
         acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
         b_s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        if DROPOUT:
+            b_keep = _dropout_keep(k0, k1, c_q, i_b, i_h, (j + 1) * BLOCK_N, threshold, ROWS,
+                                   BLOCK_N, s_layout)
         if MASK_LAST and j + 2 == n_own:
             b_p, m_i, l_i, alpha = _softmax_last_tile(
-                b_s, m_i, l_i, qk_scale, o_q, (j + 1) * BLOCK_N + o_n, S_k, dtype, p_layout,
-                CAUSAL)
+                b_s, m_i, l_i, qk_scale, b_keep, o_q, (j + 1) * BLOCK_N + o_n, S_k, dtype,
+                p_layout, CAUSAL, DROPOUT)
         else:
-            b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, dtype, p_layout)
+            b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, b_keep, dtype,
+                                                 p_layout, DROPOUT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         mbarrier.arrive(empty.index(s), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
@@ -211,7 +301,10 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         mbarrier.wait(full.index(s), ((c + j) // STAGES) & 1)
         mbarrier.arrive(empty.index(s), count=1)
     # every row attends at least one key (S_k >= 1; causal: its own), so l_i > 0
-    b_o = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
+    l_o = gl.convert_layout(l_i, orow_layout)
+    if DROPOUT:
+        l_o = l_o * (1.0 - dropout_p)
+    b_o = acc / gl.expand_dims(l_o, 1)
     o_m = start_m + WG * ROWS + gl.arange(0, ROWS, layout=orow_layout)
     o_d = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     p_o = o + (gl.expand_dims(o_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(o_d * stride_od, 0))
@@ -225,14 +318,22 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
 @gluon.jit
 def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
                         stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
-                        n_units, n_m, H, S_q, S_k, qk_scale, WG: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
-                        SIDES: gl.constexpr):
+                        n_units, n_m, H, S_q, S_k, qk_scale, dropout_seed, dropout_p,
+                        WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        MASK_LAST: gl.constexpr, SIDES: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer group WG over this program's work items (_attend_item), in the load warp's
-    order."""
+    order; where DROPOUT, Philox's key is the int64 ``dropout_seed[0]``."""
     c = 0
     n_done = 0
+    k0 = 0
+    k1 = 0
+    threshold = 0
+    if DROPOUT:
+        seed = gl.load(dropout_seed).to(gl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        threshold = (dropout_p * 65536.0).to(gl.uint32)
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for side in range(SIDES):
             i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_M, BLOCK_N, CAUSAL)
@@ -241,8 +342,9 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                 l_bh = i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
                 c = _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
                                  o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os, stride_od,
-                                 i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c, n_done, WG,
-                                 BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST)
+                                 i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c, n_done, i_b,
+                                 i_h, k0, k1, threshold, dropout_p, WG, BLOCK_N, DV, STAGES,
+                                 CAUSAL, MASK_LAST, DROPOUT)
                 n_done += 1
 
 
@@ -250,10 +352,10 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
 def attention_fwd_gluon_kernel(
     q_desc, k_desc, v_desc, o, lse, lse_log2,
     stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
-    S_q, S_k, H, G, n_units, qk_scale,
+    S_q, S_k, H, G, n_units, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """out[b, i, h] = softmax(scale * q_i . K^T) V over the (batch, head)'s keys (the
     module's docstring has the partitions), lse[b, h, i] in natural log and lse_log2 in
@@ -294,11 +396,13 @@ def attention_fwd_gluon_kernel(
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   0, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   1, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
                                q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
@@ -308,15 +412,18 @@ def attention_fwd_gluon_kernel(
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   0, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   1, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   2, BLOCK_M, BLOCK_N, DV, STAGES, CAUSAL, MASK_LAST, SIDES)),
+                                   dropout_seed, dropout_p, 2, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
                                q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
