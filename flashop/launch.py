@@ -419,7 +419,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     # the Gluon backward (dQ added in key-tile order where deterministic, by atomics where
     # not) serves plain calls; the tl kernels the rest
     gluon = (not (has_gate or attn_mask_grad) and launch_gluon.serves_backward(
-        q, k, v, dout, causal, mods.is_plain and packing is None, deterministic))
+        q, k, v, dout, causal, mods.is_plain_but_dropout and packing is None, deterministic,
+        mods.dropout))
     dq_atomic = not (deterministic or has_gate or attn_mask_grad or gluon)
     # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
@@ -441,7 +442,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             BLOCK_M=pre_block)
     if gluon:
         launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv,
-                                        causal, p.sm_scale, p.modifier_args["qk_scale"])
+                                        causal, p.sm_scale, p.modifier_args["qk_scale"],
+                                        **_dropout_args(q, mods))
         dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
         return dq, dk, dv, dg, dmask
     # what the dK/dV and dQ kernels share

@@ -54,6 +54,10 @@ BWD_HEAD_DIMS = (64, 128)
 # measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
 # none: slower at every length measured; entry 72 of docs/notes/performance-notes.md)
 BWD_MIN_KEYS = {(128, False): 8192, (128, True): 4096}
+# With dropout, the backward's rule instead: at least BWD_DROPOUT_MIN_KEYS[D, causal] keys,
+# where it measured faster than the tl kernels (its draws cost less; entry 74)
+BWD_DROPOUT_MIN_KEYS = {(128, False): 4096, (128, True): 4096, (64, False): 16384,
+                        (64, True): 16384}
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,13 +122,16 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
 
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    causal: bool, plain: bool, deterministic: bool) -> bool:
+                    causal: bool, plain: bool, deterministic: bool,
+                    dropout: bool = False) -> bool:
     """Whether the Gluon backward takes this call, with dQ's adds in key-tile order
     (``deterministic``) or not (dQ by atomics, which the caller asked for): where
-    available, an eager call of the plain backward with 16-bit inputs, D == DV in
+    available, an eager call of the plain backward (and ``dropout``) with 16-bit inputs,
+    D == DV in
     BWD_HEAD_DIMS, S_q == S_k where causal, a grid within bounds, and inputs its
     descriptors can address; where deterministic, unless the switch forces it, the default
-    rule above. config.settings.gluon False turns it off."""
+    rule above (with dropout, BWD_DROPOUT_MIN_KEYS's).
+    config.settings.gluon False turns it off."""
     if not _takes_call(q, plain):
         return False
     B, S_q, H, D = q.shape
@@ -134,8 +141,9 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     if (B * H_kv * cdiv(S_k, BWD_BLOCK_N) > MAX_GRID_X if deterministic
             else B * H_kv > MAX_GRID_Y):
         return False
-    if (deterministic and config.settings.gluon is None
-            and S_k < BWD_MIN_KEYS.get((D, causal), float("inf"))):
+    rule = BWD_DROPOUT_MIN_KEYS if dropout else BWD_MIN_KEYS if deterministic else None
+    if (config.settings.gluon is None and rule is not None
+            and S_k < rule.get((D, causal), float("inf"))):
         return False
     return _addressable(q, k, v, dout)
 
@@ -228,11 +236,13 @@ def backward_buffer(q: torch.Tensor, deterministic: bool):
 
 
 def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal: bool,
-                       sm_scale: float, qk_scale: float) -> None:
+                       sm_scale: float, qk_scale: float, dropout_seed: torch.Tensor,
+                       dropout_p: float, DROPOUT: bool) -> None:
     """Launch the Gluon backward where serves_backward() said it takes the call: dK and dV
     into ``dk``, ``dv`` (B, S_k, H_kv, D), dQ added into ``dq_acc`` in key-tile order where
     ``dq_sem`` is given, by atomics where it is None (backward_buffer() makes both);
-    ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it."""
+    ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it; the dropout
+    arguments as the ``tl`` kernels take them (launch._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     deterministic = dq_sem is not None
@@ -246,7 +256,8 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         dk=dk, dv=dv, stride_lb=lse_log2.stride(0), stride_lh=lse_log2.stride(1),
         **_strides("dk", dk), **_strides("dv", dv),
         S_q=S_q, S_k=S_k, H_kv=H_kv, G=H // H_kv, sm_scale=sm_scale, qk_scale=qk_scale,
+        dropout_seed=dropout_seed, dropout_p=dropout_p,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
-        KEY_GROUP=BWD_KEY_GROUP,
+        KEY_GROUP=BWD_KEY_GROUP, DROPOUT=DROPOUT,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

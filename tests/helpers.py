@@ -8,6 +8,7 @@ from typing import Optional
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import flashop
 from flashop.testing import check_attention, differentiable_inputs
@@ -86,6 +87,20 @@ def _strided_randn(shape, dtype, layout, generator):
         return torch.randn(B, S, H + 1, D + 3, dtype=dtype, device=DEVICE, generator=generator
                            )[:, :, 1:, :D]
     return torch.randn(shape, dtype=dtype, device=DEVICE, generator=generator)
+
+
+@st.composite
+def gluon_cases(draw, dtype, head_dims=(128,)):
+    """Plain calls the Gluon kernels take when forced (FLASHOP_GLUON=1): causal (S_q == S_k)
+    or not, up to 700 queries and keys (tail tiles), GQA, two layouts, any positive scale."""
+    causal = draw(st.booleans())
+    S_k = draw(st.integers(1, 700))
+    D = draw(st.sampled_from(head_dims))
+    return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
+                S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3])),
+                D=D, DV=D, dtype=dtype, causal=causal,
+                scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D**0.5))),
+                layout=draw(st.sampled_from(["contiguous", "bhsd"])))
 
 
 def make_inputs(case: Case, seed: int = 0):

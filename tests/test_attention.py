@@ -15,8 +15,8 @@ from flashop import launch, launch_gluon, tiles
 from flashop.kernels.common import LOG2E
 from flashop.tiles import Tiles
 from helpers import (
-    DEVICE, Case, check_case, deterministic_algorithms, make_inputs, poisoned_outputs,
-    run_flashop,
+    DEVICE, Case, check_case, deterministic_algorithms, gluon_cases, make_inputs,
+    poisoned_outputs, run_flashop,
 )
 
 ON_GPU = DEVICE == "cuda"
@@ -194,18 +194,6 @@ def _takes_gluon(case: Case) -> bool:
     return launch_gluon.serves(q, k, v, case.causal, qk_scale, plain=True)
 
 
-@st.composite
-def gluon_cases(draw, dtype, head_dims=(128,)):
-    causal = draw(st.booleans())
-    S_k = draw(st.integers(1, 700))
-    D = draw(st.sampled_from(head_dims))
-    return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
-                S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3])),
-                D=D, DV=D, dtype=dtype, causal=causal,
-                scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D**0.5))),
-                layout=draw(st.sampled_from(["contiguous", "bhsd"])))
-
-
 @pytest.mark.skipif(not GLUON, reason="the Gluon forward needs a Hopper GPU and triton 3.6 "
                                       "(Triton's interpreter cannot run Gluon)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -227,10 +215,11 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
     assert launched.called  # the Gluon kernel computed the forward checked
 
 
-def _takes_gluon_backward(case: Case, deterministic: bool = False) -> bool:
+def _takes_gluon_backward(case: Case, deterministic: bool = False,
+                          dropout: bool = False) -> bool:
     q, k, v = make_inputs(case)[0]
     return launch_gluon.serves_backward(q, k, v, torch.empty_like(q), case.causal, plain=True,
-                                        deterministic=deterministic)
+                                        deterministic=deterministic, dropout=dropout)
 
 
 @pytest.mark.skipif(not GLUON, reason="the Gluon backward needs a Hopper GPU and triton 3.6 "
@@ -300,6 +289,14 @@ def test_where_the_gluon_backward_runs(monkeypatch):
         assert _takes_gluon_backward(case, deterministic=True), case
         shorter = replace(case, S_k=keys - 1, S_q=keys - 1)
         assert not _takes_gluon_backward(shorter, deterministic=True), shorter
+    for (D, is_causal), keys in launch_gluon.BWD_DROPOUT_MIN_KEYS.items():  # with dropout
+        case = replace(base, D=D, DV=D, causal=is_causal, S_k=keys, S_q=keys)
+        for deterministic in (False, True):
+            assert _takes_gluon_backward(case, deterministic, dropout=True), case
+            shorter = replace(case, S_k=keys - 1, S_q=keys - 1)
+            assert not _takes_gluon_backward(shorter, deterministic, dropout=True), shorter
+            with flashop.config.override(gluon=True):
+                assert _takes_gluon_backward(shorter, deterministic, dropout=True), shorter
     for D, is_causal in ((64, False), (64, True), (128, False), (128, True)):
         if (D, is_causal) not in launch_gluon.BWD_MIN_KEYS:  # never by default
             case = replace(base, D=D, DV=D, causal=is_causal, S_k=1 << 15, S_q=1 << 15)

@@ -20,8 +20,8 @@ from flashop import launch_gluon
 from flashop.options import round_dropout_p
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
-    DEVICE, Case, TestCase, error_message, make_inputs, make_modifiers, poisoned_outputs,
-    slow_property_examples,
+    DEVICE, Case, TestCase, error_message, gluon_cases, make_inputs, make_modifiers,
+    poisoned_outputs, slow_property_examples,
 )
 from test_modifiers import DTYPES, modified_cases
 
@@ -71,8 +71,6 @@ def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data,
     and lse against the reference given the mask of the tl kernels
     (flashop.testing.dropout_mask), head dims 64 and 128, causal and not, tail tiles, GQA.
     (Its backward is the tl kernels', which the tests above check.)"""
-    from test_attention import gluon_cases
-
     case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
     dropout_p = data.draw(st.sampled_from([0.1, 0.5, 0.9]))
     inputs, dout, dlse = make_inputs(case, seed)
@@ -89,6 +87,42 @@ def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data,
     assert [r.name for r in results] == ["out", "lse"]
     for result in results:
         assert result.ok, str(result)
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" and launch_gluon.available(torch.device(DEVICE))),
+                    reason="the Gluon backward needs a Hopper GPU and triton 3.6 (Triton's "
+                           "interpreter cannot run Gluon)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_gluon_backward_with_dropout_matches_reference_with_its_mask(dtype, data, seed):
+    """The Gluon backward (FLASHOP_GLUON=1; dQ in key-tile order, or by atomics) draws the
+    mask in its transposed scores' registers: out, lse and every gradient against the
+    reference given the tl kernels' mask, head dims 64 and 128, causal and not, tail tiles,
+    GQA; in key-tile order a second backward equals the first bit for bit. Calls of 32 keys
+    or more: a row whose probability sits on one key leaves the rule in every backward, the
+    tl kernels' too (delta's rounding, docs/modifiers.md), and a call of one key is all such
+    rows."""
+    case = data.draw(gluon_cases(dtype, launch_gluon.BWD_HEAD_DIMS).filter(
+        lambda c: c.S_k >= 32))
+    dropout_p = data.draw(st.sampled_from([0.1, 0.5, 0.9]))
+    deterministic = data.draw(st.booleans(), label="deterministic")
+    inputs, dout, dlse = make_inputs(case, seed)
+    with mock.patch.object(launch_gluon, "attention_backward",
+                           wraps=launch_gluon.attention_backward) as launched, \
+            flashop.config.override(gluon=True, dq_atomics=not deterministic), \
+            poisoned_outputs():
+        out, lse, _ = torch.ops.flashop.attention_forward(
+            *inputs, None, None, None, None, _seed(seed), dropout_p=dropout_p,
+            **case.options())
+        grads = [torch.autograd.grad((out, lse), inputs, (dout, dlse), retain_graph=True)
+                 for _ in range(2)]
+    assert launched.called and launched.call_args.kwargs["DROPOUT"]
+    keep = dropout_mask(_seed(seed), case.B, case.H, case.S_q, case.S_k, dropout_p)
+    for result in check_attention(*inputs, dout, dlse, out, lse, grads[0],
+                                  dropout_p=dropout_p, dropout_mask=keep, **case.options()):
+        assert result.ok, str(result)
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_dropout_everything_at_once():

@@ -309,8 +309,9 @@ for dtype in (torch.bfloat16, torch.float32):
         out.sum().backward()
     elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) and backward, D=64 and 128
         if dtype == torch.bfloat16:
-            for causal, layout, Dg in ((False, "bshd", 128), (True, "bhsd", 128),
-                                       (True, "bshd", 64), (False, "bhsd", 64)):
+            for causal, layout, Dg, p in ((False, "bshd", 128, 0.0), (True, "bhsd", 128, 0.0),
+                                          (True, "bshd", 64, 0.0), (False, "bhsd", 64, 0.0),
+                                          (True, "bshd", 128, 0.3), (False, "bhsd", 64, 0.3)):
                 S_q = S_k if causal else S_q
                 shape = lambda S, h: (B, h, S, Dg) if layout == "bhsd" else (B, S, h, Dg)
                 qg, kg, vg = (torch.randn(shape(S, h), device="cuda", dtype=dtype)
@@ -319,7 +320,7 @@ for dtype in (torch.bfloat16, torch.float32):
                     qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
                 assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True)
                 qg, kg, vg = (x.requires_grad_(True) for x in (qg, kg, vg))
-                out, lse = flashop.attention_with_lse(qg, kg, vg, causal=causal)
+                out, lse = flashop.attention_with_lse(qg, kg, vg, causal=causal, dropout_p=p)
                 torch.autograd.grad((out, lse), (qg, kg, vg),
                                     (torch.randn_like(out), torch.randn_like(lse)))
     elif part == "decode":  # S_q new tokens appended to a dense and a paged cache, attended
@@ -366,9 +367,9 @@ print("sanitized")
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
-# forward at D=128 and 64 (causal and not) over the shape's batch, lengths and heads, and the
-# Gluon backward at D=128 and 64 (its dQ adds in key-tile order; by atomics with
-# FLASHOP_DQ_ATOMICS=1)
+# forward at D=128 and 64 (causal and not, and with dropout) over the shape's batch, lengths
+# and heads, and the Gluon backward at D=128 and 64 (its dQ adds in key-tile order; by
+# atomics with FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
                    ("gluon", "0"), ("gluon", "1")]

@@ -30,7 +30,9 @@ One program takes BLOCK_N keys of one (batch, KV head) and runs four partitions:
 - where DETERMINISTIC, a dQ warp: per query tile, the wait for its turn, both halves'
   adds, and the counter's raise once they are complete (otherwise it has nothing to do).
 Rows past S_q read as 0 and their lse as +inf, so they add nothing; keys past S_k read as
-0, their rows of dK and dV are not stored and their dS is zeroed before dQ.
+0, their rows of dK and dV are not stored and their dS is zeroed before dQ. Where DROPOUT,
+each consumer group draws the forward's keep mask of its scores in their own registers
+(flashop/kernels/dropout_gluon.py).
 """
 
 from triton._C.libtriton import ir
@@ -40,6 +42,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
+
+from flashop.kernels.dropout_gluon import dropout_key, keep_keys
 
 
 @builtin
@@ -138,14 +142,17 @@ def _bwd_consumer_partition(
     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, full,
     empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
     stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+    dropout_seed, dropout_p,
     WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr, DESCENDING: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, DESCENDING: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
     point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
     every query tile over the program's 2 * KEYS keys (where DETERMINISTIC, left in dq_smem
-    to the dQ warp: dq_full once stored, dq_empty once read)."""
+    to the dQ warp: dq_full once stored, dq_empty once read). Where DROPOUT, each step's keep
+    mask is drawn (dropout_gluon.keep_keys) while its S^T and dP^T run, and P^T and dP^T
+    take only the kept pairs, scaled by 1 / (1 - dropout_p)."""
     # S^T, dP^T [KEYS, BLOCK_M]; dK, dV [KEYS, D]; dQ's half [BLOCK_M, D / 2]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
@@ -169,6 +176,14 @@ def _bwd_consumer_partition(
     b_dv = gl.zeros([KEYS, DV], gl.float32, dv_layout)
     o_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
     o_m = gl.arange(0, BLOCK_M, layout=query_layout)
+    k0 = 0
+    k1 = 0
+    threshold = 0
+    keep_scale = 1.0
+    if DROPOUT:
+        k0, k1 = dropout_key(dropout_seed)
+        threshold = (dropout_p * 65536.0).to(gl.uint32)
+        keep_scale = 1.0 / (1.0 - dropout_p)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):
         s = t % STAGES
@@ -183,6 +198,11 @@ def _bwd_consumer_partition(
         st_tok = warpgroup_mma(b_k, b_q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(b_v, b_do.permute((1, 0)), st_zero, use_acc=False,
                                 is_async=True)
+        # the keep mask drawn under the two products where not causal, after them where
+        # causal: each measured the faster there (entry 74 of docs/notes/performance-notes.md)
+        if DROPOUT and not CAUSAL:
+            b_keep = keep_keys(k0, k1, i_b, i_h, start_n + WG * KEYS, start_m, threshold,
+                               KEYS, BLOCK_M, st_layout)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
         if CAUSAL and start_m // BLOCK_M - m_lo < DIAGONAL_STEPS:
             b_pt = gl.exp2(gl.fma(
@@ -191,7 +211,14 @@ def _bwd_consumer_partition(
         else:
             b_pt = gl.exp2(gl.fma(b_st, qk_scale, -gl.expand_dims(b_lse, 0)))
         b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok,))
+        if DROPOUT:
+            if CAUSAL:
+                b_keep = keep_keys(k0, k1, i_b, i_h, start_n + WG * KEYS, start_m, threshold,
+                                   KEYS, BLOCK_M, st_layout)
+            b_dpt = gl.where(b_keep, b_dpt * keep_scale, 0.0)
         b_dst = b_pt * (b_dpt - gl.expand_dims(b_delta, 0))
+        if DROPOUT:
+            b_pt = gl.where(b_keep, b_pt * keep_scale, 0.0)  # for dV
         if MASK_KEYS:
             # keys past S_k: P = exp2(0 - lse) may overflow, and dQ must not take inf * 0
             b_dst = gl.where(gl.expand_dims(o_n < S_k, 1), b_dst, 0.0)
@@ -270,11 +297,11 @@ def attention_bwd_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dq_sem, lse_log2, delta, dk, dv,
     stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    S_q, S_k, H_kv, G, sm_scale, qk_scale,
+    S_q, S_k, H_kv, G, sm_scale, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOAD_REGS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """dK, dV (B, S_k, H_kv, D / DV) of one key tile, and its share of dQ added into the
     fp32 (B, S_q, H, D) buffer behind ``dq_desc`` (zeroed by the caller); the
@@ -286,7 +313,8 @@ def attention_bwd_gluon_kernel(
     order, within a band each (batch, KV head)'s tiles in turn, so that a program waits only
     on programs before it, and the programs resident at once share Q, dO and dQ's tiles in
     groups (L2); ``dq_sem`` holds the zeroed int32 counters, (B, H, cdiv(S_q, BLOCK_M))
-    (otherwise unused)."""
+    (otherwise unused). Where DROPOUT, the forward's mask of the int64 ``dropout_seed[0]`` and
+    ``dropout_p`` (P and dP of the dropped pairs 0, the rest scaled by 1 / (1 - dropout_p))."""
     if DETERMINISTIC:
         n_tiles = gl.cdiv(S_k, BLOCK_N)
         band_size = gl.minimum(n_tiles, KEY_GROUP) * (gl.num_programs(0) // n_tiles)
@@ -353,14 +381,14 @@ def attention_bwd_gluon_kernel(
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(0), dq_empty.index(0), dq_desc, dk, dv,
             stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
-            n_steps, S_k, qk_scale, sm_scale, 0, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL,
-            MASK_KEYS, DETERMINISTIC, DESCENDING)),
+            n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 0, KEYS, BLOCK_M, D,
+            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(1), dq_empty.index(1), dq_desc, dk, dv,
             stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
-            n_steps, S_k, qk_scale, sm_scale, 1, KEYS, BLOCK_M, D, DV, STAGES, CAUSAL,
-            MASK_KEYS, DETERMINISTIC, DESCENDING)),
+            n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 1, KEYS, BLOCK_M, D,
+            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,

@@ -20,86 +20,19 @@ it masks; a group whose diagonal comes before the item's last tile (three groups
 The descriptors read each (B, S, H, D) input as it is strided, a tile being [1, rows, 1, D]:
 rows past a sequence's end read as 0. The last key tile of each item is masked where S_k is
 not a multiple of BLOCK_N (where causal, each group's diagonal); query rows past S_q are
-computed and not stored.
+computed and not stored. Where DROPOUT, each consumer group draws the keep mask of its
+scores in their own registers (flashop/kernels/dropout_gluon.py).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from flashop.kernels.dropout_gluon import dropout_key, draw_rows, keep_rows
+
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _philox(k0, k1, c0, c1, c2, c3):
-    """Philox4x32-7 of the counter (c0, c1, c2, c3) (uint32 tensors) under the key (k0, k1)
-    (uint32 scalars): its four words. The same function as flashop/kernels/common.py's
-    philox, which the tl kernels draw with (Gluon cannot call it)."""
-    m0 = gl.full([], 0xD2511F53, gl.uint32)
-    m1 = gl.full([], 0xCD9E8D57, gl.uint32)
-    for _ in gl.static_range(7):
-        p0, p2 = c0, c2
-        c0 = gl.umulhi(m1, p2) ^ c1 ^ k0
-        c2 = gl.umulhi(m0, p0) ^ c3 ^ k1
-        c1 = m1 * p2
-        c3 = m0 * p0
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    return c0, c1, c2, c3
-
-
-@constexpr_function
-def _draw_layout(ROWS, BLOCK_N):
-    """Where a consumer group's draws live, [ROWS / 16, 8, BLOCK_N / 16, 4] indexed (a, r,
-    c, u) as in dropout_keep (flashop/kernels/common.py): draw (a, r, c, u) in the thread of
-    the wgmma accumulator holding rows 16 a + r and 16 a + r + 8 and keys 16 c + 2 u + {0,
-    1} and 16 c + 8 + 2 u + {0, 1} (lane 4 r + u of warp a, a register per c), so that its
-    eight scores take that draw's eight halves without leaving the thread."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1 << i, 0] for i in range((BLOCK_N // 16).bit_length() - 1)],
-        lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
-        warp_bases=[[1 << i, 0, 0, 0] for i in range((ROWS // 16).bit_length() - 1)],
-        block_bases=[], shape=[ROWS // 16, 8, BLOCK_N // 16, 4])
-
-
-@gluon.jit
-def _dropout_keep(k0, k1, c_q, i_b, i_h, start_k, threshold, ROWS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """dropout_keep's mask (flashop/kernels/common.py) of a consumer group's scores against
-    the keys [start_k, + BLOCK_N), in the scores' layout: one Philox draw per thread and
-    16-key block, whose halves reach the thread's own scores (_draw_layout). ``c_q`` holds
-    the rows' counter words (_draw_rows); a pair is kept where its 16 bits reach
-    ``threshold``."""
-    draw_layout: gl.constexpr = _draw_layout(ROWS, BLOCK_N)
-    cu_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, draw_layout))
-    o_c = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(1, cu_layout))
-    o_u = gl.arange(0, 4, layout=gl.SliceLayout(0, cu_layout))
-    # [1, 1, BLOCK_N / 16, 4]: the counter's key word 4 c + u
-    c_k = (start_k // 16 * 4 + gl.expand_dims(o_c * 4, 1) + gl.expand_dims(o_u, 0)).to(gl.uint32)
-    c_k = gl.expand_dims(gl.expand_dims(c_k, 0), 0)
-    zero = c_q * 0 + c_k * 0
-    w0, w1, w2, w3 = _philox(k0, k1, zero + c_k, zero + c_q, zero + i_h.to(gl.uint32),
-                             zero + i_b.to(gl.uint32))
-    # [a, r, c, u, x, y, z]: half z of word 2 y + x, then [a, y, r, c, x, u, z] = [rows, keys]
-    b_w = gl.join(gl.join(w0, w1), gl.join(w2, w3))
-    b_half = gl.join(b_w & 0xFFFF, b_w >> 16)
-    b_half = gl.reshape(gl.permute(b_half, (0, 5, 1, 2, 4, 3, 6)), (ROWS, BLOCK_N))
-    return gl.convert_layout(b_half, s_layout, assert_trivial=True) >= threshold
-
-
-@gluon.jit
-def _draw_rows(start_q, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """[ROWS / 16, 8, 1, 1] in _draw_layout: the counter's row word 8 a + r of a consumer
-    group's rows [start_q, + ROWS) (start_q a multiple of 16)."""
-    draw_layout: gl.constexpr = _draw_layout(ROWS, BLOCK_N)
-    ar_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, draw_layout))
-    o_a = gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, ar_layout))
-    o_r = gl.arange(0, 8, layout=gl.SliceLayout(0, ar_layout))
-    c_q = ((start_q // 16 + gl.expand_dims(o_a, 1)) * 8 + gl.expand_dims(o_r, 0)).to(gl.uint32)
-    return gl.expand_dims(gl.expand_dims(c_q, 2), 3)
 
 
 @gluon.jit
@@ -223,7 +156,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     unread. Writes the rows' output and lse (``o``, ``lse``, ``lse_log2`` point at the
     (batch, head)'s first row) and releases Q once its last S = Q K^T is done, so that the
     load warp fetches the next item's Q while this one's last P V and its stores run. Where
-    DROPOUT, each tile's keep mask is drawn (_dropout_keep, key (k0, k1), ``threshold``)
+    DROPOUT, each tile's keep mask is drawn (dropout_gluon.keep_rows, key (k0, k1), ``threshold``)
     while its S = Q K^T runs, and the output is scaled by 1 / (1 - dropout_p)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -247,7 +180,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     b_keep = 0
     c_q = 0
     if DROPOUT:
-        c_q = _draw_rows(start_m + WG * ROWS, ROWS, BLOCK_N)
+        c_q = draw_rows(start_m + WG * ROWS, ROWS, BLOCK_N)
     # the first tile's scores, alone
     mbarrier.wait(q_full, n_done & 1)
     s = c % STAGES
@@ -256,7 +189,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     s_tok = warpgroup_mma(b_q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     if DROPOUT:
-        b_keep = _dropout_keep(k0, k1, c_q, i_b, i_h, 0, threshold, ROWS, BLOCK_N, s_layout)
+        b_keep = keep_rows(k0, k1, c_q, i_b, i_h, 0, threshold, ROWS, BLOCK_N, s_layout)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     if MASK_LAST and n_own == 1:
         b_p, m_i, l_i, alpha = _softmax_last_tile(b_s, m_i, l_i, qk_scale, b_keep, o_q, o_n,
@@ -276,7 +209,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
         b_s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
         if DROPOUT:
-            b_keep = _dropout_keep(k0, k1, c_q, i_b, i_h, (j + 1) * BLOCK_N, threshold, ROWS,
+            b_keep = keep_rows(k0, k1, c_q, i_b, i_h, (j + 1) * BLOCK_N, threshold, ROWS,
                                    BLOCK_N, s_layout)
         if MASK_LAST and j + 2 == n_own:
             b_p, m_i, l_i, alpha = _softmax_last_tile(
@@ -330,9 +263,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
     k1 = 0
     threshold = 0
     if DROPOUT:
-        seed = gl.load(dropout_seed).to(gl.uint64)
-        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
-        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        k0, k1 = dropout_key(dropout_seed)
         threshold = (dropout_p * 65536.0).to(gl.uint32)
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for side in range(SIDES):
@@ -363,7 +294,9 @@ def attention_fwd_gluon_kernel(
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
     cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
     p + P, ... of the n_units (launch_gluon.work_units; _work_item). q_desc's tiles are one
-    consumer group's rows (64)."""
+    consumer group's rows (64). Where DROPOUT, P V takes the probabilities kept by the mask
+    of the int64 ``dropout_seed[0]`` and ``dropout_p`` (flashop/kernels/dropout_gluon.py),
+    the output scaled by 1 / (1 - dropout_p); lse is the undropped softmax's."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     GROUPS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(ROWS == 64, "consumer groups of 64 rows (a warp group's wgmma)")
