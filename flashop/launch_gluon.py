@@ -55,9 +55,10 @@ BWD_HEAD_DIMS = (64, 128)
 # none: slower at every length measured; entry 72 of docs/notes/performance-notes.md)
 BWD_MIN_KEYS = {(128, False): 8192, (128, True): 4096}
 # With dropout, the backward's rule instead: at least BWD_DROPOUT_MIN_KEYS[D, causal] keys,
-# where it measured faster than the tl kernels (its draws cost less; entry 74)
-BWD_DROPOUT_MIN_KEYS = {(128, False): 4096, (128, True): 4096, (64, False): 16384,
-                        (64, True): 16384}
+# where it measured faster than the tl kernels (its draws cost less; shorter calls were not
+# measured; entry 74)
+BWD_DROPOUT_MIN_KEYS = {(128, False): 1024, (128, True): 4096, (64, False): 1024,
+                        (64, True): 1024}
 
 
 @functools.lru_cache(maxsize=None)
