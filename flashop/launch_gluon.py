@@ -40,8 +40,10 @@ MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024}
 # with dropout, the (D, causal) where the Gluon forward measured faster than the tl one
-# (entry 74): elsewhere its draws cost more
-GLUON_DROPOUT = {(128, False)}
+# (entry 74): elsewhere its draws cost more; at D = 64 in two consumer groups of more
+# registers (three spill the draws)
+GLUON_DROPOUT = {(128, False), (64, False)}
+FWD_DROPOUT_TILES = {64: (128, 128, 3)}
 # the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
 # BWD_BLOCK_M, Q and dO BWD_STAGES deep
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
@@ -210,7 +212,7 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     forward takes them (launch._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    BLOCK_M, BLOCK_N, STAGES = FWD_TILES[D]
+    BLOCK_M, BLOCK_N, STAGES = FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if DROPOUT else FWD_TILES[D]
     units = work_units(S_q, B * H, BLOCK_M, causal)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),
