@@ -61,9 +61,14 @@ def test_dropout_with_modifiers_matches_reference_with_its_mask(dtype, data, see
     check_with_mask(case, data.draw(st.sampled_from([0.1, 0.5, 0.9])), seed)
 
 
-@pytest.mark.skipif(not (DEVICE == "cuda" and launch_gluon.available(torch.device(DEVICE))),
-                    reason="the Gluon forward needs a Hopper GPU and triton 3.6 (Triton's "
-                           "interpreter cannot run Gluon)")
+# the Gluon kernels run on Hopper GPUs under the Triton release they are written for
+ON_GLUON = pytest.mark.skipif(
+    not (DEVICE == "cuda" and launch_gluon.available(torch.device(DEVICE))),
+    reason="the Gluon kernels need a Hopper GPU and triton 3.6 (Triton's interpreter cannot "
+           "run Gluon)")
+
+
+@ON_GLUON
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data, seed):
@@ -89,9 +94,7 @@ def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data,
         assert result.ok, str(result)
 
 
-@pytest.mark.skipif(not (DEVICE == "cuda" and launch_gluon.available(torch.device(DEVICE))),
-                    reason="the Gluon backward needs a Hopper GPU and triton 3.6 (Triton's "
-                           "interpreter cannot run Gluon)")
+@ON_GLUON
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_backward_with_dropout_matches_reference_with_its_mask(dtype, data, seed):

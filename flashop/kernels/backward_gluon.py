@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from flashop.kernels.dropout_gluon import dropout_key, keep_keys
+from flashop.kernels.dropout_gluon import dropout_args, keep_keys
 
 
 @builtin
@@ -176,13 +176,9 @@ def _bwd_consumer_partition(
     b_dv = gl.zeros([KEYS, DV], gl.float32, dv_layout)
     o_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=key_layout)
     o_m = gl.arange(0, BLOCK_M, layout=query_layout)
-    k0 = 0
-    k1 = 0
-    threshold = 0
+    k0, k1, threshold = dropout_args(dropout_seed, dropout_p, DROPOUT)
     keep_scale = 1.0
     if DROPOUT:
-        k0, k1 = dropout_key(dropout_seed)
-        threshold = (dropout_p * 65536.0).to(gl.uint32)
         keep_scale = 1.0 / (1.0 - dropout_p)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):

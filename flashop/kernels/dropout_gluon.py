@@ -39,10 +39,18 @@ def philox(k0, k1, c0, c1, c2, c3):
 
 
 @gluon.jit
-def dropout_key(dropout_seed):
-    """Philox's 64-bit key, the int64 ``dropout_seed[0]``, as two uint32 words."""
-    seed = gl.load(dropout_seed).to(gl.uint64)
-    return (seed & 0xFFFFFFFF).to(gl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+def dropout_args(dropout_seed, dropout_p, DROPOUT: gl.constexpr):
+    """(k0, k1, threshold) where DROPOUT (zeros otherwise): Philox's 64-bit key, the int64
+    ``dropout_seed[0]``, as two uint32 words, and the 16 bits a kept pair reaches."""
+    k0 = gl.full([], 0, gl.uint32)
+    k1 = k0
+    threshold = k0
+    if DROPOUT:
+        seed = gl.load(dropout_seed).to(gl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        threshold = (dropout_p * 65536.0).to(gl.uint32)
+    return k0, k1, threshold
 
 
 @constexpr_function

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from flashop.kernels.dropout_gluon import dropout_key, draw_rows, keep_rows
+from flashop.kernels.dropout_gluon import dropout_args, draw_rows, keep_rows
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -259,12 +259,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
     order; where DROPOUT, Philox's key is the int64 ``dropout_seed[0]``."""
     c = 0
     n_done = 0
-    k0 = 0
-    k1 = 0
-    threshold = 0
-    if DROPOUT:
-        k0, k1 = dropout_key(dropout_seed)
-        threshold = (dropout_p * 65536.0).to(gl.uint32)
+    k0, k1, threshold = dropout_args(dropout_seed, dropout_p, DROPOUT)
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for side in range(SIDES):
             i_m, i_b, i_h, n_tiles = _work_item(u, side, n_m, H, S_k, BLOCK_M, BLOCK_N, CAUSAL)
