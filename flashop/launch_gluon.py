@@ -130,10 +130,9 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     """Whether the Gluon backward takes this call, with dQ's adds in key-tile order
     (``deterministic``) or not (dQ by atomics, which the caller asked for): where
     available, an eager call of the plain backward (and ``dropout``) with 16-bit inputs,
-    D == DV in
-    BWD_HEAD_DIMS, S_q == S_k where causal, a grid within bounds, and inputs its
-    descriptors can address; where deterministic, unless the switch forces it, the default
-    rule above (with dropout, BWD_DROPOUT_MIN_KEYS's).
+    D == DV in BWD_HEAD_DIMS, S_q == S_k where causal, a grid within bounds, and inputs its
+    descriptors can address; unless the switch forces it, the default rules above
+    (BWD_DROPOUT_MIN_KEYS with dropout, else BWD_MIN_KEYS where deterministic).
     config.settings.gluon False turns it off."""
     if not _takes_call(q, plain):
         return False
@@ -212,7 +211,8 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     forward takes them (launch._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    BLOCK_M, BLOCK_N, STAGES = FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if DROPOUT else FWD_TILES[D]
+    BLOCK_M, BLOCK_N, STAGES = (FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if DROPOUT
+                                else FWD_TILES[D])
     units = work_units(S_q, B * H, BLOCK_M, causal)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),

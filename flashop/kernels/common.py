@@ -222,12 +222,13 @@ def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
     of them) and ``start_k`` is a multiple of 16.
 
     A pure function of (seed, b, h, i, j), so every kernel and tile (the forward, both
-    backward kernels, transposed or not, the Gluon forward) draws the same mask whatever its
-    tiles. With i = 16 a + 8 y + r (r < 8) and j = 16 c + 8 x + 2 u + z (u < 4), one
-    Philox4x32-7 draw (``seed`` its 64-bit key) of the counter (4 c + u, 8 a + r, h, b)
-    gives four 32-bit words; the pair takes half z (the low one first) of word 2 y + x. These
-    eight pairs are the eight scores one thread of a Hopper wgmma accumulator holds in a
-    16-key column block, so a kernel holding its scores that way draws in place. A pair is
+    backward kernels, transposed or not, the Gluon forward and backward) draws the same mask
+    whatever its tiles. With i = 16 a + 8 y + r (r < 8) and j = 16 c + 8 x + 2 u + z
+    (u < 4), one Philox4x32-7 draw (``seed`` its 64-bit key) of the counter (4 c + u,
+    8 a + r, h, b) gives four 32-bit words; the pair takes half z (the low one first) of
+    word 2 y + x. These eight pairs are the eight scores one thread of a Hopper wgmma
+    accumulator holds in a 16-key column block, so a kernel holding its scores that way
+    draws in place (flashop/kernels/dropout_gluon.py). A pair is
     kept where its 16 bits are at least ``dropout_p * 65536``; the ops round dropout_p to a
     multiple of 2**-16 first (options.round_dropout_p), so the keep rate is exactly 1 -
     dropout_p."""

@@ -106,7 +106,8 @@ def _keys_layout(KEYS, BLOCK_M):
     draw (c, u, a, r) in the lanes 8 u + 4 z + r // 2 (z = 0, 1) of warp c, a register per
     (a, r % 2)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 0, 1]] + [[0, 0, 0, 1 << i, 0] for i in range((BLOCK_M // 16).bit_length() - 1)],
+        reg_bases=[[0, 0, 0, 0, 1]]
+        + [[0, 0, 0, 1 << i, 0] for i in range((BLOCK_M // 16).bit_length() - 1)],
         lane_bases=[[0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0],
                     [0, 2, 0, 0, 0]],
         warp_bases=[[1 << i, 0, 0, 0, 0] for i in range((KEYS // 16).bit_length() - 1)],
