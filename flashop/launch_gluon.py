@@ -55,7 +55,7 @@ BWD_HEAD_DIMS = (64, 128)
 # The deterministic backward's default rule (its dQ adds in key-tile order), where it
 # measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
 # none: slower at every length measured; entry 72 of docs/notes/performance-notes.md)
-BWD_MIN_KEYS = {(128, False): 8192, (128, True): 4096}
+BWD_MIN_KEYS = {(128, False): 4096, (128, True): 1536}
 # With dropout, the backward's rule instead: at least BWD_DROPOUT_MIN_KEYS[D, causal] keys,
 # where it measured faster than the tl kernels (its draws cost less; shorter calls were not
 # measured; entry 74)
