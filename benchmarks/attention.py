@@ -186,8 +186,11 @@ def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
         if "bwd" in passes:
             o = fn(q, k, v)
             do = torch.randn_like(o)
-            o.backward(do, retain_graph=True)  # warm-up
+            o.backward(do, retain_graph=True)  # warm-up (compiles)
             torch.cuda.synchronize()
+            _busy(lambda: o.backward(do, retain_graph=True))
+            for x in (q, k, v):
+                x.grad = None
             out["bwd"] = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True),
                                                  warmup=warmup, rep=rep,
                                                  grad_to_none=[q, k, v], return_mode="median")
