@@ -195,10 +195,12 @@ def _bwd_consumer_partition(
         dpt_tok = warpgroup_mma(b_v, b_do.permute((1, 0)), st_zero, use_acc=False,
                                 is_async=True)
         # the keep mask drawn under the two products where not causal, after them where
-        # causal: each measured the faster there (entry 74 of docs/notes/performance-notes.md)
+        # causal, its products by one instruction each where not causal (more registers
+        # spill where causal): each measured the faster there (entries 74 and 78 of
+        # docs/notes/performance-notes.md)
         if DROPOUT and not CAUSAL:
             b_keep = keep_keys(k0, k1, i_b, i_h, start_n + WG * KEYS, start_m, threshold,
-                               KEYS, BLOCK_M, st_layout)
+                               KEYS, BLOCK_M, st_layout, True)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
         if CAUSAL and start_m // BLOCK_M - m_lo < DIAGONAL_STEPS:
             b_pt = gl.exp2(gl.fma(
@@ -210,7 +212,7 @@ def _bwd_consumer_partition(
         if DROPOUT:
             if CAUSAL:
                 b_keep = keep_keys(k0, k1, i_b, i_h, start_n + WG * KEYS, start_m, threshold,
-                                   KEYS, BLOCK_M, st_layout)
+                                   KEYS, BLOCK_M, st_layout, False)
             b_dpt = gl.where(b_keep, b_dpt * keep_scale, 0.0)
         b_dst = b_pt * (b_dpt - gl.expand_dims(b_delta, 0))
         if DROPOUT:

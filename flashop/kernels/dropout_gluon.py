@@ -21,18 +21,38 @@ from triton.runtime.jit import constexpr_function
 
 
 @gluon.jit
-def philox(k0, k1, c0, c1, c2, c3):
+def _mul_wide(x, m):
+    """(high, low) words of the 64-bit product x * m (uint32 tensor and scalar): one
+    ``mul.wide.u32``, which ptxas makes one IMAD.WIDE, where mul.hi and mul.lo make two
+    instructions."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b64 t;\n\tmul.wide.u32 t, $2, $3;\n\tmov.b64 {$1, $0}, t;\n\t}",
+        "=r,=r,r,r", [x, m], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def philox(k0, k1, c0, c1, c2, c3, WIDE: gl.constexpr):
     """Philox4x32-7 of the counter (c0, c1, c2, c3) (uint32 tensors) under the key (k0, k1)
     (uint32 scalars): its four words. The same function as flashop/kernels/common.py's
-    philox, which the tl kernels draw with (Gluon cannot call it)."""
+    philox, which the tl kernels draw with (Gluon cannot call it). WIDE: each round's two
+    products by _mul_wide, one instruction each, else by mul.hi and mul.lo (two; fewer
+    registers live, where the draws run beside large accumulators)."""
     m0 = gl.full([], 0xD2511F53, gl.uint32)
     m1 = gl.full([], 0xCD9E8D57, gl.uint32)
     for _ in gl.static_range(7):
-        p0, p2 = c0, c2
-        c0 = gl.umulhi(m1, p2) ^ c1 ^ k0
-        c2 = gl.umulhi(m0, p0) ^ c3 ^ k1
-        c1 = m1 * p2
-        c3 = m0 * p0
+        if WIDE:
+            hi0, lo0 = _mul_wide(c0, m0)
+            hi2, lo2 = _mul_wide(c2, m1)
+            c0 = hi2 ^ c1 ^ k0
+            c2 = hi0 ^ c3 ^ k1
+            c1 = lo2
+            c3 = lo0
+        else:
+            p0, p2 = c0, c2
+            c0 = gl.umulhi(m1, p2) ^ c1 ^ k0
+            c2 = gl.umulhi(m0, p0) ^ c3 ^ k1
+            c1 = m1 * p2
+            c3 = m0 * p0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
     return c0, c1, c2, c3
@@ -92,7 +112,7 @@ def keep_rows(k0, k1, c_q, i_b, i_h, start_k, threshold, ROWS: gl.constexpr,
     c_k = gl.expand_dims(gl.expand_dims(c_k, 0), 0)
     zero = c_q * 0 + c_k * 0
     w0, w1, w2, w3 = philox(k0, k1, zero + c_k, zero + c_q, zero + i_h.to(gl.uint32),
-                            zero + i_b.to(gl.uint32))
+                            zero + i_b.to(gl.uint32), True)
     # [a, r, c, u, x, y, z]: half z of word 2 y + x, then [a, y, r, c, x, u, z] = [rows, keys]
     b_w = gl.join(gl.join(w0, w1), gl.join(w2, w3))
     b_half = gl.join(b_w & 0xFFFF, b_w >> 16)
@@ -116,11 +136,11 @@ def _keys_layout(KEYS, BLOCK_M):
 
 @gluon.jit
 def keep_keys(k0, k1, i_b, i_h, start_k, start_q, threshold, KEYS: gl.constexpr,
-              BLOCK_M: gl.constexpr, st_layout: gl.constexpr):
+              BLOCK_M: gl.constexpr, st_layout: gl.constexpr, WIDE: gl.constexpr):
     """The keep mask [KEYS, BLOCK_M] of a consumer group's transposed scores (keys
     [start_k, + KEYS) on rows, queries [start_q, + BLOCK_M) on columns, both starts
     multiples of 16, in ``st_layout``, the wgmma accumulator's) of head i_h of batch entry
-    i_b. A pair is kept where its 16 bits reach ``threshold``."""
+    i_b. A pair is kept where its 16 bits reach ``threshold``. WIDE: as philox's."""
     layout: gl.constexpr = _keys_layout(KEYS, BLOCK_M)
     l4: gl.constexpr = gl.SliceLayout(4, layout)
     l3: gl.constexpr = gl.SliceLayout(3, l4)
@@ -141,7 +161,7 @@ def keep_keys(k0, k1, i_b, i_h, start_k, start_q, threshold, KEYS: gl.constexpr,
     c_q = gl.expand_dims(gl.expand_dims(gl.expand_dims(c_q, 0), 0), 0)
     zero = c_k * 0 + c_q * 0 + o_z.to(gl.uint32) * 0
     w0, w1, w2, w3 = philox(k0, k1, zero + c_k, zero + c_q, zero + i_h.to(gl.uint32),
-                            zero + i_b.to(gl.uint32))
+                            zero + i_b.to(gl.uint32), WIDE)
     hi = (zero + o_z.to(gl.uint32)) == 1
     h0 = gl.where(hi, w0 >> 16, w0 & 0xFFFF)
     h1 = gl.where(hi, w1 >> 16, w1 & 0xFFFF)
