@@ -1,9 +1,11 @@
 """Experiment (performance notes, entry 76): the deterministic Gluon backward with dQ summed
 in fixed point (int32 limbs, launch_gluon.DQ_FIXED_POINT) against its fp32 adds in key-tile
-order (DQ_FIXED_POINT off), the atomics form, the tl kernels and cuDNN. First checks (three
-runs bitwise equal; the largest error of dQ, dK, dV to an fp64 reference beside the tl
-kernels'), then backward TFLOP/s, modes alternating in rounds. Hopper, triton 3.6; not
-run by CI. Usage: python gluon_backward_fixed_point.py [D,...] (default 128,64)."""
+order (DQ_FIXED_POINT off), the atomics form, the tl kernels and cuDNN; runs on a checkout
+of 2b9ac9f with gluon_backward_fixed_point.patch applied (the change was not kept). First
+checks (three runs bitwise equal; the largest error of dQ, dK, dV to an fp64 reference
+beside the tl kernels'), then backward TFLOP/s, modes alternating in rounds. Hopper,
+triton 3.6; not run by CI. Usage: python gluon_backward_fixed_point.py [D,...] (default
+128,64)."""
 import os, sys
 sys.path.insert(0, os.getcwd())
 import torch, triton
