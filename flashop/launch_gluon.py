@@ -25,9 +25,12 @@ GLUON_TRITON = (3, 6)
 # the forward's tiles per head dim: (BLOCK_M query rows, FWD_GROUP_ROWS per consumer group;
 # BLOCK_N keys, a multiple of FWD_GROUP_ROWS, so that a causal group's diagonal is one key
 # tile; STAGES of K and V in shared memory). Three groups at D = 64 (entry 69 of
-# docs/notes/performance-notes.md)
+# docs/notes/performance-notes.md); at D = 256, 64 keys in two stages (what fits Hopper's
+# shared memory beside the Q tile), whose K and V buffers are released apart
+# (FWD_KV_APART: entry 79)
 FWD_GROUP_ROWS = 64
-FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3)}
+FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3), 256: (128, 64, 2)}
+FWD_KV_APART = {256}
 # registers per thread of each consumer group (by the number of groups) and of the load
 # warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
 CONSUMER_REGS = {2: 232, 3: 160}
@@ -36,9 +39,11 @@ MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv (dQ by atom
 MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
-# least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 of docs/notes/performance-notes.md)
+# least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 and 79 of
+# docs/notes/performance-notes.md)
 GLUON_MIN_QUERIES = 1024
-GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024}
+GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024,
+                  (256, False): 1024, (256, True): 1024}
 # with dropout, the (D, causal) where the Gluon forward measured faster than the tl one
 # (entry 74): elsewhere its draws cost more; at D = 64 in two consumer groups of more
 # registers (three spill the draws)
@@ -221,8 +226,9 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
         **_strides("o", out), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         S_q=S_q, S_k=S_k, H=H, G=H // H_kv, n_units=units, qk_scale=qk_scale,
         dropout_seed=dropout_seed, dropout_p=dropout_p,
-        D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
-        MASK_LAST=causal or S_k % BLOCK_N != 0, DROPOUT=DROPOUT,
+        D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        KV_APART=D in FWD_KV_APART, CAUSAL=causal, MASK_LAST=causal or S_k % BLOCK_N != 0,
+        DROPOUT=DROPOUT,
         CONSUMER_REGS=CONSUMER_REGS[BLOCK_M // FWD_GROUP_ROWS], LOAD_REGS=LOAD_REGS,
         num_warps=4)
 

@@ -199,7 +199,7 @@ def _takes_gluon(case: Case) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_forward_matches_reference(dtype, data, seed):
-    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: head dims 64 and 128, causal and
+    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: head dims 64, 128 and 256, causal and
     not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale;
     its lse feeds the tl backward. Its grid, one program per SM, is drawn smaller too, so
     that each program takes several work units (its buffers carried from one to the next)."""
@@ -332,10 +332,10 @@ def test_where_the_gluon_backward_runs(monkeypatch):
 
 
 def test_where_the_gluon_forward_runs(monkeypatch):
-    """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with positive
-    scales and 16-byte aligned strides; by default, from 1024 queries, calls over 1024+ keys
-    at D = 128, and at D = 64 over 2048+ keys (4096+ where causal); never a traced call,
-    and nowhere the kernel is unavailable (here: this run's device)."""
+    """Plain dense 16-bit calls at D = 64, 128 and 256 (S_q == S_k where causal) with
+    positive scales and 16-byte aligned strides; by default, from 1024 queries, calls over
+    1024+ keys at D = 128 and 256, and at D = 64 over 2048+ keys (4096+ where causal); never
+    a traced call, and nowhere the kernel is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is True)
@@ -348,7 +348,8 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert _takes_gluon(replace(base, layout="bhsd", dtype=torch.float16))
         assert _takes_gluon(replace(base, S_k=257, S_q=1))
         assert _takes_gluon(replace(causal, D=64, DV=64))
-        for other in (dict(causal=True), dict(D=96, DV=96), dict(D=256, DV=256), dict(DV=64),
+        assert _takes_gluon(replace(causal, D=256, DV=256))
+        for other in (dict(causal=True), dict(D=96, DV=96), dict(D=192, DV=192), dict(DV=64),
                       dict(dtype=torch.float32), dict(scale=-0.1), dict(layout="padded")):
             assert not _takes_gluon(replace(base, **other)), other
         q, k, v = make_inputs(base)[0]
@@ -374,6 +375,12 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert not _takes_gluon(replace(long_causal, **d64))  # measured slower below 4k
         n64 = min_keys[64, True]
         assert _takes_gluon(replace(long_causal, S_q=n64, S_k=n64, **d64))
+        d256 = dict(D=256, DV=256)
+        for c in (False, True):
+            n256 = min_keys[256, c]
+            assert _takes_gluon(replace(long_causal, causal=c, S_q=n256, S_k=n256, **d256))
+            assert not _takes_gluon(replace(long_causal, causal=c, S_q=n256 - 1, S_k=n256 - 1,
+                                            **d256))
         # with dropout, only where it measured faster than the tl forward: D = 128, not causal
         q, k, v = make_inputs(replace(base, S_k=min_keys[128, False], S_q=n))[0]
         assert launch_gluon.serves(q, k, v, False, 0.1, plain=True, dropout=True)

@@ -307,11 +307,12 @@ for dtype in (torch.bfloat16, torch.float32):
         out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
                                        cu_k, S_q, S_k, sinks=sinks, causal=True, dropout_p=0.5)
         out.sum().backward()
-    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1) and backward, D=64 and 128
-        if dtype == torch.bfloat16:
+    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1), D=64, 128 and 256, and
+        if dtype == torch.bfloat16:  # backward, D=64 and 128
             for causal, layout, Dg, p in ((False, "bshd", 128, 0.0), (True, "bhsd", 128, 0.0),
                                           (True, "bshd", 64, 0.0), (False, "bhsd", 64, 0.0),
-                                          (True, "bshd", 128, 0.3), (False, "bhsd", 64, 0.3)):
+                                          (True, "bshd", 128, 0.3), (False, "bhsd", 64, 0.3),
+                                          (False, "bhsd", 256, 0.0), (True, "bshd", 256, 0.0)):
                 S_q = S_k if causal else S_q
                 shape = lambda S, h: (B, h, S, Dg) if layout == "bhsd" else (B, S, h, Dg)
                 qg, kg, vg = (torch.randn(shape(S, h), device="cuda", dtype=dtype)
@@ -367,9 +368,9 @@ print("sanitized")
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
-# forward at D=128 and 64 (causal and not, and with dropout) over the shape's batch, lengths
-# and heads, and the Gluon backward at D=128 and 64 (its dQ adds in key-tile order; by
-# atomics with FLASHOP_DQ_ATOMICS=1)
+# forward at D=128, 64 and 256 (causal and not; with dropout at D=128 and 64) over the
+# shape's batch, lengths and heads, and the Gluon backward at D=128 and 64 (its dQ adds in
+# key-tile order; by atomics with FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
                    ("gluon", "0"), ("gluon", "1")]

@@ -9,7 +9,11 @@ of BLOCK_M rows of one (batch, head), or where causal a pair of them) and runs i
 partitions over its units:
 - a load warp: each item's Q, then its K and V tile by tile through tensor descriptors
   (TMA) into STAGES shared buffers, refilling a buffer once every consumer group released
-  it, and running ahead into the next item while the consumers finish one;
+  it, and running ahead into the next item while the consumers finish one. Where
+  KV_APART (two stages of 64 keys at D = 256: what fits beside Q), K and V buffers have
+  barriers of their own, a K tile released once its scores are computed and a V tile once
+  its P V is, so that the next K loads while P V runs (entry 79 of
+  docs/notes/performance-notes.md); else a tile's K and V share one;
 - BLOCK_M / 64 consumer warp groups (two or three) of 64 rows each: S = Q K^T and O += P V
   by wgmma, with S_{j+1} issued together with P_j V_j, so the softmax of S_{j+1} runs while
   P_j V_j does.
@@ -101,17 +105,56 @@ def _work_item(u, side, n_m, H, S_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
+def _kv_apart(full, STAGES: gl.constexpr):
+    """Whether K and V buffers have barriers of their own (``full`` holds 2 * STAGES: the K
+    buffers', then the V buffers'), or share one per stage."""
+    return full.shape[0] > STAGES
+
+
+@gluon.jit
+def _wait_k(full, t, STAGES: gl.constexpr):
+    """Wait for the program's t-th key tile's K (where they share a barrier, and V)."""
+    mbarrier.wait(full.index(t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def _wait_v(full, t, STAGES: gl.constexpr):
+    """Wait for the t-th key tile's V where it has a barrier of its own (else _wait_k did)."""
+    if _kv_apart(full, STAGES):
+        mbarrier.wait(full.index(STAGES + t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def _release_k(empty, t, STAGES: gl.constexpr):
+    """This consumer group is done with the t-th key tile's K (where they share a barrier,
+    _release_v releases both)."""
+    if _kv_apart(empty, STAGES):
+        mbarrier.arrive(empty.index(t % STAGES), count=1)
+
+
+@gluon.jit
+def _release_v(empty, t, STAGES: gl.constexpr):
+    """This consumer group is done with the t-th key tile's V (and its K where they share
+    a barrier)."""
+    if _kv_apart(empty, STAGES):
+        mbarrier.arrive(empty.index(STAGES + t % STAGES), count=1)
+    else:
+        mbarrier.arrive(empty.index(t % STAGES), count=1)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, full,
-                    empty, n_units, n_m, H, G, S_k, STAGES: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    SIDES: gl.constexpr):
+                    empty, n_units, n_m, H, G, S_k, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, SIDES: gl.constexpr):
     """The load warp, over this program's work items: Q once every consumer group is done
     with the previous item's, then K and V of each key tile into buffer c % STAGES (c
     counts the program's key tiles over all its items), once every consumer group released
-    that buffer's previous tile. A [rows, D] buffer takes a [1, rows, 1, D] tile of the
-    (B, S, H, D) input; Q comes as one [ROWS, D] buffer per consumer group."""
+    that buffer's previous tile (its K and V apart where they have barriers of their own,
+    _kv_apart). A [rows, D] buffer takes a [1, rows, 1, D] tile of the (B, S, H, D) input;
+    Q comes as one [ROWS, D] buffer per consumer group."""
     GROUPS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
     c = 0
     n_done = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
@@ -128,15 +171,25 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
                 i_hk = i_h // G
                 for j in range(n_tiles):
                     s = c % STAGES
+                    v_bar = s  # V's barrier
+                    if _kv_apart(full, STAGES):
+                        v_bar = STAGES + s
                     if c >= STAGES:
                         mbarrier.wait(empty.index(s), ((c // STAGES) - 1) & 1)
-                    mbarrier.expect(full.index(s),
-                                    k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                    if _kv_apart(full, STAGES):
+                        mbarrier.expect(full.index(s), k_desc.block_type.nbytes)
+                    else:
+                        mbarrier.expect(full.index(s),
+                                        k_desc.block_type.nbytes + v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(
                         k_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
                         k_smem.index(s).reshape(k_desc.block_type.shape))
+                    if _kv_apart(full, STAGES):
+                        if c >= STAGES:
+                            mbarrier.wait(empty.index(v_bar), ((c // STAGES) - 1) & 1)
+                        mbarrier.expect(full.index(v_bar), v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(
-                        v_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
+                        v_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(v_bar),
                         v_smem.index(s).reshape(v_desc.block_type.shape))
                     c += 1
                 n_done += 1
@@ -147,17 +200,17 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
                  stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c, n_done,
                  i_b, i_h, k0, k1, threshold, dropout_p,
                  WG: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
-                 DROPOUT: gl.constexpr):
-    """Consumer group WG on one work item of n_tiles key tiles, the first in buffer c %
-    STAGES; the item is the program's n_done-th. The group's query rows are [start_m + WG *
-    ROWS, + ROWS); where CAUSAL its keys end with its diagonal tile, which may come before
-    the item's last (three groups over 128-key tiles), and it releases the tiles after it
-    unread. Writes the rows' output and lse (``o``, ``lse``, ``lse_log2`` point at the
-    (batch, head)'s first row) and releases Q once its last S = Q K^T is done, so that the
-    load warp fetches the next item's Q while this one's last P V and its stores run. Where
-    DROPOUT, each tile's keep mask is drawn (dropout_gluon.keep_rows, key (k0, k1), ``threshold``)
-    while its S = Q K^T runs, and the output is scaled by 1 / (1 - dropout_p)."""
+                 CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr, DROPOUT: gl.constexpr):
+    """Consumer group WG on one work item of n_tiles key tiles, the first the program's
+    c-th (in buffer c % STAGES); the item is the program's n_done-th. The group's query
+    rows are [start_m + WG * ROWS, + ROWS); where CAUSAL its keys end with its diagonal
+    tile, which may come before the item's last (three groups over 128-key tiles), and it
+    releases the tiles after it unread. Writes the rows' output and lse (``o``, ``lse``,
+    ``lse_log2`` point at the (batch, head)'s first row) and releases Q once its last S = Q
+    K^T is done, so that the load warp fetches the next item's Q while this one's last P V
+    and its stores run. Where DROPOUT, each tile's keep mask is drawn
+    (dropout_gluon.keep_rows, key (k0, k1), ``threshold``) while its S = Q K^T runs, and
+    the output is scaled by 1 / (1 - dropout_p)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -167,6 +220,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = q_smem.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
     b_q = q_smem.index(WG)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -183,14 +237,14 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         c_q = draw_rows(start_m + WG * ROWS, ROWS, BLOCK_N)
     # the first tile's scores, alone
     mbarrier.wait(q_full, n_done & 1)
-    s = c % STAGES
-    mbarrier.wait(full.index(s), (c // STAGES) & 1)
+    _wait_k(full, c, STAGES)
     # [ROWS, BLOCK_N]
-    s_tok = warpgroup_mma(b_q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
+    s_tok = warpgroup_mma(b_q, k_smem.index(c % STAGES).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
     if DROPOUT:
         b_keep = keep_rows(k0, k1, c_q, i_b, i_h, 0, threshold, ROWS, BLOCK_N, s_layout)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    _release_k(empty, c, STAGES)
     if MASK_LAST and n_own == 1:
         b_p, m_i, l_i, alpha = _softmax_last_tile(b_s, m_i, l_i, qk_scale, b_keep, o_q, o_n,
                                                   S_k, dtype, p_layout, CAUSAL, DROPOUT)
@@ -199,15 +253,15 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
                                              DROPOUT)
     # S_{j+1} and O += P_j V_j issued together; the softmax of S_{j+1} under P_j V_j
     for j in range(n_own - 1):
-        s = (c + j) % STAGES
-        s1 = (c + j + 1) % STAGES
-        mbarrier.wait(full.index(s1), ((c + j + 1) // STAGES) & 1)
+        _wait_k(full, c + j + 1, STAGES)
         # [ROWS, BLOCK_N]
-        s_tok = warpgroup_mma(b_q, k_smem.index(s1).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
+        s_tok = warpgroup_mma(b_q, k_smem.index((c + j + 1) % STAGES).permute((1, 0)),
+                              s_zero, use_acc=False, is_async=True)
+        _wait_v(full, c + j, STAGES)
         # [ROWS, DV]
-        acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
+        acc_tok = warpgroup_mma(b_p, v_smem.index((c + j) % STAGES), acc, is_async=True)
         b_s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        _release_k(empty, c + j + 1, STAGES)
         if DROPOUT:
             b_keep = keep_rows(k0, k1, c_q, i_b, i_h, (j + 1) * BLOCK_N, threshold, ROWS,
                                    BLOCK_N, s_layout)
@@ -219,20 +273,21 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
             b_p, m_i, l_i, alpha = _softmax_tile(b_s, m_i, l_i, qk_scale, b_keep, dtype,
                                                  p_layout, DROPOUT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-        mbarrier.arrive(empty.index(s), count=1)
+        _release_v(empty, c + j, STAGES)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     mbarrier.arrive(q_empty, count=1)
-    s = (c + n_own - 1) % STAGES
+    _wait_v(full, c + n_own - 1, STAGES)
     # [ROWS, DV]
-    acc_tok = warpgroup_mma(b_p, v_smem.index(s), acc, is_async=True)
+    acc_tok = warpgroup_mma(b_p, v_smem.index((c + n_own - 1) % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-    mbarrier.arrive(empty.index(s), count=1)
+    _release_v(empty, c + n_own - 1, STAGES)
     # the item's tiles past the group's own, which the other groups read (each released
     # once loaded, so that no release counts toward a later fill of its buffer)
     for j in range(n_own, n_tiles):
-        s = (c + j) % STAGES
-        mbarrier.wait(full.index(s), ((c + j) // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
+        _wait_k(full, c + j, STAGES)
+        _release_k(empty, c + j, STAGES)
+        _wait_v(full, c + j, STAGES)
+        _release_v(empty, c + j, STAGES)
     # every row attends at least one key (S_k >= 1; causal: its own), so l_i > 0
     l_o = gl.convert_layout(l_i, orow_layout)
     if DROPOUT:
@@ -253,7 +308,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                         stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
                         n_units, n_m, H, S_q, S_k, qk_scale, dropout_seed, dropout_p,
                         WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        DV: gl.constexpr, CAUSAL: gl.constexpr,
                         MASK_LAST: gl.constexpr, SIDES: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer group WG over this program's work items (_attend_item), in the load warp's
     order; where DROPOUT, Philox's key is the int64 ``dropout_seed[0]``."""
@@ -269,7 +324,7 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                 c = _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
                                  o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os, stride_od,
                                  i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c, n_done, i_b,
-                                 i_h, k0, k1, threshold, dropout_p, WG, BLOCK_N, DV, STAGES,
+                                 i_h, k0, k1, threshold, dropout_p, WG, BLOCK_N, DV,
                                  CAUSAL, MASK_LAST, DROPOUT)
                 n_done += 1
 
@@ -280,8 +335,9 @@ def attention_fwd_gluon_kernel(
     stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
     S_q, S_k, H, G, n_units, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr,
-    DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    STAGES: gl.constexpr, KV_APART: gl.constexpr, CAUSAL: gl.constexpr,
+    MASK_LAST: gl.constexpr, DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
 ):
     """out[b, i, h] = softmax(scale * q_i . K^T) V over the (batch, head)'s keys (the
     module's docstring has the partitions), lse[b, h, i] in natural log and lse_log2 in
@@ -289,7 +345,8 @@ def attention_fwd_gluon_kernel(
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
     cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
     p + P, ... of the n_units (launch_gluon.work_units; _work_item). q_desc's tiles are one
-    consumer group's rows (64). Where DROPOUT, P V takes the probabilities kept by the mask
+    consumer group's rows (64). KV_APART: K and V buffers released apart (the module's
+    docstring). Where DROPOUT, P V takes the probabilities kept by the mask
     of the int64 ``dropout_seed[0]`` and ``dropout_p`` (flashop/kernels/dropout_gluon.py),
     the output scaled by 1 / (1 - dropout_p); lse is the undropped softmax's."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
@@ -298,6 +355,7 @@ def attention_fwd_gluon_kernel(
     gl.static_assert(GROUPS * ROWS == BLOCK_M and (GROUPS == 2 or GROUPS == 3),
                      "two or three consumer groups")
     gl.static_assert(BLOCK_N % ROWS == 0, "a consumer group's rows within one key tile")
+    gl.static_assert(STAGES >= 2, "a tile loading while one is read")
     n_m = gl.cdiv(S_q, BLOCK_M)
     SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -310,11 +368,13 @@ def attention_fwd_gluon_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], smem_layout)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # a barrier per stage, or where KV_APART the K buffers' then the V buffers' (_kv_apart)
+    BARRIERS: gl.constexpr = 2 * STAGES if KV_APART else STAGES
+    full = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_full, count=1)
     mbarrier.init(q_empty, count=GROUPS)  # every consumer group releases Q
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(BARRIERS):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=GROUPS)  # every consumer group releases a buffer
     # (each partition's arguments written out: in a tuple, Triton 3.6 passes constexprs as
@@ -324,15 +384,15 @@ def attention_fwd_gluon_kernel(
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
                                    CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
                                    CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
-                               q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
+                               q_empty, full, empty, n_units, n_m, H, G, S_k,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
         ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
     else:
@@ -340,19 +400,19 @@ def attention_fwd_gluon_kernel(
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
                                    CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
                                    CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                                    lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                                    stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 2, BLOCK_M, BLOCK_N, DV, STAGES,
+                                   dropout_seed, dropout_p, 2, BLOCK_M, BLOCK_N, DV,
                                    CAUSAL, MASK_LAST, SIDES, DROPOUT)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
-                               q_empty, full, empty, n_units, n_m, H, G, S_k, STAGES,
+                               q_empty, full, empty, n_units, n_m, H, G, S_k,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOAD_REGS])
