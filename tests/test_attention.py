@@ -379,8 +379,9 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         for c in (False, True):
             n256 = min_keys[256, c]
             assert _takes_gluon(replace(long_causal, causal=c, S_q=n256, S_k=n256, **d256))
-            assert not _takes_gluon(replace(long_causal, causal=c, S_q=n256 - 1, S_k=n256 - 1,
-                                            **d256))
+        assert not _takes_gluon(replace(base, S_q=n, S_k=min_keys[256, False] - 1, **d256))
+        n256 = min_keys[256, True]  # causal: S_q == S_k
+        assert not _takes_gluon(replace(long_causal, S_q=n256 - 1, S_k=n256 - 1, **d256))
         # with dropout, only where it measured faster than the tl forward: D = 128, not causal
         q, k, v = make_inputs(replace(base, S_k=min_keys[128, False], S_q=n))[0]
         assert launch_gluon.serves(q, k, v, False, 0.1, plain=True, dropout=True)
