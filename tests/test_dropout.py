@@ -10,7 +10,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
@@ -52,12 +52,37 @@ def check_with_mask(case: Case, dropout_p: float, seed: int):
         assert result.ok, str(result)
 
 
+def most_keys_a_row_attends(case: Case, attn_mask) -> int:
+    """The most keys any query row of ``case`` attends, under its causal or window bound and
+    its attn_mask (a float mask's -inf entries mask)."""
+    i = torch.arange(case.S_q)[:, None] + (case.S_k - case.S_q)
+    j = torch.arange(case.S_k)[None, :]
+    left, right = case.window_size
+    if case.causal:
+        right = 0
+    keep = torch.ones(case.S_q, case.S_k, dtype=torch.bool)
+    if right >= 0:
+        keep = keep & (j <= i + right)
+    if left >= 0:
+        keep = keep & (j >= i - left)
+    if attn_mask is not None:
+        mask = attn_mask.detach().cpu()
+        keep = keep & (mask if mask.dtype == torch.bool else mask != float("-inf"))
+    return int(keep.sum(-1).max()) if keep.numel() else 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_dropout_with_modifiers_matches_reference_with_its_mask(dtype, data, seed):
+    """Calls in which some row attends two keys or more: where every row attends at most one
+    key (one key; a window of width one; a sparse mask), every row's probability sits on one
+    key, which leaves the rule in every backward (delta's rounding, docs/modifiers.md; the
+    GPU drew such a call: one query over one key, fp16, dQ 3.2e-3 against a bound of
+    1.7e-3)."""
     case = data.draw(modified_cases(dtype))
     case = dataclasses.replace(case, sinks=data.draw(st.sampled_from([None, torch.float32])))
+    assume(most_keys_a_row_attends(case, make_modifiers(case, seed)["attn_mask"]) >= 2)
     check_with_mask(case, data.draw(st.sampled_from([0.1, 0.5, 0.9])), seed)
 
 

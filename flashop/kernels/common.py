@@ -5,12 +5,16 @@ heads, ``G`` query heads per key/value head, ``D``/``DV`` head dims of q,k and o
 prefixes ``i_`` program ids, ``o_`` offsets, ``m_`` masks, ``p_`` pointers, ``b_`` blocks.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 # Triton reads module-level globals in kernels only when they are tl.constexpr
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log units -> base-2 units
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 units -> natural-log units
+# Philox's products by inline PTX (philox), on NVIDIA GPUs: not under Triton's interpreter,
+# which cannot run PTX (it takes the same products from mul.hi and mul.lo)
+PTX_PRODUCTS = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
 
 
 @triton.jit
@@ -257,12 +261,25 @@ def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def _mul_wide(x, m):
+    """(high, low) words of the 64-bit product x * m (uint32 block and scalar): one
+    ``mul.wide.u32``, which ptxas makes one IMAD.WIDE, where mul.hi and mul.lo make two.
+    The PTX is one line: Inductor copies a kernel's source into its generated module, where
+    a backslash escape in a string literal broke it (torch 2.11)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }",
+        "=r,=r,r,r", [x, m], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
 def philox(seed, c0, c1, c2, c3):
     """Philox4x32-7 (Salmon et al., SC'11; 7 rounds, as FlashAttention-2's and PyTorch's
     fused dropout draw) of the counter (c0, c1, c2, c3) (uint32 blocks) under
     the 64-bit key ``seed``: its four 32-bit words. Written here rather than taken
     from triton.language.random: Inductor copies a user kernel's helpers into its generated
-    code, and that module's helpers read a module global it does not copy."""
+    code, and that module's helpers read a module global it does not copy. Each round's two
+    products come from one ``mul.wide.u32`` each on NVIDIA GPUs (PTX_PRODUCTS; entry 78 of
+    docs/notes/performance-notes.md), else from mul.hi and mul.lo: the same words."""
     seed = seed.to(tl.uint64)  # a loaded scalar
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -271,11 +288,19 @@ def philox(seed, c0, c1, c2, c3):
     w0 = tl.full([], 0x9E3779B9, tl.uint32)
     w1 = tl.full([], 0xBB67AE85, tl.uint32)
     for _ in tl.static_range(7):
-        p0, p2 = c0, c2
-        c0 = tl.umulhi(m1, p2) ^ c1 ^ k0
-        c2 = tl.umulhi(m0, p0) ^ c3 ^ k1
-        c1 = m1 * p2
-        c3 = m0 * p0
+        if PTX_PRODUCTS:
+            hi0, lo0 = _mul_wide(c0, m0)
+            hi2, lo2 = _mul_wide(c2, m1)
+            c0 = hi2 ^ c1 ^ k0
+            c2 = hi0 ^ c3 ^ k1
+            c1 = lo2
+            c3 = lo0
+        else:
+            p0, p2 = c0, c2
+            c0 = tl.umulhi(m1, p2) ^ c1 ^ k0
+            c2 = tl.umulhi(m0, p0) ^ c3 ^ k1
+            c1 = m1 * p2
+            c3 = m0 * p0
         k0 = k0 + w0
         k1 = k1 + w1
     return c0, c1, c2, c3
