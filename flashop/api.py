@@ -40,6 +40,23 @@ def _direct(*tensors: Optional[Tensor]) -> bool:
             and not torch._C._get_tracing_state())
 
 
+# one fp32 zero per device, never written: the gradient of an lse that no loss reads
+_ZEROS: dict = {}
+
+
+def _zero_rows(lse: Tensor) -> Tensor:
+    """Zeros of ``lse``'s shape in fp32, as a view of one zero element (strides 0, which the
+    backward kernels index like any strides): no allocation or fill per backward. Made
+    afresh while a CUDA graph is captured (a tensor made then belongs to the graph's
+    memory)."""
+    if lse.is_cuda and torch.cuda.is_current_stream_capturing():
+        return lse.new_zeros(()).expand(lse.shape)
+    zero = _ZEROS.get(lse.device)
+    if zero is None:
+        zero = _ZEROS[lse.device] = lse.new_zeros(())
+    return zero.expand(lse.shape)
+
+
 class _DirectAttention(torch.autograd.Function):
     """The forward operator's body with autograd through the backward operator, as the
     operator's registered autograd does it (flashop/ops.py); returns (out, lse)."""
@@ -55,11 +72,18 @@ class _DirectAttention(torch.autograd.Function):
         ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g, sinks, seed), out,
                            lse_log2, dict(causal=causal, scale=scale, window_size=window_size,
                                           softcap=softcap, dropout_p=dropout_p))
+        # an output that no loss reads gets no gradient (None) rather than a zeroed tensor
+        # made and filled on every backward: see _zero_rows
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         saved, needs = ctx.saved_tensors, ctx.needs_input_grad[:8]
+        if dout is None:
+            dout = torch.zeros_like(saved[3])  # the output
+        if dlse is None:
+            dlse = _zero_rows(saved[4])  # lse_log2: the lse's shape, fp32
         if _direct(dout, dlse) and not torch.is_grad_enabled():
             # the backward operator's body, as the forward's (a backward that builds a graph,
             # create_graph=True, goes through the operator, which has no derivative)

@@ -214,14 +214,34 @@ def _hooked(hook) -> bool:
     return hook is not None and getattr(hook, "calls", True) != []
 
 
+# the types of a call's values -> (the positions of its tensors, a getter of the others)
+_SPLITS: dict = {}
+
+
+def _split(types: tuple) -> tuple:
+    split = _SPLITS.get(types)
+    if split is None:
+        tensors = tuple(i for i, t in enumerate(types) if issubclass(t, _Tensor))
+        others = tuple(i for i in range(len(types)) if i not in tensors)
+        getter = (operator.itemgetter(*others) if len(others) > 1
+                  else (lambda values: (values[others[0]],)) if others
+                  else (lambda values: ()))
+        if len(_SPLITS) >= 4096:  # as many as the kernels' distinct argument lists
+            _SPLITS.clear()
+        split = _SPLITS[types] = (tensors, getter)
+    return split
+
+
 def _call_key(values: tuple) -> tuple:
     """What Triton specialises a call on, or finer: each tensor's dtype and whether its
     address is 16-byte aligned; every other argument (integers, floats, flags, strings,
     descriptors that define equality by dtype and block; Triton's options) by type and
-    value."""
-    return (tuple(map(type, values)),
-            tuple([(v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor) else v
-                   for v in values]))
+    value. (The positions of the tensors are found once per list of types: a launch looks
+    at its tensors alone.)"""
+    types = tuple(map(type, values))
+    tensors, others = _split(types)
+    return (types, others(values),
+            tuple([(values[i].dtype, not values[i].data_ptr() & 15) for i in tensors]))
 
 
 def launch_kernel(kernel, grid: tuple, **kwargs) -> None:

@@ -94,6 +94,25 @@ def test_cuda_graph_capture_and_replay():
     _assert_replay_equals_eager(step)
 
 
+def test_cuda_graph_capture_of_the_python_apis_backward():
+    """flashop.attention's eager path (its own autograd function, whose backward takes an
+    unread lse's gradient as a shared zero element) is capturable too, forward and backward:
+    the zero is made afresh inside a capture and is not kept, and replays equal eager."""
+    case = Case(B=1, S_q=130, S_k=257, H_kv=2, G=2, D=128, DV=128, dtype=torch.bfloat16,
+                causal=True)
+    (q, k, v), dout, _ = make_inputs(case)
+    flashop.api._ZEROS.clear()
+
+    def step():
+        # leaves of this step (their autograd nodes on the stream that captures it)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = flashop.attention(*leaves, causal=True)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    _assert_replay_equals_eager(step)
+    assert all(z.item() == 0 for z in flashop.api._ZEROS.values())
+
+
 def test_cuda_graph_capture_of_packed_batches_with_modifiers():
     """attention_varlen (gate, window, ALiBi) needs no host synchronisation either: the
     offsets stay on the device."""

@@ -91,6 +91,25 @@ def test_the_direct_eager_path_matches_the_operator_bitwise(case):
         assert torch.equal(direct, op)
 
 
+def test_the_direct_eager_path_takes_an_unread_output_as_a_zero_gradient():
+    """A loss that reads out alone (or lse alone) gives the gradients of a zero gradient of
+    the other output, bit for bit: the direct path's backward gets none for it (no zeroed
+    tensor is made per call; one zero element per device, never written, stands for an
+    unread lse)."""
+    case = OPCHECK_CASES[0]
+    (q, k, v), dout, dlse = make_inputs(case)
+    out, lse = flashop.attention_with_lse(q, k, v, **case.options())
+    assert _grad_fn_name(out) == "_DirectAttentionBackward"
+
+    def grads(outputs, grad_outputs):
+        return torch.autograd.grad(outputs, (q, k, v), grad_outputs, retain_graph=True)
+
+    for given, alone in (((dout, torch.zeros_like(dlse)), grads(out, dout)),
+                         ((torch.zeros_like(dout), dlse), grads(lse, dlse))):
+        assert all(torch.equal(a, b) for a, b in zip(grads((out, lse), given), alone))
+    assert flashop.api._ZEROS and all(z.item() == 0 for z in flashop.api._ZEROS.values())
+
+
 def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator():
     """Under a dispatch mode, on fake tensors or with FLASHOP_DIRECT_EAGER=0 the Python API
     calls the operator (which the mode, tracer or compiler must see)."""
@@ -148,7 +167,7 @@ def test_launch_keys_separate_what_triton_specialises_on():
     shifted = torch.zeros(65)[1:]
     keys = [_call_key(values) for values in (
         (x, 16), (x.clone(), 16), (shifted, 16), (x.double(), 16), (x, 17), (x, 1), (x, True),
-        (x, 1.0), (x, 16.0), (x, None), (x, "ieee"), (x, "tf32"))]
+        (x, 1.0), (x, 16.0), (x, None), (x, "ieee"), (x, "tf32"), (16, x))]
     assert keys[0] == keys[1]  # other tensors of the same dtype and alignment
     assert len(set(keys[1:])) == len(keys) - 1
 
