@@ -263,9 +263,9 @@ def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
 @triton.jit
 def _mul_wide(x, m):
     """(high, low) words of the 64-bit product x * m (uint32 block and scalar): one
-    ``mul.wide.u32``, which ptxas makes one IMAD.WIDE, where mul.hi and mul.lo make two.
-    The PTX is one line: Inductor copies a kernel's source into its generated module, where
-    a backslash escape in a string literal broke it (torch 2.11)."""
+    ``mul.wide.u32``, which ptxas makes one IMAD.WIDE, where mul.hi and mul.lo make two."""
+    # torch<=2.11: the PTX stays on one line: Inductor copies a kernel's source into its
+    # generated module, where a backslash escape in this string ended the string literal
     return tl.inline_asm_elementwise(
         "{ .reg .b64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }",
         "=r,=r,r,r", [x, m], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
@@ -278,8 +278,8 @@ def philox(seed, c0, c1, c2, c3):
     the 64-bit key ``seed``: its four 32-bit words. Written here rather than taken
     from triton.language.random: Inductor copies a user kernel's helpers into its generated
     code, and that module's helpers read a module global it does not copy. Each round's two
-    products come from one ``mul.wide.u32`` each on NVIDIA GPUs (PTX_PRODUCTS; entry 78 of
-    docs/notes/performance-notes.md), else from mul.hi and mul.lo: the same words."""
+    products come from one ``mul.wide.u32`` each on NVIDIA GPUs (PTX_PRODUCTS), else from
+    mul.hi and mul.lo: the same words."""
     seed = seed.to(tl.uint64)  # a loaded scalar
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
