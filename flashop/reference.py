@@ -11,6 +11,24 @@ from torch import Tensor
 from flashop.options import round_dropout_p
 
 
+def keys_in_bounds(S_q: int, S_k: int, causal: bool, window_size: Sequence[int],
+                   device=None) -> Tensor:
+    """(S_q, S_k) bool: whether query i may attend key j under the causal and window bounds,
+    aligned bottom-right (``i + S_k - S_q - left <= j <= i + S_k - S_q + right``; causal:
+    right = 0; -1: no bound)."""
+    i = torch.arange(S_q, device=device)[:, None] + (S_k - S_q)
+    j = torch.arange(S_k, device=device)[None, :]
+    left, right = window_size
+    if causal:
+        right = 0
+    keep = torch.ones(S_q, S_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep = keep & (j <= i + right)
+    if left >= 0:
+        keep = keep & (j >= i - left)
+    return keep
+
+
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                         alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                         sinks: Optional[Tensor] = None, *, causal: bool = False,
@@ -64,15 +82,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         pad = max(S_q - S_k, 0)
         G_q = torch.nn.functional.pad(G, (pad, 0))[..., S_k + pad - S_q:]
         s = s + G_q[..., :, None] - G[..., None, :]
-    keep = torch.ones(S_q, S_k, dtype=torch.bool, device=q.device)
-    left, right = window_size
-    if causal:
-        right = 0
-    if right >= 0:
-        keep = keep & (j <= i + right)
-    if left >= 0:
-        keep = keep & (j >= i - left)
-    keep = keep.expand(B, H, S_q, S_k)
+    keep = keys_in_bounds(S_q, S_k, causal, window_size, q.device).expand(B, H, S_q, S_k)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             keep = keep & attn_mask

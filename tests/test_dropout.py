@@ -18,6 +18,7 @@ from torch.library import opcheck
 import flashop
 from flashop import launch_gluon
 from flashop.options import round_dropout_p
+from flashop.reference import keys_in_bounds
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
     DEVICE, Case, TestCase, error_message, gluon_cases, make_inputs, make_modifiers,
@@ -55,16 +56,7 @@ def check_with_mask(case: Case, dropout_p: float, seed: int):
 def most_keys_a_row_attends(case: Case, attn_mask) -> int:
     """The most keys any query row of ``case`` attends, under its causal or window bound and
     its attn_mask (a float mask's -inf entries mask)."""
-    i = torch.arange(case.S_q)[:, None] + (case.S_k - case.S_q)
-    j = torch.arange(case.S_k)[None, :]
-    left, right = case.window_size
-    if case.causal:
-        right = 0
-    keep = torch.ones(case.S_q, case.S_k, dtype=torch.bool)
-    if right >= 0:
-        keep = keep & (j <= i + right)
-    if left >= 0:
-        keep = keep & (j >= i - left)
+    keep = keys_in_bounds(case.S_q, case.S_k, case.causal, case.window_size)
     if attn_mask is not None:
         mask = attn_mask.detach().cpu()
         keep = keep & (mask if mask.dtype == torch.bool else mask != float("-inf"))
