@@ -31,6 +31,9 @@ GLUON_TRITON = (3, 6)
 FWD_GROUP_ROWS = 64
 FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3), 256: (128, 64, 2)}
 FWD_KV_APART = {256}
+# where each consumer group stores its output by TMA through its Q buffer, Q released after
+# the store (D = 64 keeps the pointer store, which releases Q sooner: entry 84)
+FWD_O_TMA = {128, 256}
 # registers per thread of each consumer group (by the number of groups) and of the load
 # warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
 CONSUMER_REGS = {2: 232, 3: 160}
@@ -212,8 +215,9 @@ def work_units(S_q: int, bh: int, block_m: int, causal: bool) -> int:
 def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float,
                       dropout_seed: torch.Tensor, dropout_p: float, DROPOUT: bool) -> None:
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
-    (B, H, S_q), where serves() said it takes the call; the dropout arguments as the ``tl``
-    forward takes them (launch._dropout_args)."""
+    (B, H, S_q), where serves() said it takes the call (``out`` as
+    launch.attention_forward_outputs allocates it, which its descriptor can address); the
+    dropout arguments as the ``tl`` forward takes them (launch._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = (FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if DROPOUT
@@ -222,13 +226,14 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),
         q_desc=_descriptor(q, FWD_GROUP_ROWS), k_desc=_descriptor(k, BLOCK_N),
-        v_desc=_descriptor(v, BLOCK_N), o=out, lse=lse, lse_log2=lse_log2,
-        **_strides("o", out), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, FWD_GROUP_ROWS), o=out,
+        lse=lse, lse_log2=lse_log2, **_strides("o", out), stride_lb=lse.stride(0),
+        stride_lh=lse.stride(1),
         S_q=S_q, S_k=S_k, H=H, G=H // H_kv, n_units=units, qk_scale=qk_scale,
         dropout_seed=dropout_seed, dropout_p=dropout_p,
         D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        KV_APART=D in FWD_KV_APART, CAUSAL=causal, MASK_LAST=causal or S_k % BLOCK_N != 0,
-        DROPOUT=DROPOUT,
+        KV_APART=D in FWD_KV_APART, O_TMA=D in FWD_O_TMA, CAUSAL=causal,
+        MASK_LAST=causal or S_k % BLOCK_N != 0, DROPOUT=DROPOUT,
         CONSUMER_REGS=CONSUMER_REGS[BLOCK_M // FWD_GROUP_ROWS], LOAD_REGS=LOAD_REGS,
         num_warps=4)
 

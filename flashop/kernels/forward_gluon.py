@@ -31,7 +31,7 @@ scores in their own registers (flashop/kernels/dropout_gluon.py).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from flashop.kernels.dropout_gluon import dropout_args, draw_rows, keep_rows
@@ -196,21 +196,24 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
 
 
 @gluon.jit
-def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
-                 stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c, n_done,
-                 i_b, i_h, k0, k1, threshold, dropout_p,
+def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o, lse,
+                 lse_log2, stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c,
+                 n_done, i_b, i_h, k0, k1, threshold, dropout_p,
                  WG: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                 CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr, DROPOUT: gl.constexpr):
+                 CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr, DROPOUT: gl.constexpr,
+                 O_TMA: gl.constexpr):
     """Consumer group WG on one work item of n_tiles key tiles, the first the program's
     c-th (in buffer c % STAGES); the item is the program's n_done-th. The group's query
     rows are [start_m + WG * ROWS, + ROWS); where CAUSAL its keys end with its diagonal
     tile, which may come before the item's last (three groups over 128-key tiles), and it
     releases the tiles after it unread. Writes the rows' output and lse (``o``, ``lse``,
-    ``lse_log2`` point at the (batch, head)'s first row) and releases Q once its last S = Q
-    K^T is done, so that the load warp fetches the next item's Q while this one's last P V
-    and its stores run. Where DROPOUT, each tile's keep mask is drawn
-    (dropout_gluon.keep_rows, key (k0, k1), ``threshold``) while its S = Q K^T runs, and
-    the output is scaled by 1 / (1 - dropout_p)."""
+    ``lse_log2`` point at the (batch, head)'s first row). Where O_TMA the output is staged
+    in the group's Q buffer and stored by TMA through ``o_desc``, and Q released after
+    that store; else Q is released once its last S = Q K^T is done, so that the load warp
+    fetches the next item's Q while this one's last P V and its stores run
+    (launch_gluon.FWD_O_TMA takes the faster per head dim). Where DROPOUT, each tile's keep
+    mask is drawn (dropout_gluon.keep_rows, key (k0, k1), ``threshold``) while its S = Q
+    K^T runs, and the output is scaled by 1 / (1 - dropout_p)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -275,7 +278,8 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         _release_v(empty, c + j, STAGES)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-    mbarrier.arrive(q_empty, count=1)
+    if not O_TMA:
+        mbarrier.arrive(q_empty, count=1)
     _wait_v(full, c + n_own - 1, STAGES)
     # [ROWS, DV]
     acc_tok = warpgroup_mma(b_p, v_smem.index((c + n_own - 1) % STAGES), acc, is_async=True)
@@ -293,23 +297,38 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, l
     if DROPOUT:
         l_o = l_o * (1.0 - dropout_p)
     b_o = acc / gl.expand_dims(l_o, 1)
-    o_m = start_m + WG * ROWS + gl.arange(0, ROWS, layout=orow_layout)
-    o_d = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-    p_o = o + (gl.expand_dims(o_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(o_d * stride_od, 0))
-    gl.store(p_o, b_o.to(dtype), mask=gl.expand_dims(o_m < S_q, 1))
+    if O_TMA:
+        # through the group's Q buffer (read by its last S): one TMA store, which drops
+        # the rows past S_q
+        b_q.store(b_o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [i_b, start_m + WG * ROWS, i_h, 0],
+                                        b_q.reshape(o_desc.block_type.shape))
+    else:
+        o_m = start_m + WG * ROWS + gl.arange(0, ROWS, layout=orow_layout)
+        o_d = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        p_o = o + (gl.expand_dims(o_m.to(gl.int64) * stride_os, 1)
+                   + gl.expand_dims(o_d * stride_od, 0))
+        gl.store(p_o, b_o.to(dtype), mask=gl.expand_dims(o_m < S_q, 1))
     b_lse_log2 = m_i + gl.log2(l_i)
     gl.store(lse_log2 + o_q, b_lse_log2, mask=o_q < S_q)
     gl.store(lse + o_q, b_lse_log2 * LN2, mask=o_q < S_q)
+    if O_TMA:
+        tma.store_wait(0)
+        gl.thread_barrier()  # every warp's part of the store has read the buffer
+        mbarrier.arrive(q_empty, count=1)
     return c + n_tiles
 
 
 @gluon.jit
-def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o, lse, lse_log2,
-                        stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
+def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o,
+                        lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
+                        stride_lb, stride_lh,
                         n_units, n_m, H, S_q, S_k, qk_scale, dropout_seed, dropout_p,
                         WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         DV: gl.constexpr, CAUSAL: gl.constexpr,
-                        MASK_LAST: gl.constexpr, SIDES: gl.constexpr, DROPOUT: gl.constexpr):
+                        MASK_LAST: gl.constexpr, SIDES: gl.constexpr, DROPOUT: gl.constexpr,
+                        O_TMA: gl.constexpr):
     """Consumer group WG over this program's work items (_attend_item), in the load warp's
     order; where DROPOUT, Philox's key is the int64 ``dropout_seed[0]``."""
     c = 0
@@ -322,20 +341,20 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
                 o_bh = i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
                 l_bh = i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
                 c = _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
-                                 o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os, stride_od,
-                                 i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c, n_done, i_b,
-                                 i_h, k0, k1, threshold, dropout_p, WG, BLOCK_N, DV,
-                                 CAUSAL, MASK_LAST, DROPOUT)
+                                 o_desc, o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os,
+                                 stride_od, i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c,
+                                 n_done, i_b, i_h, k0, k1, threshold, dropout_p, WG, BLOCK_N,
+                                 DV, CAUSAL, MASK_LAST, DROPOUT, O_TMA)
                 n_done += 1
 
 
 @gluon.jit
 def attention_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, o, lse, lse_log2,
+    q_desc, k_desc, v_desc, o_desc, o, lse, lse_log2,
     stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
     S_q, S_k, H, G, n_units, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, KV_APART: gl.constexpr, CAUSAL: gl.constexpr,
+    STAGES: gl.constexpr, KV_APART: gl.constexpr, O_TMA: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LAST: gl.constexpr, DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):
@@ -344,11 +363,12 @@ def attention_fwd_gluon_kernel(
     base 2; qk_scale = scale * log2(e) > 0. Where CAUSAL, S_q == S_k. MASK_LAST: CAUSAL or
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
     cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
-    p + P, ... of the n_units (launch_gluon.work_units; _work_item). q_desc's tiles are one
-    consumer group's rows (64). KV_APART: K and V buffers released apart (the module's
-    docstring). Where DROPOUT, P V takes the probabilities kept by the mask
-    of the int64 ``dropout_seed[0]`` and ``dropout_p`` (flashop/kernels/dropout_gluon.py),
-    the output scaled by 1 / (1 - dropout_p); lse is the undropped softmax's."""
+    p + P, ... of the n_units (launch_gluon.work_units; _work_item). q_desc's and o_desc's
+    tiles are one consumer group's rows (64). KV_APART: K and V buffers released apart (the
+    module's docstring). O_TMA: the output stored by TMA (_attend_item). Where DROPOUT, P V
+    takes the probabilities kept by the mask of the int64 ``dropout_seed[0]`` and
+    ``dropout_p`` (flashop/kernels/dropout_gluon.py), the output scaled by 1 / (1 -
+    dropout_p); lse is the undropped softmax's."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     GROUPS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(ROWS == 64, "consumer groups of 64 rows (a warp group's wgmma)")
@@ -356,6 +376,7 @@ def attention_fwd_gluon_kernel(
                      "two or three consumer groups")
     gl.static_assert(BLOCK_N % ROWS == 0, "a consumer group's rows within one key tile")
     gl.static_assert(STAGES >= 2, "a tile loading while one is read")
+    gl.static_assert(D == DV or not O_TMA, "the output staged in the Q buffers")
     n_m = gl.cdiv(S_q, BLOCK_M)
     SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -381,37 +402,37 @@ def attention_fwd_gluon_kernel(
     # tensors)
     if GROUPS == 2:
         gl.warp_specialize([
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
-                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
-                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
+                                   stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
+                                   qk_scale, dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
+                                   stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
+                                   qk_scale, dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
                                q_empty, full, empty, n_units, n_m, H, G, S_k,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
         ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
-                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
-                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o,
-                                   lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
-                                   stride_lb, stride_lh, n_units, n_m, H, S_q, S_k, qk_scale,
-                                   dropout_seed, dropout_p, 2, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
+                                   stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
+                                   qk_scale, dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
+                                   stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
+                                   qk_scale, dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
+                                   stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
+                                   qk_scale, dropout_seed, dropout_p, 2, BLOCK_M, BLOCK_N, DV,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
                                q_empty, full, empty, n_units, n_m, H, G, S_k,
                                BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
