@@ -152,8 +152,8 @@ def _graphed(fn, q, k, v):
 
 def _busy(run, seconds=1.0):
     """Run for a while before timing: after a compile the GPU has idled and its clocks
-    take longer to come back than do_bench's warm-up (after the Gluon backward's compile,
-    0.3 s was not enough: the first timing read 10% below the next ones)."""
+    take longer to come back than do_bench's warm-up (0.3 s was not enough after the Gluon
+    backward's compile: entry 86 of docs/notes/performance-notes.md)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         run()
