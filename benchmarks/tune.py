@@ -1,15 +1,16 @@
 """Sweep the tile sizes of each attention kernel on this GPU and print the fastest.
 
-The candidates are the autotuner's (``flashop.tiles.TILE_CANDIDATES``, pruned to the GPU's
-shared memory), or those given with --tiles. Each candidate is forced on its kernel with
-``flashop.tiles.force(kind, tiles)`` while the call is timed.
+The candidates are the autotuner's (``flashop._launch.tiles.TILE_CANDIDATES``, pruned to
+the GPU's shared memory), or those given with --tiles. Each candidate is forced on its kernel
+with ``flashop._launch.tiles.force(kind, tiles)`` while the call is timed.
 
 Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal, or --causal): the forward
 alone for forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's
 tiles at a time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ,
 ``flashop.config.override(dq_atomics=True)``, for "dkdv_atomic"). Forward tiles are timed
-with the warp-specialized forward off (it has its own tiles, ``flashop.tiles.WS_TILES``). The chosen tiles go into
-flashop/tiles.py by hand; the full sweep is written to --out as CSV.
+with the warp-specialized forward off (it has its own tiles,
+``flashop._launch.tiles.WS_TILES``). The chosen tiles go into flashop/_launch/tiles.py by
+hand; the full sweep is written to --out as CSV.
 
     python benchmarks/tune.py --heads-dims 64,128,256 --out tune.csv
     python benchmarks/tune.py --heads-dims 128 --seqlen 1024 --causal --kinds fwd \\
@@ -29,9 +30,10 @@ from attention import import_flashop, write_csv  # noqa: E402
 from progress import progress  # noqa: E402
 
 import_flashop()  # registers torch.ops.flashop
-from flashop import config, tiles  # noqa: E402
-from flashop.launch_common import block_dim  # noqa: E402
-from flashop.tiles import TILE_CANDIDATES, Tiles, prune_tiles  # noqa: E402
+from flashop import config  # noqa: E402
+from flashop._launch import tiles  # noqa: E402
+from flashop._launch.common import block_dim  # noqa: E402
+from flashop._launch.tiles import TILE_CANDIDATES, Tiles, prune_tiles  # noqa: E402
 
 KINDS = tuple(TILE_CANDIDATES)  # fwd, dkdv, dkdv_atomic, dq
 FLOPS_FACTOR = {"fwd": 1.0, "dkdv": 2.5, "dq": 2.5, "dkdv_atomic": 2.5}

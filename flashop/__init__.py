@@ -1,12 +1,16 @@
 """flashop: FlashAttention-2 in Triton, registered as PyTorch operators.
 
-Importing flashop registers ``torch.ops.flashop.attention``, ``attention_with_lse``, the
-``attention_forward`` and ``attention_backward`` operators they are built on, their
-packed-batch versions (``attention_varlen``, ``attention_varlen_with_lse``,
-``attention_varlen_forward``, ``attention_varlen_backward``) and the decoding operator
-``attention_with_kvcache``; it also registers "flashop" with SDPA's flash-attention
-registry (torch >= 2.11), without activating it. See README.md and docs/ for the API and
-its conventions; ``flashop.config`` holds the FLASHOP_* switches.
+Importing flashop registers the ``torch.ops.flashop`` operators: ``attention_forward`` and
+``attention_backward`` (one pair for dense and packed batches), the composites built on them
+(``attention``, ``attention_with_lse``, ``attention_varlen``, ``attention_varlen_with_lse``)
+and the decoding operator ``attention_with_kvcache``; it also registers "flashop" with
+SDPA's flash-attention registry (torch >= 2.11), without activating it. See README.md and
+docs/ for the API and its conventions; ``flashop.config`` holds the FLASHOP_* switches.
+
+The public modules sit here (api, config, reference, testing, padding, and the doors
+flash_attn, sdpa, transformers, distributed); ``flashop._ops`` (the operators' registration
+and checks), ``flashop._launch`` (the launchers and tiles) and ``flashop.kernels`` (the
+Triton kernels) are the layers below, internal.
 """
 
 from flashop import config

@@ -1,17 +1,10 @@
-"""Public Python API: thin, documented calls of the ``torch.ops.flashop`` operators.
+"""Public Python API: the documented calls of the ``torch.ops.flashop`` operators.
 
-Each function runs the body of the composite operator of its name (``torch.ops.flashop.<name>``
-gets the same checks, messages and results): a call of the forward operator it wraps
-(``attention_forward``, ``attention_varlen_forward``). Eagerly that saves one pass through
-the dispatcher; traced, both give the same graph.
-
-``attention`` and ``attention_with_lse`` go one step further on plain tensors in eager mode
-(no torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform active;
-see ``_direct``): they run the forward operator's body directly in an autograd function
-whose backward runs the ``attention_backward`` operator's body the same way, skipping the
-dispatcher's layers and the registered operator's generated autograd function, a large
-part of a short call's host time. Results, checks and messages are the operator's;
-``FLASHOP_DIRECT_EAGER=0`` (``flashop.config``) sends every call through it.
+Each function checks its window, then runs the operator of its name: the operator's body
+directly for an eager call of plain tensors (flashop/_ops/eager.py), else the composite
+operator's body, which traces into the same operators (``torch.ops.flashop.<name>`` gets the
+same checks, messages and results). The functions take the window as FlashAttention's
+``window_size=(left, right)`` pair; the operators take its two ints.
 """
 
 from __future__ import annotations
@@ -20,78 +13,17 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch._library.triton import set_wrap_triton_enabled
 
-from flashop import config, ops  # registers torch.ops.flashop.*
-
-
-# a learned sink or bias is an nn.Parameter: a plain tensor to the dispatcher
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+from flashop._ops import eager
+from flashop._ops.checks import window_bounds
+from flashop._ops.checks_kvcache import check_no_grad
 
 
-def _direct(*tensors: Optional[Tensor]) -> bool:
-    """Whether a call with these tensors takes the direct eager path: plain tensors (no
-    subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
-    compiler or tracer, a dispatch mode, a functorch transform)."""
-    return (config.settings.direct_eager and not torch.compiler.is_compiling()
-            and all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active()
-            and not torch._C._get_tracing_state())
-
-
-# one fp32 zero per device, never written: the gradient of an lse that no loss reads
-_ZEROS: dict = {}
-
-
-def _zero_rows(lse: Tensor) -> Tensor:
-    """Zeros of ``lse``'s shape in fp32, as a view of one zero element (strides 0, which the
-    backward kernels index like any strides): no allocation or fill per backward. Made
-    afresh while a CUDA graph is captured (a tensor made then belongs to the graph's
-    memory)."""
-    if lse.is_cuda and torch.cuda.is_current_stream_capturing():
-        return lse.new_zeros(()).expand(lse.shape)
-    zero = _ZEROS.get(lse.device)
-    if zero is None:
-        zero = _ZEROS[lse.device] = lse.new_zeros(())
-    return zero.expand(lse.shape)
-
-
-class _DirectAttention(torch.autograd.Function):
-    """The forward operator's body with autograd through the backward operator, as the
-    operator's registered autograd does it (flashop/ops.py); returns (out, lse)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, alibi_slopes, g, sinks, seed, causal, scale,
-                window_size, softcap, dropout_p):
-        # wrap_triton launches the kernels as they are (as in a triton_op's eager call)
-        with set_wrap_triton_enabled(False):
-            out, lse, lse_log2 = ops.run_forward(q, k, v, attn_mask, alibi_slopes, g, causal,
-                                                 scale, window_size, softcap, sinks, seed,
-                                                 dropout_p)
-        ops.save_for_grads(ctx, (q, k, v, attn_mask, alibi_slopes, g, sinks, seed), out,
-                           lse_log2, dict(causal=causal, scale=scale, window_size=window_size,
-                                          softcap=softcap, dropout_p=dropout_p))
-        # an output that no loss reads gets no gradient (None) rather than a zeroed tensor
-        # made and filled on every backward: see _zero_rows
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        saved, needs = ctx.saved_tensors, ctx.needs_input_grad[:8]
-        if dout is None:
-            dout = torch.zeros_like(saved[3])  # the output
-        if dlse is None:
-            dlse = _zero_rows(saved[4])  # lse_log2: the lse's shape, fp32
-        if _direct(dout, dlse) and not torch.is_grad_enabled():
-            # the backward operator's body, as the forward's (a backward that builds a graph,
-            # create_graph=True, goes through the operator, which has no derivative)
-            with set_wrap_triton_enabled(False):
-                grads = ops.attention_grads(saved, needs, ctx.kwargs, dout, dlse, direct=True)
-        else:
-            grads = ops.attention_grads(saved, needs, ctx.kwargs, dout, dlse)
-        return (*grads, None, None, None, None, None)
+def _options(op: str, causal, scale, window_size, softcap) -> dict:
+    """The operators' keyword options of the API's arguments."""
+    left, right = window_bounds(op, window_size)
+    return dict(causal=causal, scale=scale, window_size_left=left, window_size_right=right,
+                softcap=softcap)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -137,13 +69,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         (B, S_q, H, DV) tensor in the inputs' dtype (float16, bfloat16 or float32). Any
         strides are accepted; only a non-unit stride in the last dimension causes a copy.
     """
-    if _direct(q, k, v, attn_mask, alibi_slopes, g, sinks):
-        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, sinks,
-                                      ops.dropout_seed(q, dropout_p), causal, scale,
-                                      window_size, softcap, dropout_p)[0]
-    return ops.attention(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
-                         scale=scale, window_size=window_size, softcap=softcap,
-                         dropout_p=dropout_p)
+    return attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
+                              scale=scale, window_size=window_size, softcap=softcap,
+                              dropout_p=dropout_p)[0]
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -161,13 +89,9 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
         there are sinks: the log of the softmax's denominator. Dropout leaves it
         unchanged. Both outputs are differentiable.
     """
-    if _direct(q, k, v, attn_mask, alibi_slopes, g, sinks):
-        return _DirectAttention.apply(q, k, v, attn_mask, alibi_slopes, g, sinks,
-                                      ops.dropout_seed(q, dropout_p), causal, scale,
-                                      window_size, softcap, dropout_p)
-    return ops.attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
-                                  scale=scale, window_size=window_size, softcap=softcap,
-                                  dropout_p=dropout_p)
+    options = _options("flashop.attention", causal, scale, window_size, softcap)
+    return eager.attention(q, k, v, None, None, None, None, attn_mask, alibi_slopes, g, sinks,
+                           dropout_p=dropout_p, **options)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -197,10 +121,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         (total_q, H, DV) in the inputs' dtype. Packed batches from padded ones:
         :func:`flashop.unpad_input`.
     """
-    return ops.attention_varlen(
+    return attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
         sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p)
+        dropout_p=dropout_p)[0]
 
 
 def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -212,16 +136,12 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
                               dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
     packed layout); both differentiable."""
-    return ops.attention_varlen_with_lse(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
-        sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p)
+    options = _options("flashop.attention_varlen", causal, scale, window_size, softcap)
+    return eager.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           None, alibi_slopes, g, sinks, dropout_p=dropout_p, **options)
 
 
 # --- attention over a key/value cache (decoding) --------------------------------------------
-
-from flashop import ops_decode  # noqa: E402  (registers torch.ops.flashop.attention_with_kvcache)
-from flashop.validation_decode import check_no_grad  # noqa: E402
 
 
 def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -280,18 +200,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
-    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
-    if _direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-               alibi_slopes, sinks):
-        # eagerly, the operator's body itself: no dispatcher or functionalization layers
-        # (a decode step's host time, as for attention's direct path)
-        with set_wrap_triton_enabled(False):
-            out, lse = ops_decode.run_attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                alibi_slopes, sinks, causal, scale, window, softcap, num_splits)
-    else:
-        out, lse = ops_decode.attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-            alibi_slopes, sinks, causal=causal, scale=scale, window_size=window,
-            softcap=softcap, num_splits=num_splits)
+    options = _options("flashop.attention_with_kvcache", causal, scale, window_size, softcap)
+    out, lse = eager.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
+        sinks, num_splits=num_splits, **options)
     return (out, lse) if return_lse else out

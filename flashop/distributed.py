@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 import flashop  # registers torch.ops.flashop.*
-from flashop.options import modifiers
-from flashop.validation import check_attention_inputs
+from flashop._launch.options import modifiers
+from flashop._ops.checks import check_attention_inputs, window_bounds
 
 __all__ = ["shard_sequence", "gather_sequence", "ring_attention", "ring_attention_with_lse"]
 
@@ -254,7 +254,9 @@ def _call_args(call: _Call, alibi_slopes: Optional[Tensor]) -> tuple:
         slopes = alibi_slopes
     elif call.alibi == "bias":
         mask = _alibi_bias(call, alibi_slopes)
-    return mask, slopes, dict(causal=call.causal, window_size=call.window)
+    left, right = call.window
+    return mask, slopes, dict(causal=call.causal, window_size_left=left,
+                              window_size_right=right)
 
 
 # --- the ring -------------------------------------------------------------------------------
@@ -288,7 +290,7 @@ def _forward(ring: _Ring, q, k, v, causal, scale, window, softcap, alibi_slopes)
             mask, slopes, kw = _call_args(call, alibi_slopes)
             out, _, lse_log2 = torch.ops.flashop.attention_forward(
                 q[:, call.q0:call.q1], k_cur[:, call.k0:call.k1], v_cur[:, call.k0:call.k1],
-                mask, slopes, None, scale=scale, softcap=softcap, **kw)
+                attn_mask=mask, alibi_slopes=slopes, scale=scale, softcap=softcap, **kw)
             _merge(out_acc[:, call.q0:call.q1], lse_acc[:, :, call.q0:call.q1], out,
                    lse_log2)
         _wait(reqs)
@@ -319,8 +321,8 @@ def _backward(ring: _Ring, dout, dlse, q, k, v, out, lse_log2, causal, scale, wi
             dq, dk, dv, _, _ = torch.ops.flashop.attention_backward(
                 dout[:, rows], dlse[:, :, rows].contiguous(), q[:, rows],
                 k_cur[:, call.k0:call.k1], v_cur[:, call.k0:call.k1], out[:, rows],
-                lse_log2[:, :, rows].contiguous(), mask, slopes, None, scale=scale,
-                softcap=softcap, **kw)
+                lse_log2[:, :, rows].contiguous(), attn_mask=mask, alibi_slopes=slopes,
+                scale=scale, softcap=softcap, **kw)
             dq_acc[:, rows] += dq
             parts.append((call, dk, dv))
         # src's accumulators arrive from the previous rank (which added its share last step)
@@ -349,8 +351,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring, causal, scale, window, softcap, alibi_slopes):
         if ring.size == 1:  # the whole sequence on one rank: the kernels' own results
             out, lse, lse_log2 = torch.ops.flashop.attention_forward(
-                q, k, v, None, alibi_slopes, None, causal=causal, scale=scale,
-                window_size=window, softcap=softcap)
+                q, k, v, alibi_slopes=alibi_slopes, causal=causal, scale=scale,
+                window_size_left=window[0], window_size_right=window[1], softcap=softcap)
         else:
             out, lse, lse_log2 = _forward(ring, q, k, v, causal, scale, window, softcap,
                                           alibi_slopes)
@@ -365,8 +367,9 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.to(q.dtype)
         if ring.size == 1:
             dq, dk, dv, _, _ = torch.ops.flashop.attention_backward(
-                dout, dlse, q, k, v, out, lse_log2, None, alibi_slopes, None, causal=causal,
-                scale=scale, window_size=window, softcap=softcap)
+                dout, dlse, q, k, v, out, lse_log2, alibi_slopes=alibi_slopes, causal=causal,
+                scale=scale, window_size_left=window[0], window_size_right=window[1],
+                softcap=softcap)
         else:
             dq, dk, dv = _backward(ring, dout, dlse, q, k, v, out, lse_log2, causal, scale,
                                    window, softcap, alibi_slopes)
@@ -397,9 +400,9 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
             f"{op}: a zigzag shard holds two equal chunks, so its length (dim 1) must be even, "
             f"got q {tuple(q.shape)}; shard a sequence of a multiple of 2 * world_size = "
             f"{2 * ring.size} tokens with flashop.distributed.shard_sequence")
-    window = (-1, -1) if window_size is None else tuple(int(w) for w in window_size)
+    window = window_bounds(op, window_size)
     check_attention_inputs(q, k, v, scale,
-                           modifiers(None, alibi_slopes, None, causal, window, softcap),
+                           modifiers(None, alibi_slopes, None, causal, *window, softcap),
                            interpreting=flashop.INTERPRETING, op=op)
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         raise RuntimeError(f"{op}: alibi_slopes get no gradient (as in FlashAttention); "

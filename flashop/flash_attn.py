@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from flashop import api, config
+from flashop._ops.checks import unbounded_if_negative
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
@@ -55,8 +56,7 @@ def _check_unsupported(name: str, deterministic: bool,
 
 def _window(window_size: Sequence[int]) -> tuple:
     # flash-attn treats any negative side as unbounded; flashop spells that -1
-    left, right = window_size
-    return (-1 if left < 0 else int(left), -1 if right < 0 else int(right))
+    return unbounded_if_negative(*window_size)
 
 
 def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from flashop.options import round_dropout_p
+from flashop._launch.options import round_dropout_p
 
 
 def keys_in_bounds(S_q: int, S_k: int, causal: bool, window_size: Sequence[int],
@@ -55,7 +55,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     ``dropout_p`` > 0 needs ``dropout_mask``, a boolean keep-mask broadcastable to (B, H,
     S_q, S_k) (flashop.testing.dropout_mask gives the kernels' for a seed): out = (P *
     keep / (1 - p)) V, lse unchanged, with p = dropout_p rounded to a multiple of 2**-16
-    as the ops round it (options.round_dropout_p).
+    as the ops round it (_launch.options.round_dropout_p).
 
     A query whose keys are all masked gets out 0 and lse -inf (lse = sink with sinks).
     Differentiable in q, k, v, g, a float attn_mask and sinks.

@@ -33,17 +33,17 @@ on the low-level operator, and SDPA's ``is_causal`` with different query and key
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from flashop.ops import dropout_seed
+from flashop._launch.scores import LOG2E
+from flashop._ops.attention import dropout_seed
+from flashop._ops.checks import unbounded_if_negative
 
 IMPL_NAME = "flashop"
-_LOG2E = 1.0 / math.log(2.0)
 
 # the aten operators overridden, each with its flashop implementation below
 _OVERRIDES = ("_flash_attention_forward", "_flash_attention_forward_no_dropout_inplace",
@@ -65,9 +65,16 @@ def _check_forward(op, return_debug_mask=False, **extra) -> None:
             raise _unsupported(op, name)
 
 
-def _window(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
-    return (-1 if left is None or left < 0 else int(left),
-            -1 if right is None or right < 0 else int(right))
+def _packing(cum_seq_q: Optional[Tensor], cum_seq_k: Optional[Tensor], max_q: int,
+             max_k: int) -> tuple:
+    """The operators' packing arguments: none for a dense batch (``cum_seq_q`` None)."""
+    return (None,) * 4 if cum_seq_q is None else (cum_seq_q, cum_seq_k, max_q, max_k)
+
+
+def _options(is_causal: bool, scale: Optional[float], window: tuple[int, int],
+             dropout_p: float) -> dict:
+    return dict(causal=is_causal, scale=scale, window_size_left=window[0],
+                window_size_right=window[1], dropout_p=dropout_p)
 
 
 def flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional[Tensor],
@@ -77,15 +84,11 @@ def flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional
     """flashop's forward in flash-attn's layouts: dense (B, S, H, D) with lse (B, H, S_q),
     or packed (total, H, D) with lse (H, total_q), dropout from ``seed`` (int64, one element)
     where ``dropout_p > 0``; returns (out, lse)."""
-    options = dict(causal=is_causal, scale=scale, window_size=window, dropout_seed=seed,
-                   dropout_p=dropout_p)
-    if cum_seq_q is None:
-        out, lse, _ = torch.ops.flashop.attention_forward(query, key, value, **options)
-    else:
-        if cum_seq_k is None:
-            raise _unsupported("_flash_attention_forward", "cum_seq_k=None")
-        out, lse, _ = torch.ops.flashop.attention_varlen_forward(
-            query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, **options)
+    if cum_seq_q is not None and cum_seq_k is None:
+        raise _unsupported("_flash_attention_forward", "cum_seq_k=None")
+    out, lse, _ = torch.ops.flashop.attention_forward(
+        query, key, value, *_packing(cum_seq_q, cum_seq_k, max_q, max_k), dropout_seed=seed,
+        **_options(is_causal, scale, window, dropout_p))
     return out, lse
 
 
@@ -96,17 +99,14 @@ def flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, 
                    seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """flashop's backward for :func:`flash_forward`'s results (the forward's ``seed``
     where ``dropout_p > 0``); (dq, dk, dv)."""
-    options = dict(causal=is_causal, scale=scale, window_size=window, dropout_seed=seed,
-                   dropout_p=dropout_p)
-    lse_log2 = logsumexp * _LOG2E  # aten keeps the natural-log lse; flashop's kernels use base 2
+    lse_log2 = logsumexp * LOG2E  # aten keeps the natural-log lse; flashop's kernels use base 2
     dlse = torch.zeros_like(logsumexp)
-    if cum_seq_q is None or cum_seq_q.numel() == 0:
-        dq, dk, dv, _, _ = torch.ops.flashop.attention_backward(
-            grad_out, dlse, query, key, value, out, lse_log2, **options)
-    else:
-        dq, dk, dv, _ = torch.ops.flashop.attention_varlen_backward(
-            grad_out, dlse, query, key, value, out, lse_log2, cum_seq_q, cum_seq_k, max_q,
-            max_k, **options)
+    if cum_seq_q is not None and cum_seq_q.numel() == 0:  # aten's dense backward passes these
+        cum_seq_q = None
+    dq, dk, dv, _, _ = torch.ops.flashop.attention_backward(
+        grad_out, dlse, query, key, value, out, lse_log2,
+        *_packing(cum_seq_q, cum_seq_k, max_q, max_k), dropout_seed=seed,
+        **_options(is_causal, scale, window, dropout_p))
     return dq, dk, dv
 
 
@@ -147,9 +147,9 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
     _check_forward("_flash_attention_forward", return_debug_mask, seqused_k=seqused_k,
                    alibi_slopes=alibi_slopes, block_table=block_table, num_splits=num_splits)
     seed = dropout_seed(query, dropout_p)
+    window = unbounded_if_negative(window_size_left, window_size_right)
     out, lse = flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
-                             scale, _window(window_size_left, window_size_right), dropout_p,
-                             seed)
+                             scale, window, dropout_p, seed)
     return (out, lse, *_aux(query, seed))
 
 
@@ -165,8 +165,9 @@ def flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_q
         raise _unsupported(op, f"dropout_p={dropout_p} (this variant returns no rng state)")
     _check_forward(op, return_debug_mask, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
                    block_table=block_table, num_splits=num_splits)
+    window = unbounded_if_negative(window_size_left, window_size_right)
     result, lse = flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
-                                is_causal, scale, _window(window_size_left, window_size_right))
+                                is_causal, scale, window)
     out.copy_(result)
     return lse
 
@@ -176,9 +177,9 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
                              scale=None, window_size_left=None, window_size_right=None):
     """``aten::_flash_attention_backward``: (dq, dk, dv)."""
     seed = _seed_of("_flash_attention_backward", rng_state, dropout_p)
+    window = unbounded_if_negative(window_size_left, window_size_right)
     return flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
-                          max_q, max_k, is_causal, scale,
-                          _window(window_size_left, window_size_right), dropout_p, seed)
+                          max_q, max_k, is_causal, scale, window, dropout_p, seed)
 
 
 def _check_sdpa_causal(op: str, query: Tensor, key: Tensor, is_causal: bool) -> None:

@@ -101,9 +101,11 @@ def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
     ``dropout_seed`` (int64, one element, as ``torch.ops.flashop.attention_forward`` takes
     it) and ``dropout_p``: pair (i, j) of head h of batch entry b is kept where True. For a
     packed batch, sequence b's mask is [b, :, :len_q, :len_k] of the longest lengths'."""
-    from flashop import launch
+    from flashop._launch import attention as launch
+    from flashop._launch.options import modifiers
 
-    return launch.dropout_mask(dropout_seed, B, H, S_q, S_k, dropout_p)
+    mods = modifiers(dropout_p=dropout_p, dropout_seed=dropout_seed)  # p as the kernels draw it
+    return launch.dropout_mask(dropout_seed, B, H, S_q, S_k, mods.dropout_p)
 
 
 def _apply_rule(reference, inputs, dout, dlse, out, lse, grads) -> list[Accuracy]:

@@ -124,6 +124,12 @@ def _dropout_p(module: torch.nn.Module, dropout: float) -> float:
     return float(dropout) if module.training else 0.0
 
 
+def _window_size(sliding_window: Optional[int]) -> tuple[int, int]:
+    """flashop's window of transformers' ``sliding_window`` (keys ``q - sliding_window < k
+    <= q``), with causal attention."""
+    return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], *,
                      scale: Optional[float], window: Optional[int], softcap: float,
                      sinks: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
@@ -144,7 +150,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]
     kernel cannot skip) runs ``flashop.attention`` with the mask, as does anything needing a
     gradient or ``dropout_p > 0``.
     """
-    window_size = (-1, -1) if window is None else (window - 1, 0)
+    window_size = _window_size(window)
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     options = dict(scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
@@ -231,8 +237,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         # a mask built by the caller holds causality and windows itself
         return flashop.attention(q, k, v, attention_mask, **common), None
     window = sliding_window if causal else None
-    window_size = (-1, -1) if window is None else (window - 1, 0)
-    options = dict(causal=causal, window_size=window_size, **common)
+    options = dict(causal=causal, window_size=_window_size(window), **common)
     if q.shape[1] == 1 and causal:
         return decode_attention(q, k, v, attention_mask, window=window, **common), None
     if attention_mask is not None and attention_mask.dim() == 1:

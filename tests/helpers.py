@@ -76,6 +76,16 @@ class Case:
         return dict(causal=self.causal, scale=self.scale, window_size=self.window_size,
                     softcap=self.softcap)
 
+    def op_options(self) -> dict:
+        """Keyword options of the torch.ops.flashop operators (the window as two ints)."""
+        return op_options(**self.options())
+
+
+def op_options(window_size=(-1, -1), **options) -> dict:
+    """The operators' keyword options of flashop.attention's (window_size as its two ints)."""
+    left, right = window_size
+    return dict(options, window_size_left=left, window_size_right=right)
+
 
 def _strided_randn(shape, dtype, layout, generator):
     """A (B, S, H, D) tensor of random normals stored in the given layout."""
@@ -166,15 +176,15 @@ def poisoned_outputs(deterministic_backward: bool = True):
     fill = torch.utils.deterministic.fill_uninitialized_memory
     # the poisoning needs deterministic algorithms on, under which the launcher never takes
     # the atomics: its choice is replaced for the block
-    choice = flashop.launch.deterministic_backward
-    flashop.launch.deterministic_backward = lambda: deterministic_backward
+    choice = flashop._launch.attention.deterministic_backward
+    flashop._launch.attention.deterministic_backward = lambda: deterministic_backward
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         with deterministic_algorithms():
             yield
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
-        flashop.launch.deterministic_backward = choice
+        flashop._launch.attention.deterministic_backward = choice
 
 
 def run_flashop(case: Case, inputs, dout, dlse, mods=None, deterministic_backward=True):

@@ -11,9 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
-from flashop import launch, launch_gluon, tiles
+from flashop._launch import attention as launch, gluon as launch_gluon, tiles
 from flashop.kernels.common import LOG2E
-from flashop.tiles import Tiles
+from flashop._launch.tiles import Tiles
 from helpers import (
     DEVICE, Case, check_case, deterministic_algorithms, gluon_cases, make_inputs,
     poisoned_outputs, run_flashop,

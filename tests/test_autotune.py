@@ -7,12 +7,13 @@ import torch
 import triton
 
 import flashop
-from flashop import config, launch, tiles as tile_table
+from flashop import config
+from flashop._launch import attention as launch, tiles as tile_table
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from flashop.kernels.forward import attention_fwd_kernel
-from flashop.launch_common import block_dim
-from flashop.tiles import Tiles
+from flashop._launch.common import block_dim
+from flashop._launch.tiles import Tiles
 from flashop.testing import check_attention
 from helpers import DEVICE, Case, check_case, make_inputs
 

@@ -95,7 +95,7 @@ def test_flashop_providers_set_their_switches_only_while_timed():
 
 
 def test_no_benchmark_assigns_flashop_module_globals():
-    """Switches and tiles are changed with flashop.config.override / flashop.tiles.force,
+    """Switches and tiles are changed with flashop.config.override / flashop._launch.tiles.force,
     never by assigning (or setattr-ing) a flashop module's attributes."""
     assignment = re.compile(r"^\s*(launch|tiles|config|api|ops|flashop)(\.\w+)+\s*=[^=]",
                             re.MULTILINE)

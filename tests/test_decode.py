@@ -23,7 +23,7 @@ from helpers import DEVICE, poisoned_outputs
 def fresh_plans():
     """Each test plans its calls anew: an eager call's launches are planned once per
     signature (launch_decode._plan), and tests that patch the rules must see them used."""
-    from flashop import launch_decode
+    from flashop._launch import kvcache as launch_decode
     launch_decode._plan.cache_clear()
     yield
     launch_decode._plan.cache_clear()
@@ -268,7 +268,7 @@ def test_opcheck(case):
     args = (q, k_cache, v_cache, kwargs.pop("cache_seqlens"), k, v,
             kwargs.pop("cache_batch_idx", None), kwargs.pop("block_table", None),
             kwargs.pop("alibi_slopes", None), kwargs.pop("sinks", None))
-    kwargs["window_size"] = list(kwargs["window_size"])
+    kwargs["window_size_left"], kwargs["window_size_right"] = kwargs.pop("window_size")
     opcheck(torch.ops.flashop.attention_with_kvcache.default, args, kwargs)
 
 
@@ -278,8 +278,9 @@ def test_schema_declares_the_cache_mutation():
         "flashop::attention_with_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, "
         "Tensor cache_seqlens, Tensor? k=None, Tensor? v=None, Tensor? cache_batch_idx=None, "
         "Tensor? block_table=None, Tensor? alibi_slopes=None, Tensor? sinks=None, *, "
-        "bool causal=False, float? scale=None, SymInt[]? window_size=None, "
-        "float softcap=0., SymInt num_splits=0) -> (Tensor, Tensor)")
+        "bool causal=False, float? scale=None, SymInt window_size_left=-1, "
+        "SymInt window_size_right=-1, float softcap=0., SymInt num_splits=0) -> "
+        "(Tensor, Tensor)")
 
 
 @pytest.mark.compile
@@ -402,6 +403,11 @@ ERRORS = {
     "splits": (dict(num_splits=-1),
                "num_splits must be 0 (chosen from the GPU and the shapes) or from 1 to 128, "
                "got -1"),
+    "scale": (dict(scale=float("inf")),
+              "scale must be a finite float or None (1/sqrt(head_dim)), got inf"),
+    "window pair": (dict(window_size=(4,)),
+                    "window_size must be (left, right) with each >= 0, or -1 for no bound, "
+                    "got (4,)"),
     "window": (dict(causal=True, window_size=(4, 2)),
                "causal=True attends no key after the query, but window_size=(4, 2) asks for 2 "
                "after it; pass window_size=(4, 0) (or -1) with causal=True, or causal=False "
@@ -445,17 +451,19 @@ def test_a_repeated_signature_reuses_its_checks_and_plan():
     """A decode loop's calls share one signature: the second call takes the first's checks
     and plan and gives the same results; a call of another signature (strides, a dtype,
     an option) is checked and planned anew, and a bad one raises however often it comes."""
-    from flashop import launch_decode, validation_decode
+    from flashop._launch import kvcache as launch_decode
+    from flashop._ops import kvcache as ops_kvcache
+
     case = CacheCase((3, 9), 1, 1, 2, 2, 16, 16, torch.float16, paged=True, capacity=32,
                      causal=True)
     (q, k_cache, v_cache, k, v), kwargs = make_call(case)
-    validation_decode._PASSED.clear()
+    ops_kvcache._PASSED.clear()
     first = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                            **kwargs, return_lse=True)
-    assert launch_decode._plan.cache_info().misses == 1 and len(validation_decode._PASSED) == 1
+    assert launch_decode._plan.cache_info().misses == 1 and len(ops_kvcache._PASSED) == 1
     again = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                            **kwargs, return_lse=True)
-    assert launch_decode._plan.cache_info().hits == 1 and len(validation_decode._PASSED) == 1
+    assert launch_decode._plan.cache_info().hits == 1 and len(ops_kvcache._PASSED) == 1
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     # strides (q as a view of a wider tensor), an option: new signatures
     wide = torch.zeros(q.shape[:-1] + (2 * q.shape[-1],), dtype=q.dtype, device=DEVICE)
@@ -463,7 +471,7 @@ def test_a_repeated_signature_reuses_its_checks_and_plan():
     flashop.attention_with_kvcache(q_view, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                    **{**kwargs, "causal": False})
-    assert launch_decode._plan.cache_info().misses == 3 and len(validation_decode._PASSED) == 3
+    assert launch_decode._plan.cache_info().misses == 3 and len(ops_kvcache._PASSED) == 3
     bad = {**kwargs, "cache_seqlens": kwargs["cache_seqlens"].long()}
     for _ in range(2):
         with pytest.raises(ValueError, match="cache_seqlens must be a 1-D int32 tensor"):
@@ -473,7 +481,7 @@ def test_a_repeated_signature_reuses_its_checks_and_plan():
 @pytest.fixture
 def decode_rules_on_gpus(monkeypatch):
     """flashop.launch_decode with its GPU rules (not the interpreter's small tiles)."""
-    from flashop import launch_decode
+    from flashop._launch import kvcache as launch_decode
     monkeypatch.setattr(launch_decode, "INTERPRETING", False)
     return launch_decode
 
@@ -559,7 +567,7 @@ def test_page_ids_per_tile_and_per_key(monkeypatch, key_page_ids, page):
     """The kernel's two ways to find a paged tile's keys, a tile's one page id and each
     key's, whichever the rules pick: causal with a window (edge tiles), lengths from empty
     to full, 1 and 3 splits."""
-    from flashop import launch_decode
+    from flashop._launch import kvcache as launch_decode
     tiles = launch_decode.decode_tiles
     monkeypatch.setattr(launch_decode, "decode_tiles",
                         lambda *a: replace(tiles(*a), key_page_ids=key_page_ids))
@@ -617,7 +625,7 @@ def test_gpu_bf16_tiles_for_every_shared_memory(monkeypatch, shared_memory, page
     """bf16 over 2048-key caches with the tiles as chosen for this GPU, and as fitted to an
     A100's (163 KiB) and a consumer GPU's (99 KiB) shared memory: each compiles, launches
     and agrees with the reference (D=256 with 16 queries of 4 heads: 64-row tiles)."""
-    from flashop import launch_decode
+    from flashop._launch import kvcache as launch_decode
     if shared_memory:
         monkeypatch.setattr(launch_decode, "max_shared_memory", lambda index: shared_memory)
     case = CacheCase((0, 700, 2048 - S_q), S_q, S_q, 2, 4, D, D, torch.bfloat16,

@@ -15,7 +15,8 @@ def dq_atomic_launches(monkeypatch):
     """The DQ_ATOMIC flag of every kernel launch that passes one, in order (launches by
     launch_kernel, and autotuned ones by wrap_triton)."""
     flags = []
-    launch_kernel, wrap = flashop.launch.launch_kernel, flashop.launch.wrap_triton
+    launch = flashop._launch.attention
+    launch_kernel, wrap = launch.launch_kernel, launch.wrap_triton
 
     def record(kwargs):
         if "DQ_ATOMIC" in kwargs:
@@ -38,8 +39,8 @@ def dq_atomic_launches(monkeypatch):
                 return launch
         return Grid()
 
-    monkeypatch.setattr(flashop.launch, "launch_kernel", recording_launch)
-    monkeypatch.setattr(flashop.launch, "wrap_triton", recording_wrap)
+    monkeypatch.setattr(flashop._launch.attention, "launch_kernel", recording_launch)
+    monkeypatch.setattr(flashop._launch.attention, "wrap_triton", recording_wrap)
     return flags
 
 
@@ -98,9 +99,9 @@ def test_a_caller_asking_for_atomics_gets_none_under_deterministic_algorithms(
     (q, k, v), dout, dlse = make_inputs(CASE)
     q, k, v = q.detach(), k.detach(), v.detach()
     out, _, lse_log2 = torch.ops.flashop.attention_forward(q, k, v, causal=True)
-    mods = flashop.options.modifiers(causal=True)
-    flashop.launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, None, mods, False,
-                                      deterministic=False)
+    mods = flashop._launch.options.modifiers(causal=True)
+    flashop._launch.attention.attention_backward(dout, dlse, q, k, v, out, lse_log2, None, mods,
+                                                 False, deterministic=False)
     assert dq_atomic_launches == [False]
 
 
@@ -117,12 +118,12 @@ def test_deterministic_algorithms_reach_the_gluon_backward_only_in_order(monkeyp
     D=128 call reaches it without counters outside deterministic mode, and only with them
     under torch.use_deterministic_algorithms(True) (with the switch on: the call is shorter
     than the default rule's)."""
-    monkeypatch.setattr(flashop.launch_gluon, "available", lambda device: True)
+    monkeypatch.setattr(flashop._launch.gluon, "available", lambda device: True)
 
     def stand_in(*args, **kwargs):
         raise _GluonReached(args[7])
 
-    monkeypatch.setattr(flashop.launch_gluon, "attention_backward", stand_in)
+    monkeypatch.setattr(flashop._launch.gluon, "attention_backward", stand_in)
     case = Case(B=1, S_q=17, S_k=17, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16,
                 causal=True)
     (q, k, v), dout, _ = make_inputs(case)

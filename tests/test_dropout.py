@@ -16,11 +16,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
 import flashop
-from flashop import launch_gluon
-from flashop.options import round_dropout_p
+from flashop._launch import gluon as launch_gluon
+from flashop._launch.options import round_dropout_p
 from flashop.reference import keys_in_bounds
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
+    op_options,
     DEVICE, Case, TestCase, error_message, gluon_cases, make_inputs, make_modifiers,
     poisoned_outputs, slow_property_examples,
 )
@@ -44,8 +45,9 @@ def check_with_mask(case: Case, dropout_p: float, seed: int):
     options = case.options()
     with poisoned_outputs():
         out, lse, _ = torch.ops.flashop.attention_forward(
-            *inputs, mods["attn_mask"], mods["alibi_slopes"], mods["g"], mods["sinks"],
-            _seed(seed * 7919 + 1), dropout_p=dropout_p, **options)
+            *inputs, attn_mask=mods["attn_mask"], alibi_slopes=mods["alibi_slopes"],
+            g=mods["g"], sinks=mods["sinks"], dropout_seed=_seed(seed * 7919 + 1),
+            dropout_p=dropout_p, **case.op_options())
         grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
     keep = dropout_mask(_seed(seed * 7919 + 1), case.B, case.H, case.S_q, case.S_k, dropout_p)
     for result in check_attention(*inputs, dout, dlse, out, lse, grads, **mods,
@@ -101,8 +103,7 @@ def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data,
                            wraps=launch_gluon.attention_forward) as launched, \
             flashop.config.override(gluon=True), poisoned_outputs():
         out, lse, _ = torch.ops.flashop.attention_forward(
-            *inputs, None, None, None, None, _seed(seed), dropout_p=dropout_p,
-            **case.options())
+            *inputs, dropout_seed=_seed(seed), dropout_p=dropout_p, **case.op_options())
     assert launched.called  # the Gluon kernel computed the forward checked
     keep = dropout_mask(_seed(seed), case.B, case.H, case.S_q, case.S_k, dropout_p)
     results = check_attention(*inputs, dout, dlse, out, lse, (), dropout_p=dropout_p,
@@ -133,8 +134,7 @@ def test_gluon_backward_with_dropout_matches_reference_with_its_mask(dtype, data
             flashop.config.override(gluon=True, dq_atomics=not deterministic), \
             poisoned_outputs():
         out, lse, _ = torch.ops.flashop.attention_forward(
-            *inputs, None, None, None, None, _seed(seed), dropout_p=dropout_p,
-            **case.options())
+            *inputs, dropout_seed=_seed(seed), dropout_p=dropout_p, **case.op_options())
         grads = [torch.autograd.grad((out, lse), inputs, (dout, dlse), retain_graph=True)
                  for _ in range(2)]
     assert launched.called and launched.call_args.kwargs["DROPOUT"]
@@ -161,8 +161,8 @@ def test_packed_dropout_matches_reference_with_its_mask():
     options = dict(causal=True, window_size=(6, -1))
     seed = _seed(12345)
     with poisoned_outputs():
-        out, lse, _ = torch.ops.flashop.attention_varlen_forward(
-            *args.values(), None, seed, dropout_p=0.4, **options)
+        out, lse, _ = torch.ops.flashop.attention_forward(
+            **args, dropout_seed=seed, dropout_p=0.4, **op_options(**options))
         grads = torch.autograd.grad((out, lse), (args["q"], args["k"], args["v"], args["g"]),
                                     (dout, dlse))
     keep = dropout_mask(seed, 4, 2, args["max_seqlen_q"], args["max_seqlen_k"], 0.4)
@@ -274,8 +274,8 @@ def test_dropout_p_is_rounded_to_sixteen_bits():
     # rounded 0.9 (1 / (1 - 0.9) differs from it in the fifth digit)
     p = 0.9
     q = torch.zeros(1, 16, 1, 16, device=DEVICE)
-    out, _, _ = torch.ops.flashop.attention_forward(q, q, torch.ones_like(q), None, None, None,
-                                                    None, _seed(77), dropout_p=p)
+    out, _, _ = torch.ops.flashop.attention_forward(q, q, torch.ones_like(q),
+                                                    dropout_seed=_seed(77), dropout_p=p)
     kept = dropout_mask(_seed(77), 1, 1, 16, 16, p)[0, 0].sum(-1).double().cpu()
     assert kept.sum() > 0
     expected = (kept / 16 / (1 - round_dropout_p(p))).float()
@@ -290,7 +290,7 @@ def test_mean_over_seeds_approaches_the_output_without_dropout():
     case = Case(B=2, S_q=8, S_k=16, H_kv=2, G=1, D=8, DV=8, dtype=torch.float32)
     (q, k, v), _, _ = make_inputs(case)
     q, k, v = q.detach(), k.detach(), v.detach()
-    outs = [torch.ops.flashop.attention_forward(q, k, v, None, None, None, None, _seed(s),
+    outs = [torch.ops.flashop.attention_forward(q, k, v, dropout_seed=_seed(s),
                                                 dropout_p=p)[0].double() for s in range(N)]
     mean = torch.stack(outs).mean(0)
     ref, _ = flashop.attention_reference(q, k, v, compute_dtype=torch.float64)
@@ -315,11 +315,11 @@ def test_backward_agrees_with_finite_differences_at_a_fixed_seed():
     dirs = [torch.randn(x.shape, device=DEVICE, generator=gen) for x in (q, k, v)]
 
     def loss(q, k, v):
-        out, lse, _ = torch.ops.flashop.attention_forward(q, k, v, None, None, None, None,
-                                                          seed, causal=True, dropout_p=0.5)
+        out, lse, _ = torch.ops.flashop.attention_forward(q, k, v, dropout_seed=seed,
+                                                          causal=True, dropout_p=0.5)
         return (out.double() * dout.double()).sum() + (lse.double() * dlse.double()).sum()
 
-    out, lse, _ = torch.ops.flashop.attention_forward(q, k, v, None, None, None, None, seed,
+    out, lse, _ = torch.ops.flashop.attention_forward(q, k, v, dropout_seed=seed,
                                                       causal=True, dropout_p=0.5)
     grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     eps = 1e-2
@@ -332,7 +332,7 @@ def test_backward_agrees_with_finite_differences_at_a_fixed_seed():
             assert abs(fd - analytic) <= 2e-3 * (1 + abs(fd)), ("qkv"[n], fd, analytic)
     # the backward of another seed's mask is far off (the check can fail)
     wrong = torch.autograd.grad(torch.ops.flashop.attention_forward(
-        q, k, v, None, None, None, None, _seed(78), causal=True, dropout_p=0.5)[:2],
+        q, k, v, dropout_seed=_seed(78), causal=True, dropout_p=0.5)[:2],
         (q,), (dout, dlse))[0]
     assert (wrong - grads[0]).abs().max() > 0.1
 
@@ -343,14 +343,15 @@ def test_opcheck_with_dropout():
     (q, k, v), dout, dlse = make_inputs(case)
     sinks = make_modifiers(case)["sinks"]
     seed = _seed(3)
+    none = (None,) * 4  # the packing arguments
     opcheck(torch.ops.flashop.attention_forward.default,
-            (q, k, v, None, None, None, sinks, seed), dict(causal=True, dropout_p=0.25))
+            (q, k, v, *none, None, None, None, sinks, seed), dict(causal=True, dropout_p=0.25))
     args = [x.detach() for x in (q, k, v)]
-    out, _, lse_log2 = torch.ops.flashop.attention_forward(*args, None, None, None,
-                                                           sinks.detach(), seed, causal=True,
+    out, _, lse_log2 = torch.ops.flashop.attention_forward(*args, sinks=sinks.detach(),
+                                                           dropout_seed=seed, causal=True,
                                                            dropout_p=0.25)
     opcheck(torch.ops.flashop.attention_backward.default,
-            (dout, dlse, *args, out, lse_log2, None, None, None, seed),
+            (dout, dlse, *args, out, lse_log2, *none, None, None, None, seed),
             dict(causal=True, dropout_p=0.25))
 
 
@@ -360,8 +361,9 @@ def test_opcheck_packed_with_sinks_and_dropout():
     args, dout, dlse = make_packed([5, 0, 12], [9, 4, 7], H_kv=1, G=2, D=16,
                                    dtype=torch.float32)
     sinks = torch.randn(2, device=DEVICE, requires_grad=True)
-    opcheck(torch.ops.flashop.attention_varlen_forward.default,
-            (*args.values(), sinks, _seed(9)), dict(causal=True, dropout_p=0.2))
+    values = list(args.values())  # q, k, v, the packing, alibi_slopes, g
+    opcheck(torch.ops.flashop.attention_forward.default,
+            (*values[:7], None, *values[7:], sinks, _seed(9)), dict(causal=True, dropout_p=0.2))
 
 
 class DropoutAttention(nn.Module):
@@ -474,5 +476,5 @@ class TestDropoutErrors(TestCase):
 
     def test_seed(self):
         q = _t(1, 8, 2, 16)
-        self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, dropout_p=0.1), """flashop.attention: dropout_p = 0.1 needs dropout_seed, an int64 tensor of one element (flashop.attention and the composite ops draw it from torch's generator)""")  # noqa: B950
+        self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, dropout_p=0.1), """flashop.attention: dropout_p > 0 needs dropout_seed, an int64 tensor of one element (flashop.attention and the composite ops draw it from torch's generator)""")  # noqa: B950
         self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, dropout_seed=torch.zeros(2, device=DEVICE), dropout_p=0.1), """flashop.attention: dropout_seed must be an int64 tensor of one element, got torch.float32 of shape (2,)""")  # noqa: B950

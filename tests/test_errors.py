@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashop
-from helpers import DEVICE, TestCase
+from helpers import DEVICE, TestCase, error_message
 
 
 def _t(*shape, dtype=torch.float16, device=DEVICE):
@@ -89,6 +89,18 @@ class TestErrors(TestCase):
         self.assertExpectedInline(self.message(q, q, q, window_size=(-2, 3)), """flashop.attention: window_size must be (left, right) with each >= 0, or -1 for no bound, got (-2, 3)""")  # noqa: B950
         self.assertExpectedInline(self.message(q, q, q, window_size=(4,)), """flashop.attention: window_size must be (left, right) with each >= 0, or -1 for no bound, got (4,)""")  # noqa: B950
 
+    def test_window_size_of_the_operators(self):
+        """The operators take the window as two ints; the same bounds are checked there."""
+        q = _t(1, 8, 2, 16)
+        self.assertExpectedInline(error_message(torch.ops.flashop.attention, q, q, q, window_size_left=-3), """flashop.attention: window_size must be (left, right) with each >= 0, or -1 for no bound, got (-3, -1)""")  # noqa: B950
+        self.assertExpectedInline(self.message(q, q, q, window_size=(4.0, 0)), """flashop.attention: window_size must be (left, right) with each >= 0, or -1 for no bound, got (4.0, 0)""")  # noqa: B950
+
+    def test_packing_arguments_come_together(self):
+        q = _t(8, 2, 16)
+        cu = torch.tensor([0, 8], device=DEVICE, dtype=torch.int32)
+        self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, cu, max_seqlen_q=8), """flashop.attention_forward: a packed batch is described by cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together, but cu_seqlens_k, max_seqlen_k are None; pass all four (flashop.attention_varlen), or none for a dense batch""")  # noqa: B950
+        self.assertExpectedInline(error_message(torch.ops.flashop.attention_forward, q, q, q, max_seqlen_k=8), """flashop.attention_forward: a packed batch is described by cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together, but cu_seqlens_q, cu_seqlens_k, max_seqlen_q are None; pass all four (flashop.attention_varlen), or none for a dense batch""")  # noqa: B950
+
     def test_causal_window_reaching_ahead(self):
         q = _t(1, 8, 2, 16)
         self.assertExpectedInline(
@@ -154,7 +166,7 @@ def test_cpu_tensors_without_interpreter_say_how_to_proceed():
 def test_sequences_past_32_bit_offsets_are_refused():
     """A (batch, head) slice spanning 2**31 elements would overflow the kernels' row offsets
     (checked on meta tensors, so nothing large is allocated)."""
-    from flashop.launch_common import check_row_offsets
+    from flashop._launch.common import check_row_offsets
 
     def check(x):
         check_row_offsets("flashop.attention", (x,), (x.stride(1),), (x.shape[1],))

@@ -160,7 +160,7 @@ def test_dropout_matches_reference_with_the_drawn_mask():
         grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     assert probs is None
     torch.manual_seed(7)
-    seed = flashop.ops.dropout_seed(q, p)
+    seed = flashop._ops.attention.dropout_seed(q, p)
     mask = dropout_mask(seed, B, H, S_q, S_k, p)
     for result in check_attention(q, k, v, dout, dlse, out, lse, grads, causal=True,
                                   dropout_p=p, dropout_mask=mask):

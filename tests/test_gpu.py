@@ -101,7 +101,7 @@ def test_cuda_graph_capture_of_the_python_apis_backward():
     case = Case(B=1, S_q=130, S_k=257, H_kv=2, G=2, D=128, DV=128, dtype=torch.bfloat16,
                 causal=True)
     (q, k, v), dout, _ = make_inputs(case)
-    flashop.api._ZEROS.clear()
+    flashop._ops.eager._ZEROS.clear()
 
     def step():
         # leaves of this step (their autograd nodes on the stream that captures it)
@@ -110,7 +110,7 @@ def test_cuda_graph_capture_of_the_python_apis_backward():
         return (out, *torch.autograd.grad(out, leaves, dout))
 
     _assert_replay_equals_eager(step)
-    assert all(z.item() == 0 for z in flashop.api._ZEROS.values())
+    assert all(z.item() == 0 for z in flashop._ops.eager._ZEROS.values())
 
 
 def test_cuda_graph_capture_of_packed_batches_with_modifiers():
@@ -121,14 +121,14 @@ def test_cuda_graph_capture_of_packed_batches_with_modifiers():
     args, dout, dlse = make_packed([0, 70, 1, 129], [5, 100, 1, 129], 2, 2, 64, torch.bfloat16,
                                    gate=torch.float32, alibi=(4,))
     args = {n: a.detach() if isinstance(a, torch.Tensor) else a for n, a in args.items()}
-    options = dict(causal=True, window_size=(48, 0), softcap=10.0)
+    options = dict(causal=True, window_size_left=48, window_size_right=0, softcap=10.0)
 
     def step():
-        out, lse, lse_log2 = torch.ops.flashop.attention_varlen_forward(*args.values(),
-                                                                        **options)
+        out, lse, lse_log2 = torch.ops.flashop.attention_forward(**args, **options)
         values = list(args.values())
-        grads = torch.ops.flashop.attention_varlen_backward(
-            dout, dlse, *values[:3], out, lse_log2, *values[3:], **options)
+        grads = torch.ops.flashop.attention_backward(
+            dout, dlse, *values[:3], out, lse_log2, *values[3:7], None, *values[7:],
+            **options)
         return (out, lse, *grads)
 
     _assert_replay_equals_eager(step)
@@ -144,8 +144,8 @@ def test_warp_specialized_forward_under_inductor_and_in_cuda_graphs():
 
     q = torch.randn(2, 200, 4, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    assert flashop.launch._uses_ws(q, k, v, flashop.launch._PLAIN_FLAGS[False], 128, 256,
-                                   False)
+    launch = flashop._launch.attention
+    assert launch._uses_ws(q, k, v, launch._PLAIN_FLAGS[False], 128, 256, False)
     eager = flashop.attention_with_lse(q, k, v)
     torch._dynamo.reset()
     compiled = torch.compile(flashop.attention_with_lse, fullgraph=True, dynamic=False)
@@ -175,7 +175,7 @@ def test_cached_launches_equal_tritons_own():
     own launches bit for bit, a tensor of other alignment gets its own kernel, and a repeated
     call binds no argument through Triton (its JITFunction.run is not entered)."""
     import triton.runtime.jit as jit
-    from flashop import launch_common
+    from flashop._launch import common as launch_common
 
     if not launch_common._triton_allows_cached_launches():
         pytest.skip(f"cached launches serve triton {launch_common.CACHED_LAUNCH_TRITON}")
@@ -221,7 +221,7 @@ def test_cached_decode_launches_equal_tritons_own():
     step binds no argument through Triton, and queries of other alignment get their own
     kernel."""
     import triton.runtime.jit as jit
-    from flashop import launch_common
+    from flashop._launch import common as launch_common
 
     if not launch_common._triton_allows_cached_launches():
         pytest.skip(f"cached launches serve triton {launch_common.CACHED_LAUNCH_TRITON}")
@@ -298,7 +298,7 @@ SANITIZER_SCRIPT = """
 import sys, torch, flashop
 part = sys.argv[1]
 if part == "split":  # the split causal forward at any length (the table's from 4096 keys)
-    flashop.tiles.SHORT_KEYS = 0
+    flashop._launch.tiles.SHORT_KEYS = 0
     part = "plain"
 B, S_q, S_k, H, H_kv, D, DV, causal = map(int, sys.argv[2:])
 for dtype in (torch.bfloat16, torch.float32):
@@ -338,7 +338,7 @@ for dtype in (torch.bfloat16, torch.float32):
                               for S, h in ((S_q, H), (S_k, H_kv), (S_k, H_kv)))
                 if layout == "bhsd":
                     qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
-                assert flashop.launch_gluon.serves(qg, kg, vg, causal, 0.1, True)
+                assert flashop._launch.gluon.serves(qg, kg, vg, causal, 0.1, True)
                 qg, kg, vg = (x.requires_grad_(True) for x in (qg, kg, vg))
                 out, lse = flashop.attention_with_lse(qg, kg, vg, causal=causal, dropout_p=p)
                 torch.autograd.grad((out, lse), (qg, kg, vg),
@@ -403,9 +403,10 @@ def test_compute_sanitizer_memcheck_on_odd_shapes(shape, part):
     short (under memcheck every kernel variant compiles and runs many times slower). A plain
     run first fills Triton's kernel cache, so that the sanitized run does not compile."""
     name, dq_atomics = part
-    if name == "split" and not (shape[7] and flashop.tiles.two_query_tiles(max(shape[5:7]))):
+    if name == "split" and not (shape[7]
+                                and flashop._launch.tiles.two_query_tiles(max(shape[5:7]))):
         pytest.skip("the split causal forward takes causal shapes with 64 < D <= 128")
-    if name == "gluon" and not flashop.launch_gluon.available(torch.device("cuda")):
+    if name == "gluon" and not flashop._launch.gluon.available(torch.device("cuda")):
         pytest.skip("the Gluon forward needs a Hopper GPU and triton 3.6")
     env = {**os.environ, "FLASHOP_DQ_ATOMICS": dq_atomics,
            **({"FLASHOP_GLUON": "1"} if name == "gluon" else {})}

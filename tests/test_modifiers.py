@@ -113,12 +113,13 @@ def test_bias_gradient_has_the_bias_shape(shape):
 
 
 def test_modifiers_compose_with_attention_op():
-    """torch.ops.flashop.attention takes the same modifiers as keyword arguments."""
+    """torch.ops.flashop.attention takes the same modifiers as keyword arguments (and the
+    window as its two ints)."""
     case = Case(B=1, S_q=20, S_k=30, H_kv=1, G=2, D=16, DV=16, dtype=torch.float32,
                 causal=True, window_size=(8, 0), softcap=2.0, alibi=(2,), gate=torch.float32)
     (q, k, v), _, _ = make_inputs(case)
     mods = make_modifiers(case)
-    out = torch.ops.flashop.attention(q, k, v, **mods, **case.options())
+    out = torch.ops.flashop.attention(q, k, v, **mods, **case.op_options())
     assert torch.equal(out, flashop.attention_with_lse(q, k, v, **mods, **case.options())[0])
 
 

@@ -21,28 +21,31 @@ OPCHECK_CASES = [
 ]
 
 
-def _args(case):
-    """(q, k, v, attn_mask, alibi_slopes, g) and the keyword options of the case."""
+def _args(case, packing=()):
+    """(q, k, v, attn_mask, alibi_slopes, g) and the operators' keyword options of the case;
+    with ``packing``, the forward's (q, k, v, *packing, attn_mask, alibi_slopes, g)."""
     (q, k, v), _, _ = make_inputs(case)
     mods = make_modifiers(case)
-    return (q, k, v, mods["attn_mask"], mods["alibi_slopes"], mods["g"]), case.options()
+    tensors = (mods["attn_mask"], mods["alibi_slopes"], mods["g"])
+    return (q, k, v, *packing, *tensors), case.op_options()
 
 
 class TestSchemas(TestCase):
     def test_schemas(self):
+        """One forward and one backward operator for dense and packed batches (the packing
+        arguments None where dense), and the composites over them; the window as two ints."""
         schemas = "\n".join(str(getattr(torch.ops.flashop, op).default._schema) for op in (
             "attention", "attention_with_lse", "attention_forward", "attention_backward",
-            "attention_varlen", "attention_varlen_with_lse", "attention_varlen_forward",
-            "attention_varlen_backward"))
+            "attention_varlen", "attention_varlen_with_lse"))
         self.assertExpectedInline(schemas, """\
-flashop::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> Tensor
-flashop::attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor)
-flashop::attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, Tensor? dropout_seed=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor, Tensor)
-flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse_log2, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? dropout_seed=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
-flashop::attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> Tensor
-flashop::attention_varlen_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor)
-flashop::attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, Tensor? dropout_seed=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor, Tensor)
-flashop::attention_varlen_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse_log2, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? dropout_seed=None, *, bool causal=False, float? scale=None, SymInt[]? window_size=None, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor, Tensor, Tensor)""")  # noqa: B950
+flashop::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0., float dropout_p=0.) -> Tensor
+flashop::attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor)
+flashop::attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, Tensor? dropout_seed=None, *, bool causal=False, float? scale=None, SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor, Tensor)
+flashop::attention_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse_log2, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? attn_mask=None, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? dropout_seed=None, *, bool causal=False, float? scale=None, SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0., float dropout_p=0., bool attn_mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+flashop::attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0., float dropout_p=0.) -> Tensor
+flashop::attention_varlen_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, Tensor? g=None, Tensor? sinks=None, *, bool causal=False, float? scale=None, SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0., float dropout_p=0.) -> (Tensor, Tensor)""")  # noqa: B950
+        for gone in ("attention_varlen_forward", "attention_varlen_backward"):
+            self.assertFalse(hasattr(torch.ops.flashop, gone))
 
     def test_python_functions_have_the_ops_names(self):
         for fn in (flashop.attention, flashop.attention_with_lse, flashop.attention_varlen,
@@ -53,13 +56,13 @@ flashop::attention_varlen_backward(Tensor dout, Tensor dlse, Tensor q, Tensor k,
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
 @pytest.mark.parametrize("op", ["attention_forward", "attention_with_lse", "attention"])
 def test_opcheck_forward(case, op):
-    args, options = _args(case)
+    args, options = _args(case, (None,) * 4 if op == "attention_forward" else ())
     opcheck(getattr(torch.ops.flashop, op).default, args, options)
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
 def test_opcheck_backward(case):
-    args, options = _args(case)
+    args, options = _args(case, (None,) * 4)
     _, dout, dlse = make_inputs(case)
     args = [None if t is None else t.detach() for t in args]
     out, _, lse_log2 = torch.ops.flashop.attention_forward(*args, **options)
@@ -75,16 +78,17 @@ def _grad_fn_name(out) -> str:
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_the_direct_eager_path_matches_the_operator_bitwise(case):
     """flashop.attention_with_lse on plain tensors runs the forward operator's body in its
-    own autograd function (flashop/api.py): outputs and gradients equal the operator's bit
-    for bit."""
+    own autograd function (flashop/_ops/eager.py): outputs and gradients equal the
+    operator's bit for bit."""
     (q, k, v), dout, dlse = make_inputs(case)
     mods = make_modifiers(case)
     args = (q, k, v, mods["attn_mask"], mods["alibi_slopes"], mods["g"])
     wrt = [x for x in args if x is not None and x.requires_grad]
     results = []
-    for fn, path in ((flashop.attention_with_lse, "_DirectAttentionBackward"),
-                     (torch.ops.flashop.attention_with_lse, "GeneratedBackwardFor")):
-        out, lse = fn(*args, **case.options())
+    for fn, options, path in (
+            (flashop.attention_with_lse, case.options(), "_DirectAttentionBackward"),
+            (torch.ops.flashop.attention_with_lse, case.op_options(), "GeneratedBackwardFor")):
+        out, lse = fn(*args, **options)
         assert _grad_fn_name(out).startswith(path), _grad_fn_name(out)
         results.append((out, lse, *torch.autograd.grad((out, lse), wrt, (dout, dlse))))
     for direct, op in zip(*results):
@@ -107,7 +111,7 @@ def test_the_direct_eager_path_takes_an_unread_output_as_a_zero_gradient():
     for given, alone in (((dout, torch.zeros_like(dlse)), grads(out, dout)),
                          ((torch.zeros_like(dout), dlse), grads(lse, dlse))):
         assert all(torch.equal(a, b) for a, b in zip(grads((out, lse), given), alone))
-    assert flashop.api._ZEROS and all(z.item() == 0 for z in flashop.api._ZEROS.values())
+    assert flashop._ops.eager._ZEROS and all(z.item() == 0 for z in flashop._ops.eager._ZEROS.values())
 
 
 def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator():
@@ -161,7 +165,7 @@ def test_launch_keys_separate_what_triton_specialises_on():
     (launch_common.launch_now); a key must tell apart whatever Triton compiles differently:
     a tensor's dtype and 16-byte alignment, an argument's type (1, True and 1.0 are equal
     in Python) and value."""
-    from flashop.launch_common import _call_key
+    from flashop._launch.common import _call_key
 
     x = torch.zeros(64)
     shifted = torch.zeros(65)[1:]
@@ -177,7 +181,7 @@ def test_planned_launch_keys_separate_what_a_plan_fixes():
     launch_planned) keys its compiled kernel by the plan's content and the call's other
     arguments: plans of equal content share a key; plans that differ in the grid or in an
     argument's name, type or value do not; a plan holds no tensor."""
-    from flashop.launch_common import Planned
+    from flashop._launch.common import Planned
 
     base = Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5))
     same = Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5))
@@ -205,3 +209,27 @@ def test_the_direct_eager_path_keeps_the_operators_errors():
         with pytest.raises(RuntimeError, match="alibi_slopes get no gradient"):
             out.backward(torch.ones_like(out))
     assert messages[0] == messages[1] and "float64" in messages[0]
+
+
+def test_the_direct_eager_path_of_packed_batches_matches_the_operator_bitwise():
+    """flashop.attention_varlen_with_lse takes the same direct path (the one forward
+    operator's body with the packing arguments): outputs and gradients equal the
+    operator's bit for bit, the sinks' and the gate's gradients included."""
+    from test_varlen import make_packed
+
+    args, dout, dlse = make_packed([5, 0, 30], [17, 4, 30], 1, 2, 16, torch.float32,
+                                   gate=torch.float32, alibi=(3, 2))
+    args["alibi_slopes"] = args["alibi_slopes"].detach()
+    sinks = torch.randn(2, device=args["q"].device, requires_grad=True)
+    wrt = (args["q"], args["k"], args["v"], args["g"], sinks)
+    results = []
+    for fn, options, path in (
+            (flashop.attention_varlen_with_lse, dict(window_size=(9, 0)),
+             "_DirectAttentionBackward"),
+            (torch.ops.flashop.attention_varlen_with_lse,
+             dict(window_size_left=9, window_size_right=0), "GeneratedBackwardFor")):
+        out, lse = fn(**args, sinks=sinks, causal=True, softcap=3.0, **options)
+        assert _grad_fn_name(out).startswith(path), _grad_fn_name(out)
+        results.append((out, lse, *torch.autograd.grad((out, lse), wrt, (dout, dlse))))
+    for direct, op in zip(*results):
+        assert torch.equal(direct, op)

@@ -221,7 +221,7 @@ def test_sdpa_dropout_runs_flashops_dropout_when_active(flashop_active):
     expected, lse = flashop.attention_with_lse(q2, k2, v2, causal=True, dropout_p=0.2)
     assert torch.equal(out, expected.transpose(1, 2))
     torch.manual_seed(4)
-    mask = dropout_mask(flashop.ops.dropout_seed(q, 0.2), 2, 4, 300, 300, 0.2)
+    mask = dropout_mask(flashop._ops.attention.dropout_seed(q, 0.2), 2, 4, 300, 300, 0.2)
     grads = tuple(g.transpose(1, 2) for g in grads)
     for result in check_attention(q2, k2, v2, dout.transpose(1, 2), torch.zeros_like(lse),
                                   expected, lse, grads, causal=True, dropout_p=0.2,

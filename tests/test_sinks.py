@@ -132,9 +132,10 @@ OPCHECK_CASES = [
 def test_opcheck_with_sinks(case, op):
     (q, k, v), _, _ = make_inputs(case)
     mods = make_modifiers(case)
+    packing = (None,) * 4 if op == "attention_forward" else ()
     opcheck(getattr(torch.ops.flashop, op).default,
-            (q, k, v, mods["attn_mask"], mods["alibi_slopes"], mods["g"], mods["sinks"]),
-            case.options())
+            (q, k, v, *packing, mods["attn_mask"], mods["alibi_slopes"], mods["g"],
+             mods["sinks"]), case.op_options())
 
 
 def test_direct_eager_path_matches_the_operator_with_sinks():
@@ -143,8 +144,9 @@ def test_direct_eager_path_matches_the_operator_with_sinks():
     mods = make_modifiers(case)
     wrt = (q, k, v, mods["g"], mods["sinks"])
     results = []
-    for fn in (flashop.attention_with_lse, torch.ops.flashop.attention_with_lse):
-        out, lse = fn(q, k, v, **mods, **case.options())
+    for fn, options in ((flashop.attention_with_lse, case.options()),
+                        (torch.ops.flashop.attention_with_lse, case.op_options())):
+        out, lse = fn(q, k, v, **mods, **options)
         results.append((out, lse, *torch.autograd.grad((out, lse), wrt, (dout, dlse))))
     for direct, op in zip(*results):
         assert torch.equal(direct, op)

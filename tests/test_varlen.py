@@ -9,7 +9,7 @@ from torch.library import opcheck
 
 import flashop
 from flashop.testing import check_attention_varlen, differentiable_inputs
-from helpers import DEVICE, TestCase, poisoned_outputs
+from helpers import DEVICE, TestCase, op_options, poisoned_outputs
 
 ON_GPU = DEVICE == "cuda"
 MAX_LEN = 300 if ON_GPU else 48
@@ -145,12 +145,17 @@ def _opcheck_args():
 
 
 def test_opcheck():
+    """The packed call through the one forward and backward operator (the packing arguments
+    given, no attn_mask) and through its composites."""
     args, dout, dlse, options = _opcheck_args()
-    for op in ("attention_varlen_forward", "attention_varlen_with_lse", "attention_varlen"):
+    options = op_options(**options)
+    for op in ("attention_varlen_with_lse", "attention_varlen"):
         opcheck(getattr(torch.ops.flashop, op).default, tuple(args.values()), options)
-    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args.values()]
-    out, _, lse_log2 = torch.ops.flashop.attention_varlen_forward(*detached, **options)
-    opcheck(torch.ops.flashop.attention_varlen_backward.default,
+    forward_args = (*list(args.values())[:7], None, *list(args.values())[7:])  # attn_mask
+    opcheck(torch.ops.flashop.attention_forward.default, forward_args, options)
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in forward_args]
+    out, _, lse_log2 = torch.ops.flashop.attention_forward(*detached, **options)
+    opcheck(torch.ops.flashop.attention_backward.default,
             (dout, dlse, *detached[:3], out, lse_log2, *detached[3:]), options)
 
 

@@ -237,7 +237,9 @@ def attention_bwd_dkdv_kernel(
         row = i_b * stride_lb + i_h * stride_lh + q_start  # lse, delta: rows of this head
         p_lse = lse_log2 + row
         p_delta = delta + row
-        p_dqa = dq_acc + i_b * stride_dqab + q_start * stride_dqas + i_h * stride_dqah
+        p_dqa = dq_acc
+        if DQ_ATOMIC:
+            p_dqa = dq_acc + i_b * stride_dqab + q_start * stride_dqas + i_h * stride_dqah
         alibi_log2 = 0.0
         if HAS_ALIBI:
             alibi_log2 = -tl.load(alibi + i_b * stride_ab + i_h * stride_ah) * LOG2E

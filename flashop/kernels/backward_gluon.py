@@ -196,8 +196,7 @@ def _bwd_consumer_partition(
                                 is_async=True)
         # the keep mask drawn under the two products where not causal, after them where
         # causal, its products by one instruction each where not causal (more registers
-        # spill where causal): each measured the faster there (entries 74 and 78 of
-        # docs/notes/performance-notes.md)
+        # spill where causal): each measured the faster there
         if DROPOUT and not CAUSAL:
             b_keep = keep_keys(k0, k1, i_b, i_h, start_n + WG * KEYS, start_m, threshold,
                                KEYS, BLOCK_M, st_layout, True)

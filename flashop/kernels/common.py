@@ -234,8 +234,8 @@ def dropout_keep(seed, i_b, i_h, o_q, start_k, dropout_p, BLOCK_K: tl.constexpr,
     accumulator holds in a 16-key column block, so a kernel holding its scores that way
     draws in place (flashop/kernels/dropout_gluon.py). A pair is
     kept where its 16 bits are at least ``dropout_p * 65536``; the ops round dropout_p to a
-    multiple of 2**-16 first (options.round_dropout_p), so the keep rate is exactly 1 -
-    dropout_p."""
+    multiple of 2**-16 first (_launch.options.round_dropout_p), so the keep rate is exactly
+    1 - dropout_p."""
     BLOCK_Q: tl.constexpr = o_q.shape[0]
     tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0,
                      "dropout_keep: tiles of multiples of 16 queries and keys")

@@ -156,7 +156,7 @@ def _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h, k_star
         o_gq = o_m + (S_k - S_q)
         b_gq = tl.load(g_cum + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
                        + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)
-        b_sink = tl.fma(-b_gq, LOG2E, b_sink)  # one rounding, as launch.sink_grad's
+        b_sink = tl.fma(-b_gq, LOG2E, b_sink)  # one rounding, as _launch.attention.sink_grad
     return b_sink
 
 

@@ -1,6 +1,6 @@
 """The plain forward on Hopper in Gluon (``triton.experimental.gluon``), written for triton
 3.6: its API changes between releases, so flashop imports this module only under that
-version (flashop/launch_gluon.py). Triton's interpreter cannot run Gluon: the ``tl`` forward
+version (flashop/_launch/gluon.py). Triton's interpreter cannot run Gluon: the ``tl`` forward
 (flashop/kernels/forward.py) stays the reference, and the GPU suite checks this kernel
 against the same reference.
 
@@ -12,8 +12,7 @@ partitions over its units:
   it, and running ahead into the next item while the consumers finish one. Where
   KV_APART (two stages of 64 keys at D = 256: what fits beside Q), K and V buffers have
   barriers of their own, a K tile released once its scores are computed and a V tile once
-  its P V is, so that the next K loads while P V runs (entry 79 of
-  docs/notes/performance-notes.md); else a tile's K and V share one;
+  its P V is, so that the next K loads while P V runs; else a tile's K and V share one;
 - BLOCK_M / 64 consumer warp groups (two or three) of 64 rows each: S = Q K^T and O += P V
   by wgmma, with S_{j+1} issued together with P_j V_j, so the softmax of S_{j+1} runs while
   P_j V_j does.
@@ -85,8 +84,7 @@ def _work_item(u, side, n_m, H, S_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
     running at once share its keys and values in L2. Without CAUSAL a unit is one query
     tile. Where CAUSAL, unit a of a (batch, head) pairs query tile n_m - 1 - a with tile a,
     n_m + 1 key tiles in all, so that all units weigh the same and the programs, taking
-    units in turn, end together (the middle tile of an odd n_m is a unit alone; entry 68
-    of docs/notes/performance-notes.md measured the orders)."""
+    units in turn, end together (the middle tile of an odd n_m is a unit alone)."""
     if CAUSAL:
         half = (n_m + 1) // 2
         i_bh = u // half
@@ -211,7 +209,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o
     in the group's Q buffer and stored by TMA through ``o_desc``, and Q released after
     that store; else Q is released once its last S = Q K^T is done, so that the load warp
     fetches the next item's Q while this one's last P V and its stores run
-    (launch_gluon.FWD_O_TMA takes the faster per head dim). Where DROPOUT, each tile's keep
+    (_launch.gluon.FWD_O_TMA takes the faster per head dim). Where DROPOUT, each tile's keep
     mask is drawn (dropout_gluon.keep_rows, key (k0, k1), ``threshold``) while its S = Q
     K^T runs, and the output is scaled by 1 / (1 - dropout_p)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -362,8 +360,8 @@ def attention_fwd_gluon_kernel(
     module's docstring has the partitions), lse[b, h, i] in natural log and lse_log2 in
     base 2; qk_scale = scale * log2(e) > 0. Where CAUSAL, S_q == S_k. MASK_LAST: CAUSAL or
     S_k not a multiple of BLOCK_N (the last key tile masked; a masked branch in the loop
-    cost 2% where there is nothing to mask). Grid: (P,); program p takes the work units p,
-    p + P, ... of the n_units (launch_gluon.work_units; _work_item). q_desc's and o_desc's
+    costs time where there is nothing to mask). Grid: (P,); program p takes the work units p,
+    p + P, ... of the n_units (_launch.gluon.work_units; _work_item). q_desc's and o_desc's
     tiles are one consumer group's rows (64). KV_APART: K and V buffers released apart (the
     module's docstring). O_TMA: the output stored by TMA (_attend_item). Where DROPOUT, P V
     takes the probabilities kept by the mask of the int64 ``dropout_seed[0]`` and

@@ -11,10 +11,8 @@ from typing import Optional
 
 import torch
 
-from flashop.launch_common import eager_meta
-from flashop.options import PLAIN
-from flashop.validation import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_kernels_run_on, check_modifiers,
+from flashop._ops.checks import (
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_kernels_run_on, check_modifiers, check_scale,
 )
 
 OP = "flashop.attention_with_kvcache"
@@ -25,41 +23,13 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-# signatures of eager calls that passed the checks (a decode loop repeats one signature;
-# the checks are a good part of a step's host time otherwise); emptied when full
-_PASSED: set = set()
-MAX_PASSED = 1024
-
-
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale: Optional[float], mods, num_splits: int, *,
                          interpreting: bool, op: str = OP) -> None:
     """Validate q (B, S_q, H, D); a dense cache (B_cache, S_cache, H_kv, D / DV) or a paged
     one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks); k, v
     (B, S_new, H_kv, D / DV) or neither; int32 cache_seqlens (B,) and cache_batch_idx (B,);
-    scale, the modifiers and num_splits. The checks read shapes, strides, dtypes, devices
-    and the options only: an eager call whose signature (launch_common.eager_meta, the
-    options) passed before passes again without them."""
-    extra = (None, None) if mods is None else (mods.alibi_slopes, mods.sinks)
-    metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                       block_table, *extra)
-    key = None
-    if metas is not None:
-        options = None if mods is None else (mods.causal, mods.window_size, mods.softcap)
-        key = (op, interpreting, scale, num_splits, options, metas)
-        if key in _PASSED:
-            return
-    _check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                          block_table, mods, num_splits, interpreting, op)
-    if key is not None:
-        if len(_PASSED) >= MAX_PASSED:
-            _PASSED.clear()
-        _PASSED.add(key)
-
-
-def _check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                          block_table, mods, num_splits: int, interpreting: bool,
-                          op: str) -> None:
+    scale, the modifiers and num_splits."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError(f"{op}: pass both k and v (the new keys and values to append) or "
@@ -168,10 +138,11 @@ def _check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_
                 f"{op}: {S_new} new keys do not fit a cache of {capacity} positions per "
                 f"sequence ({new}, {caches}); allocate a larger cache")
 
+    check_scale(op, scale)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"{op}: num_splits must be 0 (chosen from the GPU and the shapes) "
                          f"or from 1 to {MAX_NUM_SPLITS}, got {num_splits}")
-    if mods is not None and mods is not PLAIN[mods.causal]:
+    if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, S_q, capacity, H)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashop.options import Packing
+from flashop._launch.options import Packing
 
 
 def token_sequences(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -13,10 +13,10 @@ import torch
 import triton
 
 from flashop import config
-from flashop.kernels import INTERPRETING
-from flashop.launch_common import (
+from flashop._launch.common import (
     is_hopper, known_shorter, max_shared_memory, next_power_of_2,
 )
+from flashop.kernels import INTERPRETING
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,19 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flashop.kernels import INTERPRETING
-from flashop.kernels.decode import (
-    attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
-)
-from flashop.launch_common import (
+from flashop._launch.common import (
     Planned, TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, eager_meta,
     launch_planned, max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale,
     sm_count, tensor_meta, unit_stride_last,
 )
-from flashop.options import Modifiers
-from flashop.tiles import shared_memory_bytes
+from flashop._launch.options import Modifiers
+from flashop._launch.scores import score_args, sink_args
+from flashop._launch.tiles import shared_memory_bytes
+from flashop.kernels import INTERPRETING
+from flashop.kernels.decode import (
+    attention_decode_kernel, attention_decode_merge_kernel, kvcache_append_kernel,
+)
 
-LOG2E = 1.4426950408889634
 # At most this many splits of one sequence's keys (the merge reads them in one block)
 MAX_SPLITS = 128
 
@@ -52,9 +52,9 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
     """The split-KV kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache
     of pages of ``page`` keys (0: a dense cache).
 
-    The kernel streams K and V: at head dims up to 128 (16-bit), as measured
-    (docs/notes/performance-notes.md), a dense cache's contiguous tiles 128 keys at a time,
-    3 stages deep, one program per SM (short_run_tiles takes 2 stages for splits of one or
+    The kernel streams K and V: at head dims up to 128 (16-bit), as measured fastest, a
+    dense cache's contiguous tiles 128 keys at a time, 3 stages deep, one program per SM
+    (short_run_tiles takes 2 stages for splits of one or
     two tiles); a paged cache's tiles 64 keys at a time, 2 stages deep with splits planned
     for 4 programs per SM, each key's page id a vector load that the pipeliner prefetches
     (short_run_tiles takes a tile's one id where it lies in one page and each split runs at
@@ -99,10 +99,9 @@ def fit_shared_memory(t: DecodeTiles, block_d: int, block_dv: int, itemsize: int
 def short_run_tiles(t: DecodeTiles, capacity: int, num_splits: int, page: int) -> DecodeTiles:
     """``t`` for splits that each run at most two key tiles of a full cache (``page`` 0: a
     dense cache): the whole run is then in flight at once. A dense cache's 128-key tiles
-    take 2 stages, the third only lengthening the prologue (B=1 over 4k keys: 9.3 against
-    10.0 µs on an H200); a paged cache whose tiles lie in one page loads each tile's one
-    page id, the keys' vector of ids only lengthening the chain of loads (pages of 256,
-    B=1 over 4k keys: 10.2 against 11.2 µs)."""
+    take 2 stages, the third only lengthening the prologue; a paged cache whose tiles lie in
+    one page loads each tile's one page id, the keys' vector of ids only lengthening the
+    chain of loads (both measured faster so)."""
     if cdiv(cdiv(capacity, t.BLOCK_N), num_splits) > 2:
         return t
     if page == 0 and t.BLOCK_N == 128 and t.num_stages > 2:
@@ -183,31 +182,6 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _modifier_args(causal: bool, window_size: tuple, softcap: float,
-                   alibi: Optional[TensorMeta], sinks: Optional[TensorMeta],
-                   sm_scale: float) -> dict:
-    """The attention kernel's modifier arguments but its tensors: the alibi slopes'
-    (batch, head) strides, the sinks' head stride, qk_scale, softcap_log2, left, right and
-    the flags. Scores in base 2: ``qk_scale = scale * log2 e``, or ``scale / softcap`` under
-    a softcap (then ``softcap_log2 = softcap * log2 e`` multiplies the tanh)."""
-    left, right = window_size
-    if causal:
-        right = 0
-    alibi_strides = (0, 0)
-    if alibi is not None:
-        alibi_strides = alibi.stride if len(alibi.shape) == 2 else (0, alibi.stride[0])
-    if softcap > 0:
-        qk_scale, softcap_log2 = sm_scale / softcap, softcap * LOG2E
-    else:
-        qk_scale, softcap_log2 = sm_scale * LOG2E, 0.0
-    return dict(stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
-                stride_sh=0 if sinks is None else sinks.stride[0],
-                qk_scale=qk_scale, softcap_log2=softcap_log2, left=max(left, 0),
-                right=max(right, 0), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-                HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None,
-                HAS_SINK=sinks is not None)
-
-
 def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta,
                    block_table: Optional[TensorMeta], batch_idx: bool) -> Optional[Planned]:
     """The append of k, v (B, S_new, H_kv, .) into the caches at positions
@@ -238,11 +212,11 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks) have the (shape, strides, dtype, device) ``metas``
-    (None for None; launch_common.eager_meta), with ``options`` (causal, window_size,
-    softcap, scale, num_splits). The outputs' strides are the call's to add."""
+    (None for None; common.eager_meta), with ``options`` (the call's Modifiers without
+    their tensors, scale, num_splits). The outputs' strides are the call's to add."""
     q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks = (
         None if m is None else TensorMeta(*m) for m in metas)
-    causal, window_size, softcap, scale, num_splits = options
+    mods, scale, num_splits = options
     paged = block_table is not None
     append = None
     S_new = 0
@@ -290,7 +264,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
-        **_modifier_args(causal, window_size, softcap, alibi, sinks, resolve_scale(scale, D)),
+        **score_args(mods, resolve_scale(scale, D), alibi), **sink_args(sinks),
         S_q=S_q, S_new=S_new, capacity=capacity, G=G,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
@@ -326,17 +300,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = unit_stride_last(q)
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, mods.alibi_slopes,
                mods.sinks)
-    options = (mods.causal, mods.window_size, mods.softcap, scale, num_splits)
+    # the plan's key holds the modifiers' values; their tensors are the call's
+    if mods.alibi_slopes is not None or mods.sinks is not None:
+        mods = replace(mods, alibi_slopes=None, sinks=None)
+    options = (mods, scale, num_splits)
+    alibi, sinks = tensors[-2:]
     metas = eager_meta(*tensors)
     plan = (_plan(metas, options) if metas is not None
             else _make_plan(tuple(map(tensor_meta, tensors)), options))
-    # the index tensors, or a tensor standing for an absent one (never read)
-    batch_idx = cache_seqlens if cache_batch_idx is None else cache_batch_idx
-    table = cache_seqlens if block_table is None else block_table
     if plan.append is not None:
         launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
-                       v_cache=v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx,
-                       block_table=table)
+                       v_cache=v_cache, cache_seqlens=cache_seqlens,
+                       cache_batch_idx=cache_batch_idx, block_table=block_table)
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
@@ -345,17 +320,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if plan.parts is not None:
         o_part = q.new_empty(plan.parts[0], dtype=torch.float32)
         lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
-    else:  # not read: the kernel writes out and lse directly
-        o_part, lse_part = q, q
+    else:  # the kernel writes out and lse directly
+        o_part = lse_part = None
     so, sl = out.stride(), lse.stride()
     outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
                    stride_lb=sl[0], stride_lh=sl[1])
     launch_planned(
         attention_decode_kernel, plan.decode, q=q, k_cache=k_cache, v_cache=v_cache,
         o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
-        cache_batch_idx=batch_idx, block_table=table,
-        alibi=q if mods.alibi_slopes is None else mods.alibi_slopes,
-        sinks=q if mods.sinks is None else mods.sinks, **outputs)
+        cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
+        **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)

@@ -69,7 +69,9 @@ class TensorMeta(NamedTuple):
     device: torch.device
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# the types of an eager call's tensors: plain tensors (a parameter is one to the dispatcher),
+# not a tracer's stand-ins (fake, functional) or another subclass, whose shapes may be symbolic
+EAGER_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensor_meta(t: Optional[torch.Tensor]) -> Optional[TensorMeta]:
@@ -85,7 +87,7 @@ def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
     for t in tensors:
         if t is None:
             metas.append(None)
-        elif type(t) in _PLAIN_TENSORS:
+        elif type(t) in EAGER_TENSOR_TYPES:
             metas.append((t.shape, t.stride(), t.dtype, t.device))
         else:
             return None

@@ -1,7 +1,7 @@
 """Launchers of the attention kernels: allocate outputs, describe the call once, pick the
 kernel and its tiles, and launch it by keyword.
 
-Every kernel is launched through ``torch.library.wrap_triton`` (launch_common.launch_kernel)
+Every kernel is launched through ``torch.library.wrap_triton`` (common.launch_kernel)
 so that, inside a ``triton_op``, Inductor sees the Triton kernels themselves. Under Triton's
 CPU interpreter ``wrap_triton`` hands back the interpreted kernel, which runs eagerly.
 """
@@ -14,21 +14,21 @@ from typing import Callable, Optional
 import torch
 from torch.library import wrap_triton
 
-from flashop import config, gates, launch_gluon, tiles
+from flashop import config
+from flashop._launch import gates, gluon, tiles
+from flashop._launch.common import (
+    block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
+    known_shorter, launch_kernel, on_inputs_device, resolve_scale, tensor_meta, tma_aligned,
+    unit_stride_last,
+)
+from flashop._launch.options import PLAIN, Modifiers, Packing
+from flashop._launch.scores import LOG2E, LOG2E_FP32, score_args, sink_args
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import (
     attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel,
 )
-from flashop.kernels.common import LOG2E
 from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
-from flashop.launch_common import (
-    block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
-    known_shorter, launch_kernel, on_inputs_device, resolve_scale, tma_aligned,
-    unit_stride_last,
-)
-from flashop.options import Modifiers, Packing, round_dropout_p
-
 
 def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               packed: bool = False):
@@ -58,72 +58,60 @@ def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 # --- one call, as the kernels see it ----------------------------------------------------------
 
-# log2(e) as the kernels multiply by it: rounded to fp32 (a Python float, as traced graphs
-# take constants)
-_LOG2E_FP32 = torch.tensor(LOG2E.value, dtype=torch.float32).item()
-_NO_MODIFIER_TENSORS = dict(stride_ab=0, stride_ah=0, stride_gb=0, stride_gs=0, stride_gh=0,
-                            stride_amb=0, stride_amh=0, stride_amq=0, stride_amk=0)
-_PLAIN_FLAGS = {causal: dict(HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False,
-                             HAS_ALIBI=False, HAS_GATE=False, ATTN_MASK_KIND=0)
-                for causal in (False, True)}
+_NO_GATE_OR_MASK = dict(g_cum=None, attn_mask=None, stride_gb=0, stride_gs=0, stride_gh=0,
+                       stride_amb=0, stride_amh=0, stride_amq=0, stride_amk=0, HAS_GATE=False,
+                       ATTN_MASK_KIND=0)
 
 
 def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float,
                    packing: Optional[Packing]) -> tuple[dict, dict]:
-    """The kernels' modifier arguments by name (tensors, their strides, the scores' scalars)
-    and compile-time flags. Tensors a flag leaves unread are ``q`` (never read) with zero
-    strides."""
-    if mods.is_plain:
-        return (dict(alibi=q, g_cum=q, attn_mask=q, **_NO_MODIFIER_TENSORS,
-                     qk_scale=sm_scale * LOG2E.value, softcap_log2=0.0, left=0, right=0),
-                _PLAIN_FLAGS[mods.causal])
-    args = dict(alibi=q, g_cum=q, attn_mask=q, **_NO_MODIFIER_TENSORS)
-    left, right = mods.window_size
-    if mods.causal:
-        right = 0
-    if mods.alibi_slopes is not None:
-        slopes = mods.alibi_slopes
-        args.update(alibi=slopes, stride_ab=slopes.stride(0) if slopes.dim() == 2 else 0,
-                    stride_ah=slopes.stride(-1))
+    """The kernels' modifier arguments by name (scores.score_args; the ALiBi slopes, the
+    gate's cumulative sum and the attn_mask with their strides, None where absent) and
+    their compile-time flags (the upper-case names) apart."""
+    if mods.is_plain:  # the common call: its arguments but the scale are made once
+        causal = mods.causal
+        return dict(_PLAIN_ARGS[causal], qk_scale=sm_scale * LOG2E), _PLAIN_FLAGS[causal]
+    args = score_args(mods, sm_scale, tensor_meta(mods.alibi_slopes))
+    args.update(_NO_GATE_OR_MASK, alibi=mods.alibi_slopes)
     if mods.g is not None:
         g_cum, (sb, ss, sh) = gates.gate_cumsum(mods.g, packing)
-        args.update(g_cum=g_cum, stride_gb=sb, stride_gs=ss, stride_gh=sh)
-    mask_kind = 0
+        args.update(g_cum=g_cum, stride_gb=sb, stride_gs=ss, stride_gh=sh, HAS_GATE=True)
     if mods.attn_mask is not None:  # dense batches only
         B, S_q, H, _ = q.shape
         mask = mods.attn_mask.expand(B, H, S_q, k.shape[1])
-        if mask.dtype == torch.bool:
-            mask_kind = 2
-        else:
-            mask_kind = 1
-        args.update(attn_mask=mask, **dict(zip(("stride_amb", "stride_amh", "stride_amq",
-                                                "stride_amk"), mask.stride())))
-    if mods.softcap > 0:
-        # tanh(scale * q.k / softcap) * softcap, in base-2 units
-        args.update(qk_scale=sm_scale / mods.softcap, softcap_log2=mods.softcap * LOG2E.value)
-    else:
-        args.update(qk_scale=sm_scale * LOG2E.value, softcap_log2=0.0)
-    args.update(left=max(left, 0), right=max(right, 0))
-    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
-                 HAS_ALIBI=mods.alibi_slopes is not None, HAS_GATE=mods.g is not None,
-                 ATTN_MASK_KIND=mask_kind)
-    return args, flags
+        args.update(attn_mask=mask, ATTN_MASK_KIND=2 if mask.dtype == torch.bool else 1,
+                    **dict(zip(("stride_amb", "stride_amh", "stride_amq", "stride_amk"),
+                               mask.stride())))
+    return _split_flags(args)
 
 
-def _dropout_args(q: torch.Tensor, mods: Modifiers) -> dict:
-    """The kernels' dropout arguments: its seed tensor (``q``, never read, without dropout),
-    probability (rounded as the kernels draw it) and flag."""
-    if mods.dropout_p > 0:
-        return dict(dropout_seed=mods.dropout_seed,
-                    dropout_p=round_dropout_p(float(mods.dropout_p)), DROPOUT=True)
-    return dict(dropout_seed=q, dropout_p=0.0, DROPOUT=False)
+def _split_flags(args: dict) -> tuple[dict, dict]:
+    """``args`` apart from its compile-time flags (the upper-case names), and the flags."""
+    flags = {name: value for name, value in args.items() if name.isupper()}
+    return {name: value for name, value in args.items() if name not in flags}, flags
 
 
-def _sink_args(q: torch.Tensor, mods: Modifiers) -> dict:
-    """The forward's sink arguments (``q``, never read, without sinks)."""
-    if mods.sinks is not None:
-        return dict(sinks=mods.sinks, stride_sh=mods.sinks.stride(0), HAS_SINK=True)
-    return dict(sinks=q, stride_sh=0, HAS_SINK=False)
+# the arguments (but the scale) and flags of calls without modifiers (but causal)
+_PLAIN_ARGS, _PLAIN_FLAGS = {}, {}
+for _causal in (False, True):
+    _PLAIN_ARGS[_causal], _PLAIN_FLAGS[_causal] = _split_flags(
+        {**score_args(PLAIN[_causal], 1.0, None), **_NO_GATE_OR_MASK, "alibi": None})
+
+
+def _dropout_args(mods: Modifiers) -> dict:
+    """The kernels' dropout arguments: its seed tensor (None without dropout), probability
+    (as the kernels draw it) and flag."""
+    return dict(dropout_seed=mods.dropout_seed, dropout_p=mods.dropout_p, DROPOUT=mods.dropout)
+
+
+_NO_SINKS = dict(sinks=None, **sink_args(None))
+
+
+def _sinks(mods: Modifiers) -> dict:
+    """The forward's sink arguments (scores.sink_args, and the tensor: None without)."""
+    if mods.sinks is None:
+        return _NO_SINKS
+    return dict(sinks=mods.sinks, **sink_args(tensor_meta(mods.sinks)))
 
 
 def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
@@ -140,7 +128,7 @@ class Problem:
     """One call of the forward or backward: shapes, scale, packing and modifier arguments,
     built once and handed to each kernel by name."""
 
-    q: torch.Tensor  # stands in for the offsets where dense; gives the dtype and device
+    q: torch.Tensor  # gives the dtype and device
     packing: Optional[Packing]
     B: int
     S_q: int  # the longest sequences' where packed
@@ -189,9 +177,9 @@ class Problem:
         return dict(zip((f"stride_{prefix}b", f"stride_{prefix}h"), strides))
 
     def sequences(self) -> dict:
-        """Lengths, group size and the packed offsets (``q`` stands in for them when dense)."""
+        """Lengths, group size and the packed offsets (None where dense)."""
         cu_q, cu_k = ((self.packing.cu_seqlens_q, self.packing.cu_seqlens_k) if self.packed
-                      else (self.q, self.q))
+                      else (None, None))
         return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, S_q=self.S_q, S_k=self.S_k,
                     G=self.H // self.H_kv, IS_VARLEN=self.packed)
 
@@ -268,7 +256,7 @@ def _uses_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: dict, hea
     setting = config.settings.warp_specialize
     if setting is False or packed or q.dtype == torch.float32:
         return False
-    if flags != _PLAIN_FLAGS[False]:  # a modifier or a bound
+    if any(flags.values()):  # a modifier or a bound
         return False
     block_n = tiles.tiles_for("fwd_ws", head_dim, q.dtype, q.device).BLOCK_N
     if not isinstance(S_k, int) or S_k == 0 or S_k % block_n:
@@ -310,10 +298,10 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
               **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
               **p.row_strides("l", lse))
     qk_scale = p.modifier_args["qk_scale"]
-    if launch_gluon.serves(q, k, v, mods.causal, qk_scale,
-                           mods.is_plain_but_dropout and not p.packed, mods.dropout):
-        launch_gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
-                                       **_dropout_args(q, mods))
+    if gluon.serves(q, k, v, mods.causal, qk_scale, mods.is_plain_but_dropout and not p.packed,
+                    mods.dropout):
+        gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
+                                **_dropout_args(mods))
         return out, lse, lse_log2
     # sinks and dropout: the general kernel
     ws = (mods.sinks is None and not mods.dropout
@@ -330,7 +318,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k)
     _launch(attention_fwd_kernel, "fwd", t, grid, lengths=(p.S_q, p.S_k),
             autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **p.modifier_args,
-            **_sink_args(q, mods), **_dropout_args(q, mods),
+            **_sinks(mods), **_dropout_args(mods),
             **p.constexprs(), **p.flags, FOLD_SCALE=_folds_scale(qk_scale, p.flags, t,
                                                                  p.head_dim), TMA=tma)
     return out, lse, lse_log2
@@ -349,11 +337,11 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
     back, a gate summed to a few hundred would cost P_sink its last five bits.) Rows with
     lse = -inf (a sink of -inf and no key) add nothing."""
     rows = torch.sum(dout.float() * out.float(), dim=-1).transpose(-1, -2)  # as lse_log2
-    sink_log2 = (sinks.float() * _LOG2E_FP32)[:, None]  # (H, 1): broadcasts in both layouts
+    sink_log2 = (sinks.float() * LOG2E_FP32)[:, None]  # (H, 1): broadcasts in both layouts
     if g is not None:
         # fma(-G_i, log2 e, sink): the fp64 product is exact, so one rounding to fp32 remains
         g_rows = gates.query_gates(g, lse_log2.shape, packing)
-        sink_log2 = (sink_log2.double() - g_rows.double() * _LOG2E_FP32).float()
+        sink_log2 = (sink_log2.double() - g_rows.double() * LOG2E_FP32).float()
     p_sink = torch.where(lse_log2 == float("-inf"), 0.0, torch.exp2(sink_log2 - lse_log2))
     dsinks = -(p_sink * (rows - dlse))
     if dsinks.dim() == 3:
@@ -386,7 +374,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     """Launch the backward from the forward's ``out`` and base-2 ``lse_log2``; returns (dq,
     dk, dv, dg, dattn_mask) (the last two as in attention_backward_outputs).
 
-    Plain calls that the Gluon backward serves (launch_gluon.serves_backward) take it: one
+    Plain calls that the Gluon backward serves (gluon.serves_backward) take it: one
     kernel adds dQ into an fp32 buffer, in key-tile order where ``deterministic``. Elsewhere
     dQ comes from the dQ kernel (each row summed in one program) unless ``deterministic``
     is False (default: not deterministic_backward()) and there is no gate and no mask
@@ -403,34 +391,32 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     p = Problem.describe("flashop.attention_backward", q, k, v, dout, scale, mods, packing)
     delta = torch.empty_like(lse_log2)
     has_gate = mods.g is not None
-    dgq = torch.empty_like(lse_log2) if has_gate else delta  # rows of the queries, as lse
-    if not has_gate:
-        dgk = delta
-    elif packing is None:
-        dgk = lse_log2.new_empty((p.B, p.H, p.S_k))
-    else:
-        dgk = lse_log2.new_empty((p.H, k.shape[0]))
+    # the gate's gradient halves: rows of the queries (as lse) and of the keys
+    dgq = dgk = None
+    if has_gate:
+        dgq = torch.empty_like(lse_log2)
+        dgk = lse_log2.new_empty((p.B, p.H, p.S_k) if packing is None else (p.H, k.shape[0]))
     # dS of every (query, key) pair; pairs outside the window are never visited: zeros
-    dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else delta
+    dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else None
     if deterministic is None:
         deterministic = deterministic_backward()
     deterministic = deterministic or _strictly_deterministic()
     causal = p.flags["HAS_RIGHT"]
     # the Gluon backward (dQ added in key-tile order where deterministic, by atomics where
     # not) serves plain calls; the tl kernels the rest
-    gluon = (not (has_gate or attn_mask_grad) and launch_gluon.serves_backward(
+    use_gluon = (not (has_gate or attn_mask_grad) and gluon.serves_backward(
         q, k, v, dout, causal, mods.is_plain_but_dropout and packing is None, deterministic,
         mods.dropout))
-    dq_atomic = not (deterministic or has_gate or attn_mask_grad or gluon)
+    dq_atomic = not (deterministic or has_gate or attn_mask_grad or use_gluon)
     # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else delta
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else None
     short = tiles.is_short(p.S_k)
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
-    if gluon:  # zeroed first: the memset runs while the host prepares the next launches
-        dq_acc, dq_sem = launch_gluon.backward_buffer(q, deterministic)
-    if dq_atomic or gluon:
+    if use_gluon:  # zeroed first: the memset runs while the host prepares the next launches
+        dq_acc, dq_sem = gluon.backward_buffer(q, deterministic)
+    if dq_atomic or use_gluon:
         # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
         # rows here, delta being row-wise
         B_pre, rows_pre = (p.B, p.S_q) if packing is None else (1, q.shape[0])
@@ -440,17 +426,16 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             o=out, do=dout, dlse=dlse, delta=delta, **o_strides, **p.strides("do", dout),
             **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
             BLOCK_M=pre_block)
-    if gluon:
-        launch_gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv,
-                                        causal, p.sm_scale, p.modifier_args["qk_scale"],
-                                        **_dropout_args(q, mods))
+    if use_gluon:
+        gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal,
+                                 p.sm_scale, p.modifier_args["qk_scale"], **_dropout_args(mods))
         dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
         return dq, dk, dv, dg, dmask
     # what the dK/dV and dQ kernels share
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
                   **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
-                  **p.modifier_args, **_dropout_args(q, mods), **p.constexprs(), **p.flags)
+                  **p.modifier_args, **_dropout_args(mods), **p.constexprs(), **p.flags)
     if not dq_atomic:
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(
@@ -483,7 +468,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     return dq, dk, dv, dg, dmask
 
 
-
 # --- dropout's mask, for tests ----------------------------------------------------------------
 
 
@@ -491,14 +475,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
 def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
                  dropout_p: float) -> torch.Tensor:
     """The (B, H, S_q, S_k) boolean keep-mask that the kernels draw for ``dropout_seed`` (an
-    int64 tensor of one element) and ``dropout_p``; packed batches use [b, h, :len_q, :len_k]
-    of the longest lengths' mask for sequence b."""
+    int64 tensor of one element) and ``dropout_p`` as the kernels draw it (options.modifiers
+    rounds it); packed batches use [b, h, :len_q, :len_k] of the longest lengths' mask for
+    sequence b."""
     keep = torch.empty((B, H, S_q, S_k), dtype=torch.uint8, device=dropout_seed.device)
     if keep.numel():
         block_m, block_n = (16, 32) if INTERPRETING else (64, 64)
         launch_kernel(
             dropout_mask_kernel, (cdiv(S_q, block_m), H, B), dropout_seed=dropout_seed,
             keep=keep, S_q=S_q, S_k=S_k,
-            dropout_p=round_dropout_p(float(dropout_p)),
-            BLOCK_M=block_m, BLOCK_N=block_n)
+            dropout_p=dropout_p, BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.bool()

@@ -17,39 +17,39 @@ from typing import Optional
 import torch
 
 from flashop import config
+from flashop._launch.common import (
+    EAGER_TENSOR_TYPES, cdiv, launch_now, sm_count, tma_aligned, triton_version,
+)
 from flashop.kernels import INTERPRETING
-from flashop.launch_common import cdiv, launch_now, sm_count, tma_aligned, triton_version
 
 # triton==3.6: the Gluon API the kernel is written against
 GLUON_TRITON = (3, 6)
 # the forward's tiles per head dim: (BLOCK_M query rows, FWD_GROUP_ROWS per consumer group;
 # BLOCK_N keys, a multiple of FWD_GROUP_ROWS, so that a causal group's diagonal is one key
-# tile; STAGES of K and V in shared memory). Three groups at D = 64 (entry 69 of
-# docs/notes/performance-notes.md); at D = 256, 64 keys in two stages (what fits Hopper's
-# shared memory beside the Q tile), whose K and V buffers are released apart
-# (FWD_KV_APART: entry 79)
+# tile; STAGES of K and V in shared memory). Three groups at D = 64, where they measured
+# fastest; at D = 256, 64 keys in two stages (what fits Hopper's shared memory beside the Q
+# tile), whose K and V buffers are released apart (FWD_KV_APART), so the next K loads sooner
 FWD_GROUP_ROWS = 64
 FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3), 256: (128, 64, 2)}
 FWD_KV_APART = {256}
 # where each consumer group stores its output by TMA through its Q buffer, Q released after
-# the store (D = 64 keeps the pointer store, which releases Q sooner: entry 84)
+# the store (D = 64 keeps the pointer store, which releases Q sooner)
 FWD_O_TMA = {128, 256}
 # registers per thread of each consumer group (by the number of groups) and of the load
-# warp, within the 65536 of an SM (three groups measured fastest at 160: entry 69)
+# warp, within the 65536 of an SM (three groups measured fastest at 160)
 CONSUMER_REGS = {2: 232, 3: 160}
 LOAD_REGS = 24
 MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv (dQ by atomics)
 MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
-# least GLUON_MIN_KEYS[D, causal] keys (entries 67 to 69 and 79 of
-# docs/notes/performance-notes.md)
+# least GLUON_MIN_KEYS[D, causal] keys
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024,
                   (256, False): 1024, (256, True): 1024}
 # with dropout, the (D, causal) where the Gluon forward measured faster than the tl one
-# (entry 74): elsewhere its draws cost more; at D = 64 in two consumer groups of more
-# registers (three spill the draws)
+# (elsewhere its draws cost more); at D = 64 in two consumer groups of more registers (three
+# spill the draws)
 GLUON_DROPOUT = {(128, False), (64, False)}
 FWD_DROPOUT_TILES = {64: (128, 128, 3)}
 # the backward: key tiles of BWD_BLOCK_N (a consumer group's half each), query tiles of
@@ -62,11 +62,11 @@ BWD_KEY_GROUP = 4
 BWD_HEAD_DIMS = (64, 128)
 # The deterministic backward's default rule (its dQ adds in key-tile order), where it
 # measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
-# none: slower at every length measured; entry 72 of docs/notes/performance-notes.md)
+# none: slower at every length measured)
 BWD_MIN_KEYS = {(128, False): 4096, (128, True): 1536}
 # With dropout, the backward's rule instead: at least BWD_DROPOUT_MIN_KEYS[D, causal] keys,
 # where it measured faster than the tl kernels (its draws cost less; shorter calls were not
-# measured; entry 74)
+# measured)
 BWD_DROPOUT_MIN_KEYS = {(128, False): 1024, (128, True): 4096, (64, False): 1024,
                         (64, True): 1024}
 
@@ -93,7 +93,7 @@ def _bwd_kernel():
 
 def _is_traced(x: torch.Tensor) -> bool:
     """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data."""
-    return type(x) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling()
+    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
 
 
 def _takes_call(q: torch.Tensor, plain: bool) -> bool:
@@ -176,7 +176,7 @@ def _descriptor_type():
     class Descriptor(TensorDescriptor):
         """A host-made tensor descriptor that equals another of the same dtype and block
         (``spec``; its layout follows from them, _tile_layout), what Triton specialises a
-        kernel on, so that a launch's key (launch_common.launch_now) can hold it."""
+        kernel on, so that a launch's key (common.launch_now) can hold it."""
 
         def __eq__(self, other):
             return type(other) is Descriptor and self.spec == other.spec
@@ -216,8 +216,8 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
                       dropout_seed: torch.Tensor, dropout_p: float, DROPOUT: bool) -> None:
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
     (B, H, S_q), where serves() said it takes the call (``out`` as
-    launch.attention_forward_outputs allocates it, which its descriptor can address); the
-    dropout arguments as the ``tl`` forward takes them (launch._dropout_args)."""
+    attention.attention_forward_outputs allocates it, which its descriptor can address); the
+    dropout arguments as the ``tl`` forward takes them (attention._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = (FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if DROPOUT
@@ -256,7 +256,7 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
     into ``dk``, ``dv`` (B, S_k, H_kv, D), dQ added into ``dq_acc`` in key-tile order where
     ``dq_sem`` is given, by atomics where it is None (backward_buffer() makes both);
     ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it; the dropout
-    arguments as the ``tl`` kernels take them (launch._dropout_args)."""
+    arguments as the ``tl`` kernels take them (attention._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     deterministic = dq_sem is not None
@@ -266,7 +266,7 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         q_desc=_descriptor(q, BWD_BLOCK_M), k_desc=_descriptor(k, BWD_BLOCK_N),
         v_desc=_descriptor(v, BWD_BLOCK_N), do_desc=_descriptor(dout, BWD_BLOCK_M),
         dq_desc=_descriptor(dq_acc, BWD_BLOCK_M, D // 2),
-        dq_sem=dq_sem if deterministic else dq_acc, lse_log2=lse_log2, delta=delta,
+        dq_sem=dq_sem, lse_log2=lse_log2, delta=delta,
         dk=dk, dv=dv, stride_lb=lse_log2.stride(0), stride_lh=lse_log2.stride(1),
         **_strides("dk", dk), **_strides("dv", dv),
         S_q=S_q, S_k=S_k, H_kv=H_kv, G=H // H_kv, sm_scale=sm_scale, qk_scale=qk_scale,

@@ -1,4 +1,5 @@
-"""Value types of one attention call, shared by the validation, launch and op layers."""
+"""Value types of one attention call, built once per call by the operators and read by
+their checks (flashop._ops) and by the launchers: its score modifiers and its packing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def round_dropout_p(p):
     """``dropout_p`` as the kernels apply it: rounded to the nearest multiple of 2**-16 (at
     most 1 - 2**-16), since each probability is kept where 16 random bits reach p * 2**16.
     The output is scaled by 1 / (1 - the rounded p), so its expectation stays exact. A value
-    that is not a probability comes back as it was, for validation to reject."""
+    that is not a probability comes back as it was, for the checks to reject."""
     if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 <= p < 1.0):
         return p
     steps = min(round(p / DROPOUT_RESOLUTION), int(1 / DROPOUT_RESOLUTION) - 1)
@@ -25,21 +26,28 @@ def round_dropout_p(p):
 
 @dataclass(frozen=True)
 class Modifiers:
-    """Score modifiers of one call, as the ops receive them (docs/modifiers.md)."""
+    """Score modifiers of one call, as the operators receive them (docs/modifiers.md)."""
 
     causal: bool = False
-    window_size: tuple = (-1, -1)
+    window_size_left: int = -1  # -1: unbounded
+    window_size_right: int = -1
     softcap: float = 0.0
     alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) fp32
     g: Optional[torch.Tensor] = None  # (B, S_k, H) log-decay gate
     attn_mask: Optional[torch.Tensor] = None  # bool keep-mask or additive float bias
     sinks: Optional[torch.Tensor] = None  # (H,) one logit per head in every denominator
-    dropout_p: float = 0.0  # dropout on the probabilities (0: none)
-    dropout_seed: Optional[torch.Tensor] = None  # int64 (1,): the Philox key, dropout_p > 0
+    dropout_p: float = 0.0  # as the kernels draw it (round_dropout_p); 0: no dropout
+    dropout_seed: Optional[torch.Tensor] = None  # int64 (1,): the Philox key, with dropout
 
     @property
     def dropout(self) -> bool:
         return self.dropout_p > 0
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The keys' (left, right) bounds around each query's diagonal (-1: unbounded):
+        the window's, with right = 0 where causal."""
+        return self.window_size_left, 0 if self.causal else self.window_size_right
 
     @property
     def is_plain(self) -> bool:
@@ -50,7 +58,8 @@ class Modifiers:
     def is_plain_but_dropout(self) -> bool:
         """No modifier but (possibly) causal and dropout."""
         return self.is_plain or (
-            self.dropout and self.window_size == (-1, -1) and self.softcap == 0.0
+            self.dropout and self.window_size_left == self.window_size_right == -1
+            and self.softcap == 0.0
             and all(x is None for x in (self.alibi_slopes, self.g, self.attn_mask, self.sinks)))
 
 
@@ -58,18 +67,22 @@ class Modifiers:
 PLAIN = {False: Modifiers(), True: Modifiers(causal=True)}
 
 
-def modifiers(attn_mask=None, alibi_slopes=None, g=None, causal=False, window_size=None,
-              softcap=0.0, sinks=None, dropout_p=0.0, dropout_seed=None) -> Modifiers:
-    """The Modifiers of an op's arguments (``window_size=None`` is (-1, -1)); the shared
-    PLAIN value where there are none. ``dropout_seed`` is dropped where ``dropout_p`` is 0."""
-    window_size = (-1, -1) if window_size is None else tuple(window_size)
-    if (attn_mask is None and alibi_slopes is None and g is None and window_size == (-1, -1)
-            and softcap == 0.0 and sinks is None and dropout_p == 0.0):
-        return PLAIN[bool(causal)]
-    return Modifiers(causal=causal, window_size=window_size, softcap=softcap,
+def modifiers(attn_mask=None, alibi_slopes=None, g=None, causal=False, window_size_left=-1,
+              window_size_right=-1, softcap=0.0, sinks=None, dropout_p=0.0,
+              dropout_seed=None) -> Modifiers:
+    """The Modifiers of an operator's arguments, ``dropout_p`` rounded as the kernels draw
+    it; the shared PLAIN value where there are none. ``dropout_seed`` is dropped where
+    there is no dropout."""
+    dropout_p = round_dropout_p(dropout_p)
+    if dropout_p == 0.0:
+        if (attn_mask is None and alibi_slopes is None and g is None and sinks is None
+                and window_size_left == -1 and window_size_right == -1 and softcap == 0.0):
+            return PLAIN[bool(causal)]
+        dropout_seed = None
+    return Modifiers(causal=causal, window_size_left=window_size_left,
+                     window_size_right=window_size_right, softcap=softcap,
                      alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask, sinks=sinks,
-                     dropout_p=dropout_p,
-                     dropout_seed=dropout_seed if dropout_p != 0.0 else None)
+                     dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @dataclass(frozen=True)
@@ -86,3 +99,12 @@ class Packing:
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+
+def packing(cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+            max_seqlen_q: Optional[int], max_seqlen_k: Optional[int]) -> Optional[Packing]:
+    """The Packing of an operator's packing arguments; None for a dense call (no
+    ``cu_seqlens_q``)."""
+    if cu_seqlens_q is None:
+        return None
+    return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

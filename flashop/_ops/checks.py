@@ -25,10 +25,55 @@ def _shapes(q, k, v) -> str:
     return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
 
 
-def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, *, interpreting: bool,
-                           op: str = "flashop.attention") -> None:
+def window_bounds(op: str, window_size) -> tuple[int, int]:
+    """The operators' ``window_size_left``, ``window_size_right`` of the Python API's
+    ``window_size`` pair (-1: unbounded); the bounds' range is checked with the other
+    modifiers (check_modifiers)."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        left = right = None
+    if not (isinstance(left, (int, torch.SymInt)) and isinstance(right, (int, torch.SymInt))):
+        got = tuple(window_size) if isinstance(window_size, (list, tuple)) else window_size
+        raise ValueError(f"{op}: window_size must be (left, right) with each >= 0, or -1 for "
+                         f"no bound, got {got}")
+    return left, right
+
+
+def unbounded_if_negative(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
+    """A window in flash-attn's and aten's convention (a negative side, or None, is
+    unbounded) in flashop's (-1)."""
+    return (-1 if left is None or left < 0 else int(left),
+            -1 if right is None or right < 0 else int(right))
+
+
+def check_packing_arguments(op: str, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k) -> None:
+    """The four arguments that describe a packed batch come together, or not at all."""
+    if cu_seqlens_q is cu_seqlens_k is max_seqlen_q is max_seqlen_k is None:
+        return
+    given = {name: x is not None for name, x in (
+        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))}
+    if any(given.values()) and not all(given.values()):
+        missing = ", ".join(name for name, there in given.items() if not there)
+        raise ValueError(
+            f"{op}: a packed batch is described by cu_seqlens_q, cu_seqlens_k, max_seqlen_q "
+            f"and max_seqlen_k together, but {missing} {'is' if ',' not in missing else 'are'} "
+            f"None; pass all four (flashop.attention_varlen), or none for a dense batch")
+
+
+def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, packing=None, *,
+                           interpreting: bool, op: Optional[str] = None) -> None:
     """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV), scale and the
-    score modifiers ``mods`` (an ``options.Modifiers``; None: no modifiers)."""
+    score modifiers ``mods`` (an ``options.Modifiers``; None: no modifiers); where
+    ``packing`` (an ``options.Packing``) is given, a packed batch (check_varlen_inputs)."""
+    if packing is not None:
+        check_varlen_inputs(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k,
+                            packing.max_seqlen_q, packing.max_seqlen_k, scale, mods,
+                            interpreting=interpreting, op=op or "flashop.attention_varlen")
+        return
+    op = op or "flashop.attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -84,6 +129,10 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
         raise ValueError(
             f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} for q and k "
             f"and {DV} for v ({_shapes(q, k, v)})")
+    check_scale(op, scale)
+
+
+def check_scale(op: str, scale: Optional[float]) -> None:
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
@@ -105,16 +154,16 @@ def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] =
     """Validate window_size, softcap, alibi_slopes, g and attn_mask for a batch of B
     sequences of S_q queries (H heads; dtype and device of ``q``) and S_k keys; ``g_shape``
     replaces g's expected (B, S_k, H)."""
-    window = mods.window_size
-    if len(window) != 2 or any(w < -1 for w in window):
+    left, right = mods.window_size_left, mods.window_size_right
+    if left < -1 or right < -1:
         raise ValueError(
             f"{op}: window_size must be (left, right) with each >= 0, or -1 for no bound, "
-            f"got {tuple(window)}")
-    if mods.causal and window[1] > 0:
+            f"got ({left}, {right})")
+    if mods.causal and right > 0:
         raise ValueError(
-            f"{op}: causal=True attends no key after the query, but window_size="
-            f"{tuple(window)} asks for {window[1]} after it; pass window_size=({window[0]}, 0) "
-            f"(or -1) with causal=True, or causal=False for a two-sided window")
+            f"{op}: causal=True attends no key after the query, but window_size=({left}, "
+            f"{right}) asks for {right} after it; pass window_size=({left}, 0) (or -1) with "
+            f"causal=True, or causal=False for a two-sided window")
     if not (math.isfinite(mods.softcap) and mods.softcap >= 0):
         raise ValueError(f"{op}: softcap must be a finite float >= 0 (0 turns it off), "
                          f"got {mods.softcap}")
@@ -178,7 +227,7 @@ def check_training_options(q, mods, op: str, H) -> None:
         seed = mods.dropout_seed
         if seed is None:
             raise ValueError(
-                f"{op}: dropout_p = {p} needs dropout_seed, an int64 tensor of one element "
+                f"{op}: dropout_p > 0 needs dropout_seed, an int64 tensor of one element "
                 f"(flashop.attention and the composite ops draw it from torch's generator)")
         if seed.dtype != torch.int64 or seed.numel() != 1:
             raise ValueError(f"{op}: dropout_seed must be an int64 tensor of one element, got "
@@ -201,15 +250,20 @@ def _check_tensor(op, name, t, dtypes, device) -> None:
 
 
 def check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float], mods,
-                          attn_mask_grad: bool, *, interpreting: bool) -> None:
-    """Validate the backward's inputs against the forward's shapes."""
+                          attn_mask_grad: bool, packing=None, *, interpreting: bool) -> None:
+    """Validate the backward's inputs against the forward's shapes (dense, or packed where
+    ``packing`` is given)."""
     op = "flashop.attention_backward"
-    check_attention_inputs(q, k, v, scale, mods, interpreting=interpreting, op=op)
+    check_attention_inputs(q, k, v, scale, mods, packing, interpreting=interpreting, op=op)
     if attn_mask_grad and (mods.attn_mask is None or mods.attn_mask.dtype == torch.bool):
         raise ValueError(f"{op}: attn_mask_grad=True needs a float attn_mask")
-    B, S_q, H, _ = q.shape
-    _check_forward_results(op, q, out, dout, lse_log2, dlse, (B, S_q, H, v.shape[3]),
-                           (B, H, S_q))
+    if packing is None:
+        B, S_q, H, _ = q.shape
+        out_shape, lse_shape = (B, S_q, H, v.shape[3]), (B, H, S_q)
+    else:
+        total_q, H, _ = q.shape
+        out_shape, lse_shape = (total_q, H, v.shape[2]), (H, total_q)
+    _check_forward_results(op, q, out, dout, lse_log2, dlse, out_shape, lse_shape)
 
 
 def _check_forward_results(op, q, out, dout, lse_log2, dlse, out_shape, lse_shape) -> None:
@@ -274,15 +328,3 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                          f"causal / window_size, or flashop.attention on a padded batch")
     check_modifiers(q, mods, op, cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], q.shape[1],
                     g_shape=(k.shape[0], q.shape[1]))
-
-
-def check_varlen_backward_inputs(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
-                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 scale: Optional[float], mods, *, interpreting: bool) -> None:
-    """Validate the packed backward's inputs against the forward's shapes."""
-    op = "flashop.attention_varlen_backward"
-    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                        mods, interpreting=interpreting, op=op)
-    total_q, H, _ = q.shape
-    _check_forward_results(op, q, out, dout, lse_log2, dlse, (total_q, H, v.shape[2]),
-                           (H, total_q))

@@ -1,0 +1,54 @@
+"""The kernels' score arguments, built in one place for the forward, backward and decoding
+kernels: the scale in base-2 units, the softcap, the keys' bounds, ALiBi's and the sinks'
+strides, and the compile-time flags, each flag derived from the modifier's value (a tensor
+from whether it is None). The tensors themselves are passed beside these, by name."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashop._launch.common import TensorMeta
+from flashop._launch.options import Modifiers
+from flashop.kernels.common import LOG2E as _LOG2E
+
+LOG2E = _LOG2E.value  # log2(e): natural-log units to base 2, as the kernels define it
+# log2(e) as the kernels multiply by it, rounded to fp32 (a Python float, as traced graphs
+# take constants)
+LOG2E_FP32 = torch.tensor(LOG2E, dtype=torch.float32).item()
+
+_PLAIN = {causal: dict(softcap_log2=0.0, left=0, right=0, stride_ab=0, stride_ah=0,
+                       HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, HAS_ALIBI=False)
+          for causal in (False, True)}
+
+
+def score_args(mods: Modifiers, sm_scale: float, alibi: Optional[TensorMeta]) -> dict:
+    """``qk_scale`` and ``softcap_log2`` (scores in base 2: ``qk_scale = scale * log2 e``,
+    or ``scale / softcap`` under a softcap, whose ``softcap * log2 e`` then multiplies the
+    tanh), the bounds ``left`` and ``right`` (0 where unbounded) with HAS_LEFT / HAS_RIGHT
+    (causal is a right bound of 0), HAS_SOFTCAP, and the (batch, head) strides of the
+    ALiBi slopes ``alibi`` (the slopes' meta, None without them) with HAS_ALIBI."""
+    if mods.is_plain:
+        return dict(_PLAIN[mods.causal], qk_scale=sm_scale * LOG2E)
+    left, right = mods.bounds
+    if mods.softcap > 0:
+        qk_scale, softcap_log2 = sm_scale / mods.softcap, mods.softcap * LOG2E
+    else:
+        qk_scale, softcap_log2 = sm_scale * LOG2E, 0.0
+    stride_ab = stride_ah = 0
+    if alibi is not None:  # (H,) or (B, H)
+        stride_ab, stride_ah = (alibi.stride[0] if len(alibi.shape) == 2 else 0,
+                                alibi.stride[-1])
+    return dict(qk_scale=qk_scale, softcap_log2=softcap_log2, left=max(left, 0),
+                right=max(right, 0), stride_ab=stride_ab, stride_ah=stride_ah,
+                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
+                HAS_ALIBI=alibi is not None)
+
+
+def sink_args(sinks: Optional[TensorMeta]) -> dict:
+    """The forward's and the decoding kernel's sink arguments but the tensor: its head
+    stride and HAS_SINK (None: no sinks)."""
+    if sinks is None:
+        return dict(stride_sh=0, HAS_SINK=False)
+    return dict(stride_sh=sinks.stride[0], HAS_SINK=True)

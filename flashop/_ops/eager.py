@@ -1,0 +1,125 @@
+"""The eager path of the Python API: a call of plain tensors with nothing watching (no
+torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform; see
+``is_direct``) runs the operators' bodies directly, skipping the dispatcher's layers and the
+registered operator's generated autograd function, a large part of a short call's host
+time. The attention forward runs in an autograd function whose backward runs the backward
+operator's body the same way. Results, checks and messages are the operators';
+``FLASHOP_DIRECT_EAGER=0`` (``flashop.config``) sends every call through them. Every other
+call goes through the operators (their composites' Python bodies, which trace the same).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._library.triton import set_wrap_triton_enabled
+
+from flashop import config
+from flashop._launch.common import EAGER_TENSOR_TYPES
+from flashop._ops import attention as ops
+from flashop._ops import kvcache
+
+
+def is_direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call with these tensors takes the direct eager path: eager tensors (no
+    subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
+    compiler or tracer, a dispatch mode, a functorch transform)."""
+    return (config.settings.direct_eager and not torch.compiler.is_compiling()
+            and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
+            and not torch._C._get_tracing_state())
+
+
+# one fp32 zero per device, never written: the gradient of an lse that no loss reads
+_ZEROS: dict = {}
+
+
+def _zero_rows(lse: Tensor) -> Tensor:
+    """Zeros of ``lse``'s shape in fp32, as a view of one zero element (strides 0, which the
+    backward kernels index like any strides): no allocation or fill per backward. Made
+    afresh while a CUDA graph is captured (a tensor made then belongs to the graph's
+    memory)."""
+    if lse.is_cuda and torch.cuda.is_current_stream_capturing():
+        return lse.new_zeros(()).expand(lse.shape)
+    zero = _ZEROS.get(lse.device)
+    if zero is None:
+        zero = _ZEROS[lse.device] = lse.new_zeros(())
+    return zero.expand(lse.shape)
+
+
+_N_INPUTS = len(ops.FORWARD_INPUTS)
+# the forward's keyword options, in the order _DirectAttention takes their values
+_OPTIONS = ("causal", "scale", "window_size_left", "window_size_right", "softcap",
+            "dropout_p")
+
+
+class _DirectAttention(torch.autograd.Function):
+    """The forward operator's body with autograd through the backward operator, as the
+    operator's registered autograd does it (flashop/_ops/attention.py); returns (out, lse).
+    Takes the forward's inputs (FORWARD_INPUTS) then its options' values (_OPTIONS)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        inputs, options = args[:_N_INPUTS], dict(zip(_OPTIONS, args[_N_INPUTS:]))
+        # wrap_triton launches the kernels as they are (as in a triton_op's eager call)
+        with set_wrap_triton_enabled(False):
+            out, lse, lse_log2 = ops.run_forward(*inputs, **options)
+        ops.save_for_grads(ctx, inputs, out, lse_log2, options)
+        # an output that no loss reads gets no gradient (None) rather than a zeroed tensor
+        # made and filled on every backward: see _zero_rows
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        saved = ctx.saved_tensors
+        out, lse_log2 = saved[-2:]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is None:
+            dlse = _zero_rows(lse_log2)  # the lse's shape, fp32
+        if is_direct(dout, dlse) and not torch.is_grad_enabled():
+            # the backward operator's body, as the forward's (a backward that builds a graph,
+            # create_graph=True, goes through the operator, which has no derivative)
+            with set_wrap_triton_enabled(False):
+                grads = ops.attention_grads(ctx, saved, dout, dlse, direct=True)
+        else:
+            grads = ops.attention_grads(ctx, saved, dout, dlse)
+        return (*grads, *(None,) * len(_OPTIONS))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+              cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
+              max_seqlen_k: Optional[int], attn_mask: Optional[Tensor],
+              alibi_slopes: Optional[Tensor], g: Optional[Tensor], sinks: Optional[Tensor],
+              **options) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a dense call (the packing arguments None) or a packed one, through the
+    direct path where it applies, else the composite operator's body; ``options`` the
+    operators' keyword options."""
+    if is_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, attn_mask, alibi_slopes, g, sinks):
+        seed = ops.dropout_seed(q, options.get("dropout_p", 0.0))
+        return _DirectAttention.apply(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
+            alibi_slopes, g, sinks, seed, *[options[name] for name in _OPTIONS])
+    if cu_seqlens_q is None:
+        return ops.attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, **options)
+    return ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, alibi_slopes, g, sinks, **options)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
+                           block_table, alibi_slopes, sinks, **options):
+    """(out, lse) of attention_with_kvcache: the operator's body itself where the direct
+    path applies (a decode step's host time), else the operator."""
+    if is_direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                 alibi_slopes, sinks):
+        with set_wrap_triton_enabled(False):
+            return kvcache.run_attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
+                alibi_slopes, sinks, **options)
+    return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
+                                          cache_batch_idx, block_table, alibi_slopes, sinks,
+                                          **options)

@@ -1,0 +1,93 @@
+"""Registration of ``torch.ops.flashop.attention_with_kvcache``.
+
+``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
+cache_batch_idx, block_table, alibi_slopes, sinks, *, causal, scale, window_size_left,
+window_size_right, softcap, num_splits) -> (out, lse)``: appends k, v (when given) into the
+caches in place, then attends over each sequence's first ``cache_seqlens[b] + S_new`` keys.
+The schema declares the caches' mutation (``Tensor(a!) k_cache, Tensor(b!) v_cache``), so
+functionalization, Inductor and CUDA graphs see it. The op always returns lse (B, H, S_q)
+fp32 natural log; ``flashop.attention_with_kvcache`` drops it unless ``return_lse``. No
+autograd: inference only.
+
+On a GPU the op is a ``torch.library.triton_op`` (Inductor sees into its kernels); under
+Triton's CPU interpreter an opaque ``torch.library.custom_op``, as flashop/_ops/attention.py
+explains. Both share the body and the fake below.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flashop._launch import kvcache as launch
+from flashop._launch.common import eager_meta
+from flashop._launch.options import modifiers
+from flashop._ops.checks_kvcache import check_kvcache_inputs
+from flashop.kernels import INTERPRETING
+
+_register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
+
+# signatures of eager calls that passed the checks (a decode loop repeats one signature;
+# the checks are a good part of a step's host time otherwise); emptied when full
+_PASSED: set = set()
+MAX_PASSED = 1024
+
+
+def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
+             block_table=None, alibi_slopes=None, sinks=None, *, causal=False, scale=None,
+             window_size_left=-1, window_size_right=-1, softcap=0.0, num_splits=0):
+    """The call's Modifiers, its inputs checked (check_kvcache_inputs). The checks read
+    shapes, strides, dtypes, devices and the options only: an eager call whose signature
+    (eager_meta, the options) passed before passes again without them."""
+    mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
+                     softcap, sinks)
+    metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                       alibi_slopes, sinks)
+    key = None
+    if metas is not None:
+        key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
+               softcap, metas)
+        if key in _PASSED:
+            return mods
+    check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                         block_table, scale, mods, num_splits, interpreting=INTERPRETING)
+    if key is not None:
+        if len(_PASSED) >= MAX_PASSED:
+            _PASSED.clear()
+        _PASSED.add(key)
+    return mods
+
+
+@_register("flashop::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                           k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+                           cache_batch_idx: Optional[Tensor] = None,
+                           block_table: Optional[Tensor] = None,
+                           alibi_slopes: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None, *, causal: bool = False,
+                           scale: Optional[float] = None, window_size_left: int = -1,
+                           window_size_right: int = -1, softcap: float = 0.0,
+                           num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    return run_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
+        sinks, causal=causal, scale=scale, window_size_left=window_size_left,
+        window_size_right=window_size_right, softcap=softcap, num_splits=num_splits)
+
+
+def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None,
+                               cache_batch_idx=None, block_table=None, *args, scale=None,
+                               num_splits=0, **options):
+    """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
+    Also run directly by the eager path (flashop/_ops/eager.py)."""
+    mods = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
+                    *args, scale=scale, num_splits=num_splits, **options)
+    return launch.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                         cache_batch_idx, block_table, scale, mods, num_splits)
+
+
+@attention_with_kvcache.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, *args, **options):
+    _checked(q, k_cache, v_cache, *args, **options)
+    return launch.kvcache_outputs(q, v_cache)
