@@ -111,7 +111,8 @@ def test_the_direct_eager_path_takes_an_unread_output_as_a_zero_gradient():
     for given, alone in (((dout, torch.zeros_like(dlse)), grads(out, dout)),
                          ((torch.zeros_like(dout), dlse), grads(lse, dlse))):
         assert all(torch.equal(a, b) for a, b in zip(grads((out, lse), given), alone))
-    assert flashop._ops.eager._ZEROS and all(z.item() == 0 for z in flashop._ops.eager._ZEROS.values())
+    zeros = flashop._ops.eager._ZEROS
+    assert zeros and all(z.item() == 0 for z in zeros.values())
 
 
 def test_the_direct_eager_path_leaves_modes_and_fake_tensors_to_the_operator():

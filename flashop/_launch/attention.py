@@ -30,6 +30,7 @@ from flashop.kernels.backward import (
 from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
 
+
 def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               packed: bool = False):
     """Allocate (out, lse, lse_log2) for the forward, all contiguous: out (B, S_q, H, DV) in
@@ -59,8 +60,8 @@ def attention_backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # --- one call, as the kernels see it ----------------------------------------------------------
 
 _NO_GATE_OR_MASK = dict(g_cum=None, attn_mask=None, stride_gb=0, stride_gs=0, stride_gh=0,
-                       stride_amb=0, stride_amh=0, stride_amq=0, stride_amk=0, HAS_GATE=False,
-                       ATTN_MASK_KIND=0)
+                        stride_amb=0, stride_amh=0, stride_amq=0, stride_amk=0, HAS_GATE=False,
+                        ATTN_MASK_KIND=0)
 
 
 def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float,

@@ -298,13 +298,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k is not None:
         k, v = unit_stride_last(k), unit_stride_last(v)
     q = unit_stride_last(q)
-    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, mods.alibi_slopes,
-               mods.sinks)
+    alibi, sinks = mods.alibi_slopes, mods.sinks
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi, sinks)
     # the plan's key holds the modifiers' values; their tensors are the call's
-    if mods.alibi_slopes is not None or mods.sinks is not None:
-        mods = replace(mods, alibi_slopes=None, sinks=None)
-    options = (mods, scale, num_splits)
-    alibi, sinks = tensors[-2:]
+    values = mods if alibi is None and sinks is None else replace(mods, alibi_slopes=None,
+                                                                    sinks=None)
+    options = (values, scale, num_splits)
     metas = eager_meta(*tensors)
     plan = (_plan(metas, options) if metas is not None
             else _make_plan(tuple(map(tensor_meta, tensors)), options))
