@@ -22,11 +22,13 @@ from flashop._ops import attention as ops
 from flashop._ops import kvcache
 
 
-def is_direct(*tensors: Optional[Tensor]) -> bool:
-    """Whether a call with these tensors takes the direct eager path: eager tensors (no
-    subclass: fake, functional, DTensor, ...), and nothing that must see the operator (a
+def is_direct(q: Tensor, *tensors: Optional[Tensor]) -> bool:
+    """Whether a call with ``q`` and these tensors takes the direct eager path: eager
+    tensors (no subclass: fake, functional, DTensor, ...) with data (not on the meta device,
+    whose calls the operators' fakes answer), and nothing that must see the operator (a
     compiler or tracer, a dispatch mode, a functorch transform)."""
-    return (config.settings.direct_eager and not torch.compiler.is_compiling()
+    return (config.settings.direct_eager and not q.is_meta and type(q) in EAGER_TENSOR_TYPES
+            and not torch.compiler.is_compiling()
             and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._are_functorch_transforms_active()
