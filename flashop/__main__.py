@@ -3,7 +3,8 @@ then time them (on a GPU, next to ``F.scaled_dot_product_attention``), and print
 
 The default run is short: a few checks and one benchmark shape, so that a first run, which
 compiles each kernel it uses (Triton caches them for later runs), ends within a minute.
-``--full`` checks every dtype on more shapes and every modifier, and times more shapes.
+``--full`` checks every dtype on more shapes, every modifier, sinks with a boolean mask and
+dropout, and decoding over a paged cache, and times more shapes.
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter: the command restarts itself
 with TRITON_INTERPRET=1, which Triton reads when the kernels are decorated.
@@ -111,8 +112,11 @@ def self_check(device: str, full: bool, summary: Summary) -> None:
 
 
 def modifier_check(device: str, summary: Summary) -> None:
-    """Every modifier at once (dense, float mask with its gradient) and a packed batch with a
-    gate and a window, per dtype, under the same accuracy rule."""
+    """Per dtype, under the same accuracy rule: every score modifier at once (dense, float
+    mask with its gradient); a packed batch with a gate and a window; learned sinks with a
+    boolean mask and dropout (against the reference given the kernels' own keep-mask); and
+    decoding over a paged key/value cache with an append (out and lse; the cache after the
+    append bit for bit)."""
     import flashop
     from flashop.testing import check_attention, check_attention_varlen, differentiable_inputs
 
@@ -154,11 +158,77 @@ def modifier_check(device: str, summary: Summary) -> None:
         results.append(("packed lengths q 0/37/1/60, k 5/50/1/60, gate, window 20",
                         check_attention_varlen(q, k, v, cu_q, cu_k, dout, dlse, out, lse,
                                                grads, None, g, **options)))
+        results.append(("sinks (grad), boolean mask, dropout 0.2, causal",
+                        _training_check(randn, gen, device, dtype)))
+        results.append(("paged cache (pages of 16), append 3, GQA, causal, window 30",
+                        _cache_check(randn, gen, device, dtype)))
         for name, rs in results:
             worst = max(r.error / r.bound if r.bound else 0.0 for r in rs)
             ok = summary.add(rs)
             print(f"{str(dtype)[6:]:>9}  {name:<58} {worst:17.2f}  {'ok' if ok else 'FAIL'}",
                   flush=True)
+
+
+def _training_check(randn, gen, device: str, dtype: torch.dtype) -> list:
+    """Learned sinks with a boolean keep-mask, dropout drawn from a fixed seed: out, lse and
+    the gradients of q, k, v and the sinks against the reference given the kernels' mask."""
+    from flashop.testing import check_attention, differentiable_inputs, dropout_mask
+
+    B, S_q, S_k, H, H_kv, D, p = 2, 40, 57, 4, 2, 32, 0.2
+    q, k, v = randn(B, S_q, H, D), randn(B, S_k, H_kv, D), randn(B, S_k, H_kv, D)
+    sinks = randn(H, dt=torch.float32)
+    keep = torch.rand(B, 1, S_q, S_k, device=device, generator=gen) < 0.8
+    for t in (q, k, v, sinks):
+        t.requires_grad_()
+    seed = torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64, generator=gen)
+    out, lse, _ = torch.ops.flashop.attention_forward(
+        q, k, v, attn_mask=keep, sinks=sinks, dropout_seed=seed, causal=True, dropout_p=p)
+    wrt = differentiable_inputs(q, k, v, keep, None, sinks)
+    dout, dlse = randn(*out.shape), randn(*lse.shape, dt=torch.float32)
+    grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
+    return check_attention(q, k, v, dout, dlse, out, lse, grads, keep, sinks=sinks,
+                           causal=True, dropout_p=p,
+                           dropout_mask=dropout_mask(seed, B, H, S_q, S_k, p))
+
+
+def _cache_check(randn, gen, device: str, dtype: torch.dtype) -> list:
+    """attention_with_kvcache over a paged cache, appending 3 new keys: out and lse under the
+    rule against the fp64 reference and plain PyTorch; both caches after the append equal
+    the reference's append bit for bit."""
+    import flashop
+    from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
+    from flashop.testing import accuracy
+
+    B, S_q, S_new, H, H_kv, D, page, pages = 3, 3, 3, 4, 2, 32, 16, 4
+    q, k, v = randn(B, S_q, H, D), randn(B, S_new, H_kv, D), randn(B, S_new, H_kv, D)
+    k_cache, v_cache = randn(B * pages + 2, page, H_kv, D), randn(B * pages + 2, page, H_kv, D)
+    table = torch.randperm(B * pages + 2, device=device, generator=gen)[:B * pages]
+    options = dict(cache_seqlens=torch.tensor([0, 20, 60], device=device, dtype=torch.int32),
+                   block_table=table.view(B, pages).to(torch.int32), causal=True,
+                   window_size=(30, 0))
+    expected = kvcache_append_reference(k_cache, v_cache, k, v, options["cache_seqlens"],
+                                        None, options["block_table"])
+    ref, plain = (attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **options,
+                                                   compute_dtype=dt)
+                  for dt in (torch.float64, None))
+    out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **options,
+                                              return_lse=True)
+    appended = torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
+    return [accuracy("out", out, ref[0], plain[0], 2, dtype),
+            accuracy("lse", lse, ref[1], plain[1], 2, dtype),
+            _Exact("the caches after the append, bit for bit", appended)]
+
+
+class _Exact:
+    """A check that holds or not (no error to bound), as Summary reads the rule's results."""
+
+    error = bound = 0.0
+
+    def __init__(self, name: str, ok: bool):
+        self.name, self.ok = name, ok
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'as expected' if self.ok else 'differ from the reference'}"
 
 
 def benchmark_gpu(full: bool) -> list:
@@ -210,8 +280,9 @@ def benchmark_interpreter() -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashop", description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true",
-                        help="check every dtype on more shapes and every modifier; time more "
-                             "shapes (minutes on a first run, which compiles more kernels)")
+                        help="check every dtype on more shapes, every modifier, sinks with "
+                             "dropout and the KV cache; time more shapes (minutes on a first "
+                             "run, which compiles more kernels)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         _restart_in_interpreter()
