@@ -39,6 +39,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import (
+    register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count,
+)
 
 from flashop._launch import attention as launch
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
@@ -271,3 +274,59 @@ for _fn, _args, _returns in ((attention_with_lse, _DENSE, "(Tensor, Tensor)"),
                              (attention_varlen, _PACKED, "Tensor")):
     _lib.define(_fn.__name__ + _args + _OPTIONS + " -> " + _returns)
     _lib.impl(_fn.__name__, _fn, "CompositeImplicitAutograd")
+
+
+# --- FLOP counting ----------------------------------------------------------------------------
+
+
+def values(x: Tensor) -> Optional[list]:
+    """``x``'s values as a list (FLOP counting reads lengths); None where it has none (a
+    fake, functional or meta tensor, as while tracing)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if isinstance(x, (FakeTensor, FunctionalTensor)) or x.is_meta:
+        return None
+    return x.tolist()
+
+
+def _lengths(cu_seqlens: Tensor, longest: int) -> list:
+    """Each packed sequence's length; the longest for each where the offsets have no values
+    (a bound)."""
+    offsets = values(cu_seqlens)
+    if offsets is None:
+        return [longest] * (cu_seqlens.shape[0] - 1)
+    return [end - start for start, end in zip(offsets, offsets[1:])]
+
+
+def bhsd_shapes(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=None, max_seqlen_k=None):
+    """(q, k, v) shapes in SDPA's (B, H, S, D) layout: the batch's, or each packed sequence's
+    (flop_counter's formulas take those)."""
+    if cu_seqlens_q is None:
+        yield tuple(tuple(x.shape[i] for i in (0, 2, 1, 3)) for x in (q, k, v))
+        return
+    for s_q, s_k in zip(_lengths(cu_seqlens_q, max_seqlen_q),
+                        _lengths(cu_seqlens_k, max_seqlen_k)):
+        yield (1, q.shape[1], s_q, q.shape[2]), (1, k.shape[1], s_k, k.shape[2]), \
+            (1, v.shape[1], s_k, v.shape[2])
+
+
+@register_flop_formula(torch.ops.flashop.attention_forward, get_raw=True)
+def _forward_flops(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                   max_seqlen_k=None, *args, out_val=None, **options) -> int:
+    """SDPA's count (torch.utils.flop_counter): the two products over every (query, key)
+    pair, causal or windowed or not, per sequence of a packed batch."""
+    return sum(sdpa_flop_count(*shapes) for shapes in bhsd_shapes(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@register_flop_formula(torch.ops.flashop.attention_backward, get_raw=True)
+def _backward_flops(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q=None, cu_seqlens_k=None,
+                    max_seqlen_q=None, max_seqlen_k=None, *args, out_val=None,
+                    **options) -> int:
+    """SDPA's backward count: five products over every (query, key) pair (the scores
+    recomputed, dP, dV, dQ, dK), as the forward's."""
+    return sum(sdpa_backward_flop_count((*qs[:3], vs[3]), qs, ks, vs)
+               for qs, ks, vs in bhsd_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k))

@@ -20,10 +20,12 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import kvcache as launch
 from flashop._launch.common import eager_meta
 from flashop._launch.options import modifiers
+from flashop._ops.attention import values
 from flashop._ops.checks_kvcache import check_kvcache_inputs
 from flashop.kernels import INTERPRETING
 
@@ -91,3 +93,21 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
 def _attention_with_kvcache_fake(q, k_cache, v_cache, *args, **options):
     _checked(q, k_cache, v_cache, *args, **options)
     return launch.kvcache_outputs(q, v_cache)
+
+
+@register_flop_formula(torch.ops.flashop.attention_with_kvcache, get_raw=True)
+def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
+           block_table=None, *args, out_val=None, **options) -> int:
+    """SDPA's count (torch.utils.flop_counter) over each sequence's keys after the append,
+    ``cache_seqlens[b] + S_new`` up to the cache's capacity (the capacity for each where the
+    lengths have no values: fake or meta tensors)."""
+    B, S_q, H, D = q.shape
+    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[1])
+    S_new = 0 if k is None else k.shape[1]
+    cached = values(cache_seqlens)
+    lengths = ([capacity] * B if cached is None
+               else [min(n + S_new, capacity) for n in cached])
+    return sum(sdpa_flop_count((1, H, S_q, D), (1, H_kv, L, D), (1, H_kv, L, DV))
+               for L in lengths)
