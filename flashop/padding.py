@@ -1,6 +1,7 @@
 """Between padded batches and packed variable-length batches.
 
-A padded batch is (B, S, ...) with a (B, S) boolean ``attention_mask`` (True = real token);
+A padded batch is (B, S, ...) with a (B, S) ``attention_mask``, boolean or integer (True or
+nonzero = real token: a tokenizer's int64 mask works as it is);
 a packed batch holds only the real tokens, (total, ...), with ``cu_seqlens`` (int32, B + 1
 cumulative lengths) marking where each sequence starts, as FlashAttention's varlen functions
 and flash-linear-attention's ``cu_seqlens`` expect. Tokens of a sequence need not be left-
@@ -32,18 +33,23 @@ def _check_mask(x: Tensor, attention_mask: Tensor) -> None:
             f"flashop.unpad_input: attention_mask must be (batch, seqlen) matching the first "
             f"two dims of x, got x {tuple(x.shape)} and attention_mask "
             f"{tuple(attention_mask.shape)}")
-    if attention_mask.dtype != torch.bool:
-        raise ValueError(f"flashop.unpad_input: attention_mask must be bool (True = token), "
-                         f"got {attention_mask.dtype}; use attention_mask.bool()")
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise ValueError(f"flashop.unpad_input: attention_mask must be bool or an integer "
+                         f"tensor (True or nonzero = token), got {attention_mask.dtype}; an "
+                         f"additive float mask marks no tokens: pass (mask == 0) for one")
 
 
 def unpad_input(x: Tensor, attention_mask: Tensor) -> Unpadded:
-    """Pack the real tokens of a padded batch ``x`` (B, S, ...) selected by ``attention_mask``.
+    """Pack the real tokens of a padded batch ``x`` (B, S, ...) selected by ``attention_mask``
+    (B, S), bool or integer (True or nonzero = token, as flash-attn's ``unpad_input`` and
+    tokenizers' masks).
 
     Differentiable in ``x``. Reads the lengths on the host once (``max_seqlen`` is a Python
     int), so call it outside CUDA-graph-captured regions, as FlashAttention's ``unpad_input``.
     """
     _check_mask(x, attention_mask)
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask != 0
     seqlens = attention_mask.sum(dim=1, dtype=torch.int32)
     indices = attention_mask.flatten().nonzero(as_tuple=False).flatten()
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))

@@ -48,7 +48,20 @@ def test_bad_masks():
     x = torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match=r"must be \(batch, seqlen\) matching"):
         unpad_input(x, torch.ones(2, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="must be bool"):
+    with pytest.raises(ValueError, match="must be bool or an integer tensor"):
         unpad_input(x, torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_masks_as_tokenizers_give_them(dtype):
+    """An integer mask (a tokenizer's int64 attention_mask) packs as its boolean form:
+    nonzero = token."""
+    keep = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    x = torch.randn(3, 4, 8)
+    packed, expected = unpad_input(x, (keep * 2).to(dtype)), unpad_input(x, keep.bool())
+    assert torch.equal(packed.values, expected.values)
+    assert torch.equal(packed.indices, expected.indices)
+    assert torch.equal(packed.cu_seqlens, expected.cu_seqlens)
+    assert packed.max_seqlen == expected.max_seqlen == 4
     with pytest.raises(ValueError, match="values has 3 tokens but indices has 2"):
         pad_input(torch.randn(3, 8), torch.tensor([0, 1]), 2, 4)
