@@ -44,8 +44,14 @@ class TestErrors(TestCase):
 
     def test_head_groups(self):
         self.assertExpectedInline(
-            self.message(_t(1, 8, 5, 16), _t(1, 8, 2, 16), _t(1, 8, 2, 16)),
-            """flashop.attention: the number of query heads (5) must be a multiple of the number of key/value heads (2) for grouped-query attention, got q (1, 8, 5, 16), k (1, 8, 2, 16), v (1, 8, 2, 16)""")  # noqa: B950
+            self.message(_t(1, 8, 5, 16), _t(1, 7, 2, 16), _t(1, 7, 2, 16)),
+            """flashop.attention: the number of query heads (5) must be a multiple of the number of key/value heads (2) for grouped-query attention, got q (1, 8, 5, 16), k (1, 7, 2, 16), v (1, 7, 2, 16)""")  # noqa: B950
+
+    def test_sdpas_layout_is_named(self):
+        """(batch, heads, seqlen, head_dim) tensors, SDPA's layout, whose lengths fail the
+        head counts: the message suggests the transpose."""
+        q, k = _t(2, 4, 300, 16), _t(2, 2, 128, 16)
+        self.assertExpectedInline(self.message(q, k, k), """flashop.attention: the number of query heads (300) must be a multiple of the number of key/value heads (128) for grouped-query attention, got q (2, 4, 300, 16), k (2, 2, 128, 16), v (2, 2, 128, 16); if they are (batch, heads, seqlen, head_dim), SDPA's layout, pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (flashop takes (batch, seqlen, heads, head_dim)) and transpose the output back""")  # noqa: B950
 
     def test_head_dim_too_large(self):
         self.assertExpectedInline(

@@ -123,7 +123,8 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(
             f"{op}: the number of query heads ({H}) must be a multiple of the number of "
-            f"key/value heads ({H_kv}) for grouped-query attention, got {_shapes(q, k, v)}")
+            f"key/value heads ({H_kv}) for grouped-query attention, got {_shapes(q, k, v)}"
+            f"{'' if packed else _transposed_hint(q, k, v)}")
     DV = v.shape[s + 2]
     if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
         raise ValueError(
@@ -136,6 +137,17 @@ def check_scale(op: str, scale: Optional[float]) -> None:
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float or None (1/sqrt(head_dim)), "
                          f"got {scale}")
+
+
+def _transposed_hint(q, k, v) -> str:
+    """Where 4-D q, k, v that fail the head counts would pass them in SDPA's (batch, heads,
+    seqlen, head_dim) layout, the likely mistake and its fix; else nothing."""
+    H, H_kv = q.shape[1], k.shape[1]
+    if H_kv == 0 or H % H_kv or v.shape[1] != H_kv or v.shape[2] != k.shape[2]:
+        return ""
+    return ("; if they are (batch, heads, seqlen, head_dim), SDPA's layout, pass "
+            "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (flashop takes "
+            "(batch, seqlen, heads, head_dim)) and transpose the output back")
 
 
 def check_kernels_run_on(op: str, device: torch.device, *, interpreting: bool,
