@@ -278,7 +278,9 @@ def benchmark_interpreter() -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashop", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flashop",
+        description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     parser.add_argument("--full", action="store_true",
                         help="check every dtype on more shapes, every modifier, sinks with "
                              "dropout and the KV cache; time more shapes (minutes on a first "

@@ -1,6 +1,8 @@
-"""The documentation's links: every relative link and image in README.md, benchmarks/README.md
-and docs/ points at a file of the repository (and at a heading of it where it names one),
-and no link or path leaves the repository."""
+"""The documentation against the repository: every relative link and image in README.md,
+benchmarks/README.md and docs/ points at a file of the repository (and at a heading of it
+where it names one), and no link or path leaves the repository; README's Usage runs; the
+benchmarks' list names every script; the public functions' calls written out in the docs
+name every parameter with its default."""
 
 import re
 from pathlib import Path
@@ -86,3 +88,71 @@ def test_the_readme_keeps_the_ci_commands():
 def test_slugs_follow_githubs_rule():
     assert slugs("# Score modifiers\n## Tiles and options\n## A, b's (c)\n## Tiles and options") \
         == {"score-modifiers", "tiles-and-options", "a-bs-c", "tiles-and-options-1"}
+
+
+# --- what the docs say against the code -------------------------------------------------------
+
+
+def _section(text: str, heading: str) -> str:
+    """The part of a page from ``heading`` to the next heading of its level."""
+    level = heading.split()[0]
+    start = text.index(heading + "\n")
+    rest = text[start + len(heading) + 1:]
+    nxt = re.search(rf"^{level} ", rest, re.MULTILINE)
+    return rest[:nxt.start()] if nxt else rest
+
+
+@pytest.mark.compile
+def test_the_readmes_usage_runs():
+    """README's Usage, pasted as it is, at smaller sizes and on the test device (the
+    interpreter's CPU here)."""
+    import torch
+
+    from helpers import DEVICE
+
+    code = FENCE.findall(_section((ROOT / "README.md").read_text(), "## Usage"))[0]
+    code = code.strip("`").removeprefix("python\n")
+    small = code.replace('device="cuda"', f'device="{DEVICE}"').replace("4096", "48")
+    assert small != code
+    torch._dynamo.reset()
+    exec(compile(small, "README.md (Usage)", "exec"), {})
+
+
+def test_the_benchmarks_readme_lists_every_script():
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", (ROOT / "benchmarks" / "README.md").read_text(),
+                            re.MULTILINE))
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts == listed, (scripts - listed, listed - scripts)
+
+
+def _signature_text(function) -> list:
+    """``name=default`` (or ``name``, without one) for each parameter of ``function``."""
+    import inspect
+
+    return [name if p.default is inspect.Parameter.empty else f"{name}={p.default!r}"
+            for name, p in inspect.signature(function).parameters.items()]
+
+
+@pytest.mark.parametrize("page,name", [
+    ("README.md", "attention"), ("README.md", "attention_varlen"),
+    ("README.md", "attention_reference"), ("docs/varlen.md", "attention_varlen"),
+    ("docs/decoding.md", "attention_with_kvcache")])
+def test_documented_signatures_are_the_functions(page, name):
+    """Where a page writes out a public function's call, it names every parameter with its
+    default."""
+    import flashop
+
+    text = (ROOT / page).read_text()
+    expected = _signature_text(getattr(flashop, name))
+    best = None
+    for match in re.finditer(rf"\b{name}\(\s*q,", text):  # the call written out fullest
+        depth, end = 0, match.end() - 1
+        for end in range(text.index("(", match.start()), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        call = " ".join(text[match.start():end + 1].replace("`", "").split())
+        missing = [p for p in expected if p not in call]
+        if best is None or len(missing) < len(best):
+            best = missing
+    assert best == [], f"{page}'s {name}(...) leaves out {best}"
