@@ -45,6 +45,7 @@ from torch.utils.flop_counter import (
 
 from flashop._launch import attention as launch
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
+from flashop._ops import autocast
 from flashop._ops.checks import (
     check_attention_inputs, check_backward_inputs, check_packing_arguments,
 )
@@ -268,6 +269,7 @@ _PACKED = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlen
            "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, "
            "Tensor? g=None, Tensor? sinks=None, ")
 _lib = torch.library.Library("flashop", "FRAGMENT")
+autocast.register(_lib, "attention_forward")
 for _fn, _args, _returns in ((attention_with_lse, _DENSE, "(Tensor, Tensor)"),
                              (attention, _DENSE, "Tensor"),
                              (attention_varlen_with_lse, _PACKED, "(Tensor, Tensor)"),

@@ -19,7 +19,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from flashop import config
 from flashop._launch.common import EAGER_TENSOR_TYPES
 from flashop._ops import attention as ops
-from flashop._ops import kvcache
+from flashop._ops import autocast, kvcache
 
 
 def is_direct(q: Tensor, *tensors: Optional[Tensor]) -> bool:
@@ -102,6 +102,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
     direct path where it applies, else the composite operator's body; ``options`` the
     operators' keyword options."""
     if is_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, attn_mask, alibi_slopes, g, sinks):
+        dtype = autocast.region_dtype(q)
+        if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
+            q, k, v, attn_mask, g, sinks = autocast.cast_arguments(
+                "attention_forward", dict(q=q, k=k, v=v, attn_mask=attn_mask, g=g,
+                                          sinks=sinks), dtype).values()
         seed = ops.dropout_seed(q, options.get("dropout_p", 0.0))
         return _DirectAttention.apply(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
@@ -118,6 +123,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch
     path applies (a decode step's host time), else the operator."""
     if is_direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                  alibi_slopes, sinks):
+        dtype = autocast.region_dtype(q)
+        if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
+            q, k_cache, v_cache, k, v, sinks = autocast.cast_arguments(
+                "attention_with_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                                               sinks=sinks), dtype).values()
         with set_wrap_triton_enabled(False):
             return kvcache.run_attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,

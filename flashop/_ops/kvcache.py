@@ -25,6 +25,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 from flashop._launch import kvcache as launch
 from flashop._launch.common import eager_meta
 from flashop._launch.options import modifiers
+from flashop._ops import autocast
 from flashop._ops.attention import values
 from flashop._ops.checks_kvcache import check_kvcache_inputs
 from flashop.kernels import INTERPRETING
@@ -87,6 +88,10 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
                     *args, scale=scale, num_splits=num_splits, **options)
     return launch.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
                                          cache_batch_idx, block_table, scale, mods, num_splits)
+
+
+_lib = torch.library.Library("flashop", "FRAGMENT")  # kept: its registrations live with it
+autocast.register(_lib, "attention_with_kvcache")
 
 
 @attention_with_kvcache.register_fake
