@@ -5,7 +5,9 @@ head dims D, sequence lengths N, causal and not. Forward and backward are timed 
 with triton.testing.do_bench (median); the backward is ``o.backward(do, retain_graph=True)``
 alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
 
-Providers: flashop (its defaults), flashop with switches changed (flashop-atomic,
+Providers: flashop (its defaults, eager), flashop-compiled (the same call inside
+``torch.compile(fullgraph=True)``), flashop-deterministic (``deterministic=True``: the bitwise
+reproducible backward), flashop with switches changed (flashop-atomic,
 flashop-atomic-no-gluon, flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws,
 flashop-no-gluon: README's Configuration, set with ``flashop.config.override`` while
 timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
@@ -46,8 +48,11 @@ FLASHOP_VARIANTS = {
     "flashop-no-gluon": {"gluon": False},  # never the Gluon forward
     "flashop-gluon": {"gluon": True},  # ... wherever the inputs allow it
 }
+# flashop called otherwise: compiled, or with the deterministic backward
+FLASHOP_CALLS = {"flashop-compiled": {"compiled": True},
+                 "flashop-deterministic": {"deterministic": True}}
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
-PROVIDERS = [*FLASHOP_VARIANTS, *PEERS]
+PROVIDERS = [*FLASHOP_VARIANTS, *FLASHOP_CALLS, *PEERS]
 DEFAULT_PROVIDERS = ["flashop", *PEERS]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -56,7 +61,8 @@ SDPA_BACKENDS = {
 }
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "dtype", "D", "N", "B", "H", "causal",
               "pass", "ms", "tflops"]
-RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex"), ("flashop", "sdpa-cudnn")]
+RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex"), ("flashop", "sdpa-cudnn"),
+          ("flashop-compiled", "flashop"), ("flashop-deterministic", "sdpa-cudnn")]
 
 
 def import_flashop():
@@ -76,15 +82,35 @@ def make_inputs(B, N, H, D, layout):
             for _ in range(3)]
 
 
-def provider_flashop(N, causal, switches=None):
-    """flashop.attention; ``switches`` (flashop.config.override's keywords) are in force
-    while bench_one times it."""
+def provider_flashop(N, causal, switches=None, compiled=False, deterministic=False):
+    """flashop.attention (``deterministic``: its bitwise reproducible backward), in
+    ``torch.compile(fullgraph=True)`` where ``compiled``; ``switches``
+    (flashop.config.override's keywords) are in force while bench_one times it."""
     flashop = import_flashop()
 
     def fn(q, k, v):
-        return flashop.attention(q, k, v, causal=causal)
+        return flashop.attention(q, k, v, causal=causal, deterministic=deterministic)
+    if compiled:
+        fn = _compiled(fn)
     fn.switches = dict(switches or {})
     return fn, "bnhd"
+
+
+def _fresh_dynamo():
+    """A fresh Dynamo state per shape (otherwise the recompile limit is hit and a compiled
+    call falls back), whose compiled backwards may run repeatedly (retain_graph=True: no
+    donated buffers)."""
+    import torch._dynamo
+    import torch._functorch.config
+    torch._dynamo.reset()
+    if hasattr(torch._functorch.config, "donated_buffer"):
+        torch._functorch.config.donated_buffer = False
+
+
+def _compiled(fn):
+    """``torch.compile(fn, fullgraph=True)`` from a fresh Dynamo state."""
+    _fresh_dynamo()
+    return torch.compile(fn, fullgraph=True)
 
 
 def provider_sdpa(backend, causal):
@@ -99,14 +125,8 @@ _flex_compiled = None
 
 def provider_flex(N, causal):
     global _flex_compiled
-    import torch._dynamo
-    import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    # Fresh dynamo state per shape: otherwise the recompile limit is hit and flex falls back.
-    torch._dynamo.reset()
-    # The compiled backward is run repeatedly with retain_graph=True: no donated buffers.
-    if hasattr(torch._functorch.config, "donated_buffer"):
-        torch._functorch.config.donated_buffer = False
+    _fresh_dynamo()
     if _flex_compiled is None:
         _flex_compiled = torch.compile(flex_attention)
     block_mask = None
@@ -120,6 +140,8 @@ def make_provider(name, N, causal):
     """Return (forward callable taking q, k, v, input layout) for a provider."""
     if name in FLASHOP_VARIANTS:
         return provider_flashop(N, causal, FLASHOP_VARIANTS[name])
+    if name in FLASHOP_CALLS:
+        return provider_flashop(N, causal, **FLASHOP_CALLS[name])
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":

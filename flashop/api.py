@@ -19,18 +19,19 @@ from flashop._ops.checks import window_bounds
 from flashop._ops.checks_kvcache import check_no_grad
 
 
-def _options(op: str, causal, scale, window_size, softcap) -> dict:
+def _options(op: str, causal, scale, window_size, softcap, **more) -> dict:
     """The operators' keyword options of the API's arguments."""
     left, right = window_bounds(op, window_size)
     return dict(causal=causal, scale=scale, window_size_left=left, window_size_right=right,
-                softcap=softcap)
+                softcap=softcap, **more)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
               sinks: Optional[Tensor] = None, *, causal: bool = False,
               scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-              softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
+              softcap: float = 0.0, dropout_p: float = 0.0,
+              deterministic: bool = False) -> Tensor:
     """Scaled dot-product attention, FlashAttention-2 style; differentiable.
 
     Args:
@@ -61,6 +62,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
             each is zeroed with probability ``dropout_p`` and the rest scaled by
             ``1 / (1 - dropout_p)``; the mask comes from torch's generator of q's device
             (``torch.manual_seed`` reproduces it). Pass 0 (the default) in evaluation.
+        deterministic: make the backward bitwise reproducible (dQ summed in a fixed order),
+            as ``torch.use_deterministic_algorithms(True)`` does for every call. By default
+            the fastest backward runs, which may add dQ by fp32 atomics (run to run, the
+            gradients may then differ in their last bits).
 
     Queries that attend no key (all masked) get output 0. docs/modifiers.md has the exact
     formula and the order in which the modifiers apply.
@@ -71,15 +76,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     """
     return attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
                               scale=scale, window_size=window_size, softcap=softcap,
-                              dropout_p=dropout_p)[0]
+                              dropout_p=dropout_p, deterministic=deterministic)[0]
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                        sinks: Optional[Tensor] = None, *, causal: bool = False,
                        scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-                       softcap: float = 0.0, dropout_p: float = 0.0
-                       ) -> tuple[Tensor, Tensor]:
+                       softcap: float = 0.0, dropout_p: float = 0.0,
+                       deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """As :func:`attention`, also returning the log-sum-exp of the scores.
 
     Returns:
@@ -89,9 +94,10 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
         there are sinks: the log of the softmax's denominator. Dropout leaves it
         unchanged. Both outputs are differentiable.
     """
-    options = _options("flashop.attention", causal, scale, window_size, softcap)
+    options = _options("flashop.attention", causal, scale, window_size, softcap,
+                       dropout_p=dropout_p, deterministic=deterministic)
     return eager.attention(q, k, v, None, None, None, None, attn_mask, alibi_slopes, g, sinks,
-                           dropout_p=dropout_p, **options)
+                           **options)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -99,7 +105,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                      sinks: Optional[Tensor] = None, *, causal: bool = False,
                      scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-                     softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
+                     softcap: float = 0.0, dropout_p: float = 0.0,
+                     deterministic: bool = False) -> Tensor:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func`` layout); differentiable.
 
@@ -114,8 +121,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             the grid; a smaller value leaves tokens unattended).
         alibi_slopes: (H,) or (batch, H); g: (total_k, H) log-decays (the cumulative sum
             restarts at each sequence); sinks (H,); causal, scale, window_size, softcap,
-            dropout_p: as :func:`attention`, applied within each sequence, aligned to its
-            own end.
+            dropout_p, deterministic: as :func:`attention`, applied within each sequence,
+            aligned to its own end.
 
     Returns:
         (total_q, H, DV) in the inputs' dtype. Packed batches from padded ones:
@@ -124,7 +131,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
         sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p)[0]
+        dropout_p=dropout_p, deterministic=deterministic)[0]
 
 
 def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -133,12 +140,14 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
                               sinks: Optional[Tensor] = None, *, causal: bool = False,
                               scale: Optional[float] = None,
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                              dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+                              dropout_p: float = 0.0, deterministic: bool = False
+                              ) -> tuple[Tensor, Tensor]:
     """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
     packed layout); both differentiable."""
-    options = _options("flashop.attention_varlen", causal, scale, window_size, softcap)
+    options = _options("flashop.attention_varlen", causal, scale, window_size, softcap,
+                       dropout_p=dropout_p, deterministic=deterministic)
     return eager.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           None, alibi_slopes, g, sinks, dropout_p=dropout_p, **options)
+                           None, alibi_slopes, g, sinks, **options)
 
 
 # --- attention over a key/value cache (decoding) --------------------------------------------

@@ -11,7 +11,7 @@ compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
 | ``FLASHOP_TMA=0/1`` | ``tma`` | rule | the forward's key/value tiles through tensor descriptors: never / wherever aligned; unset: head dims above 128 over 4096+ keys on Hopper |
 | ``FLASHOP_WS=0/1`` | ``warp_specialize`` | rule | the warp-specialized plain forward: never / wherever the inputs allow; unset: Hopper, 64 < D <= 128 |
 | ``FLASHOP_GLUON=0/1`` | ``gluon`` | rule | the Gluon forward (Hopper, triton 3.6, eager calls; D=64, 128 and 256): never / wherever the inputs allow; unset: from 1024 queries, over 1024+ keys at D=128 and 256, and at D=64 over 2048+ (causal: 4096+); ``0`` also keeps the dQ-by-atomics backward on the ``tl`` kernels |
-| ``FLASHOP_DQ_ATOMICS=1`` | ``dq_atomics`` | off | the backward adds dQ by fp32 atomics (not bitwise reproducible; never under ``torch.use_deterministic_algorithms``); at D=64 and 128 on Hopper with triton 3.6, the Gluon backward |
+| ``FLASHOP_DQ_ATOMICS=0/1`` | ``dq_atomics`` | rule | the backward's dQ: never by fp32 atomics (every backward bitwise reproducible) / by atomics wherever the kernels allow (the Gluon backward at D=64 and 128 on Hopper with triton 3.6, elsewhere the ``tl`` kernels' atomic variant); unset: by atomics where that measured faster (the Gluon backward over 2048+ keys). Never under ``torch.use_deterministic_algorithms`` or ``deterministic=True`` |
 | ``FLASHOP_DIRECT_EAGER=0`` | ``direct_eager`` | on | eager calls of ``attention`` / ``attention_with_lse`` go through the dispatcher like traced ones |
 | ``FLASHOP_CACHED_LAUNCH=0`` | ``cached_launch`` | on | eager launches go through Triton's argument binding every time (on, with triton 3.6: a kernel compiled for a call's specialisation is launched directly on later calls of it) |
 """
@@ -42,7 +42,7 @@ class Settings:
     tma: Optional[bool] = None
     warp_specialize: Optional[bool] = None
     gluon: Optional[bool] = None
-    dq_atomics: bool = False
+    dq_atomics: Optional[bool] = None
     direct_eager: bool = True
     cached_launch: bool = True
 
@@ -50,7 +50,7 @@ class Settings:
     def from_environment(cls) -> "Settings":
         return cls(autotune=_flag("FLASHOP_AUTOTUNE", False), tma=_tristate("FLASHOP_TMA"),
                    warp_specialize=_tristate("FLASHOP_WS"), gluon=_tristate("FLASHOP_GLUON"),
-                   dq_atomics=_flag("FLASHOP_DQ_ATOMICS", False),
+                   dq_atomics=_tristate("FLASHOP_DQ_ATOMICS"),
                    direct_eager=_flag("FLASHOP_DIRECT_EAGER", True),
                    cached_launch=_flag("FLASHOP_CACHED_LAUNCH", True))
 

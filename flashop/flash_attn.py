@@ -16,9 +16,9 @@ given, training or not: pass 0.0 in evaluation); the mask comes from torch's gen
 q's device, so ``torch.manual_seed`` reproduces it, and the backward regenerates the same
 mask (docs/modifiers.md). What flashop does not implement raises ``NotImplementedError``
 naming the argument: ``block_table`` of ``flash_attn_varlen_func`` (paged KV caches).
-``deterministic`` is accepted: flashop's backward is deterministic unless
-``FLASHOP_DQ_ATOMICS=1`` (``flashop.config``) opts into dQ by atomics, which
-``deterministic=True`` then refuses.
+``deterministic=True`` makes the backward bitwise reproducible, as in flash-attn; by default
+the fastest backward runs, which may add dQ by atomics (``flashop.attention``'s
+``deterministic``).
 
 ``flash_attn_with_kvcache`` (decoding over a dense or paged KV cache, appending new keys and
 values in place) runs ``flashop.attention_with_kvcache``; it raises ``NotImplementedError``
@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from flashop import api, config
+from flashop import api
 from flashop._ops.checks import unbounded_if_negative
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
@@ -41,17 +41,11 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _check_unsupported(name: str, deterministic: bool,
-                       block_table: Optional[Tensor] = None) -> None:
+def _check_unsupported(name: str, block_table: Optional[Tensor] = None) -> None:
     if block_table is not None:
         raise NotImplementedError(
             f"flashop.flash_attn.{name}: block_table (a paged KV cache) is not supported; "
             f"pass contiguous k and v with cu_seqlens_k")
-    if deterministic and config.settings.dq_atomics:
-        raise RuntimeError(
-            f"flashop.flash_attn.{name}: deterministic=True, but FLASHOP_DQ_ATOMICS=1 makes "
-            f"the backward add dQ by atomics; turn that switch off "
-            f"(flashop.config.override(dq_atomics=False))")
 
 
 def _window(window_size: Sequence[int]) -> tuple:
@@ -61,9 +55,9 @@ def _window(window_size: Sequence[int]) -> tuple:
 
 def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
            alibi_slopes, deterministic, return_attn_probs):
-    _check_unsupported(name, deterministic)
+    _check_unsupported(name)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                   softcap=softcap, dropout_p=float(dropout_p))
+                   softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic)
     if return_attn_probs:
         out, lse = api.attention_with_lse(q, k, v, None, alibi_slopes, **options)
         return out, lse, None
@@ -73,10 +67,10 @@ def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
 def _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, block_table=None):
-    _check_unsupported(name, deterministic, block_table)
+    _check_unsupported(name, block_table)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                   softcap=softcap, dropout_p=float(dropout_p))
+                   softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic)
     if return_attn_probs:
         out, lse = api.attention_varlen_with_lse(*args, **options)
         return out, lse, None

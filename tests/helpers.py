@@ -172,15 +172,18 @@ def poisoned_outputs(deterministic_backward: bool = True):
     """Within this block torch.empty fills floating-point memory with NaN, so an element a
     kernel fails to write shows up as NaN (torch.utils.deterministic.fill_uninitialized_memory,
     which needs deterministic algorithms on). flashop's backward takes its default dQ kernel
-    unless ``deterministic_backward`` is False (the opt-in dQ by atomics)."""
+    unless ``deterministic_backward`` is False: then dQ by atomics wherever the kernels allow
+    (FLASHOP_DQ_ATOMICS=1)."""
     fill = torch.utils.deterministic.fill_uninitialized_memory
     # the poisoning needs deterministic algorithms on, under which the launcher never takes
     # the atomics: its choice is replaced for the block
     choice = flashop._launch.attention.deterministic_backward
-    flashop._launch.attention.deterministic_backward = lambda: deterministic_backward
+    flashop._launch.attention.deterministic_backward = lambda requested=False: (
+        requested or deterministic_backward)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
-        with deterministic_algorithms():
+        with deterministic_algorithms(), flashop.config.override(
+                dq_atomics=None if deterministic_backward else True):
             yield
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -1,5 +1,6 @@
 """flashop.attention against the fp64 reference: Hypothesis-drawn cases and edge cases."""
 
+import functools
 import sys
 from dataclasses import replace
 from unittest import mock
@@ -232,7 +233,8 @@ def test_gluon_backward_matches_reference(dtype, data, seed):
     layouts, any positive scale, after whichever forward the default rule picks."""
     case = data.draw(gluon_cases(dtype, launch_gluon.BWD_HEAD_DIMS))
     with mock.patch.object(launch_gluon, "attention_backward",
-                           wraps=launch_gluon.attention_backward) as launched:
+                           wraps=launch_gluon.attention_backward) as launched, \
+            flashop.config.override(dq_atomics=True):
         assert _takes_gluon_backward(case)
         check_case(case, seed, deterministic_backward=False)
     assert launched.called  # the Gluon kernel computed the gradients checked
@@ -263,28 +265,37 @@ def test_gluon_deterministic_backward_matches_reference(dtype, data, seed):
 
 def test_where_the_gluon_backward_runs(monkeypatch):
     """Plain dense 16-bit calls at D = 64 and 128 (S_q == S_k where causal) with 16-byte
-    aligned strides: with dQ by atomics wherever the inputs allow, with dQ in key-tile order
-    (the default) by default from launch_gluon.BWD_MIN_KEYS keys; never a traced call,
-    never with the switch off, and nowhere the kernel is unavailable (here: this run's
-    device)."""
+    aligned strides: with dQ by atomics by default from launch_gluon.BWD_ATOMIC_MIN_KEYS
+    keys and wherever the inputs allow where the atomics are forced, with dQ in key-tile
+    order by default from launch_gluon.BWD_MIN_KEYS keys; never a traced call, never with
+    the switch off, and nowhere the kernel is unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
-    assert _takes_gluon_backward(causal) == GLUON
+    atomics = functools.partial(flashop.config.override, dq_atomics=True)
+    with atomics():
+        assert _takes_gluon_backward(causal) == GLUON
     if not ON_GPU:
         assert "flashop.kernels.backward_gluon" not in sys.modules
     monkeypatch.setattr(launch_gluon, "available", lambda device: True)
     for case in (base, causal, replace(base, layout="bhsd", dtype=torch.float16),
                  replace(base, S_k=1, S_q=1), replace(base, scale=-0.1),
                  replace(base, D=64, DV=64)):
-        assert _takes_gluon_backward(case), case
+        with atomics():
+            assert _takes_gluon_backward(case), case
         with flashop.config.override(gluon=True):
             assert _takes_gluon_backward(case, deterministic=True), case
     for other in (dict(causal=True), dict(D=96, DV=96), dict(D=256, DV=256), dict(DV=64),
                   dict(dtype=torch.float32), dict(layout="padded")):
-        assert not _takes_gluon_backward(replace(base, **other)), other
+        with atomics():
+            assert not _takes_gluon_backward(replace(base, **other)), other
         with flashop.config.override(gluon=True):
             assert not _takes_gluon_backward(replace(base, **other), deterministic=True)
-    for (D, is_causal), keys in launch_gluon.BWD_MIN_KEYS.items():  # the default rule
+    for (D, is_causal), keys in launch_gluon.BWD_ATOMIC_MIN_KEYS.items():  # the default
+        case = replace(base, D=D, DV=D, causal=is_causal, S_k=keys, S_q=keys)
+        assert _takes_gluon_backward(case), case
+        shorter = replace(case, S_k=keys - 1, S_q=keys - 1)
+        assert not _takes_gluon_backward(shorter), shorter
+    for (D, is_causal), keys in launch_gluon.BWD_MIN_KEYS.items():  # in order, by default
         case = replace(base, D=D, DV=D, causal=is_causal, S_k=keys, S_q=keys)
         assert _takes_gluon_backward(case, deterministic=True), case
         shorter = replace(case, S_k=keys - 1, S_q=keys - 1)
@@ -308,14 +319,15 @@ def test_where_the_gluon_backward_runs(monkeypatch):
     misaligned = torch.empty(1, 40, 2, 129, device=DEVICE, dtype=q.dtype)[..., 1:]  # dO
     assert not launch_gluon.serves_backward(q, k, v, misaligned, False, plain=True,
                                             deterministic=False)
-    with flashop.config.override(gluon=False):
+    with flashop.config.override(gluon=False), atomics():
         assert not _takes_gluon_backward(base)
         assert not _takes_gluon_backward(replace(base, S_k=4096), deterministic=True)
     # grids past their bounds: B * H_kv (dQ by atomics), every program (in order)
     many = torch.empty(launch_gluon.MAX_GRID_Y + 1, 1, 1, 128, device=DEVICE,
                        dtype=torch.bfloat16)
-    assert not launch_gluon.serves_backward(many, many, many, many, False, plain=True,
-                                            deterministic=False)
+    with atomics():
+        assert not launch_gluon.serves_backward(many, many, many, many, False, plain=True,
+                                                deterministic=False)
     with flashop.config.override(gluon=True):
         assert launch_gluon.serves_backward(many, many, many, many, False, plain=True,
                                             deterministic=True)
@@ -540,12 +552,20 @@ def test_atomic_dq_backward_matches_reference(causal):
                     causal=causal, window_size=(20, -1)), deterministic_backward=False)
 
 
-def test_dq_atomics_are_opt_in_and_off_when_deterministic():
-    assert launch.deterministic_backward()  # the default
-    with flashop.config.override(dq_atomics=True):
-        assert not launch.deterministic_backward()
-        with deterministic_algorithms():
-            assert launch.deterministic_backward()
+def test_the_backward_is_deterministic_where_asked_and_fastest_by_default():
+    """PyTorch's convention: the fastest backward by default; bitwise reproducible where the
+    call asks (deterministic=True), under torch.use_deterministic_algorithms (also
+    warn_only), or with the atomics switched off, whatever else the switches say."""
+    assert not launch.deterministic_backward()  # the default
+    assert launch.deterministic_backward(True)
+    for atomics in (None, True):
+        with flashop.config.override(dq_atomics=atomics):
+            assert not launch.deterministic_backward()
+            assert launch.deterministic_backward(True)
+            with deterministic_algorithms():
+                assert launch.deterministic_backward()
+    with flashop.config.override(dq_atomics=False):
+        assert launch.deterministic_backward()
 
 
 def test_attention_equals_first_output_of_attention_with_lse():

@@ -7,7 +7,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import flashop
-from helpers import DEVICE
+from helpers import DEVICE, deterministic_algorithms
 
 pytestmark = pytest.mark.compile
 
@@ -94,3 +94,100 @@ def test_torch_export():
     exported = torch.export.export(model, (x,))
     assert any("flashop.attention" in str(n.target) for n in exported.graph.nodes)
     torch.testing.assert_close(exported.module()(x), model(x))
+
+
+def _traced_graph(fn, *args, tracing_mode="fake"):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode=tracing_mode)(*args)
+
+
+def _called_ops(gm) -> list:
+    """The operators a traced graph calls, in order."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+
+
+def test_compiled_graphs_reach_the_gluon_kernels_through_the_opaque_operators(monkeypatch):
+    """Where an eager call takes a Gluon kernel (here made available on this device, and
+    traced only: nothing runs), a call traced for a graph compiled here calls the eager
+    launcher through attention_forward_opaque / attention_backward_opaque (Inductor cannot
+    trace Gluon), with static and symbolic lengths and no guard on the latter; the
+    backward's determinism is resolved where it is traced. A call traced for export or
+    for AOTInductor keeps the tl kernels (the predicate declines), and so do calls the
+    Gluon kernels decline."""
+    from torch._inductor.virtualized import V
+
+    from flashop._launch import attention as launch, gluon
+    from flashop._launch.options import modifiers
+    from flashop._ops import attention as ops
+
+    monkeypatch.setattr(gluon, "available", lambda device: True)
+    q, k, v = (torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    out, lse, lse_log2 = (torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16),
+                          *torch.empty(2, 1, 2, 4096).unbind())
+    forward = lambda q, k, v: ops.run_forward(q, k, v, causal=True)  # noqa: E731
+    backward = lambda *a: ops.run_backward(*a, causal=True)  # noqa: E731
+    grads = (out, lse, q, k, v, out, lse_log2)
+    for mode in ("fake", "symbolic"):
+        gm = _traced_graph(forward, q, k, v, tracing_mode=mode)
+        assert [str(n.target) for n in _called_ops(gm)] == [
+            "flashop.attention_forward_opaque.default"], gm.code
+        if mode == "symbolic":  # no guard on the lengths
+            length = next(iter(gm.graph.nodes)).meta["val"].shape[1].node.expr
+            assert not [g for g in gm.shape_env.guards if length in g.expr.free_symbols], \
+                gm.shape_env.guards
+        gm = _traced_graph(backward, *grads, tracing_mode=mode)
+        nodes = _called_ops(gm)
+        assert [str(n.target) for n in nodes] == [
+            "flashop.attention_backward_opaque.default"], gm.code
+        assert not nodes[0].kwargs.get("deterministic", False)
+    with deterministic_algorithms():
+        gm = _traced_graph(backward, *grads)
+    assert [n.kwargs.get("deterministic") for n in _called_ops(gm)] == [True]
+
+    mods = modifiers(causal=True)
+    q_short = q[:, :64].contiguous()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        assert launch.forward_takes_gluon(fq, fk, fv, None, mods, None, traced=True)
+        assert not launch.forward_takes_gluon(fq, fk, fv, None, mods, None)  # not eager
+        monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+        assert not launch.forward_takes_gluon(fq, fk, fv, None, mods, None, traced=True)
+        assert launch.gluon_backward_order(fq, fk, fv, fq, mods, False, None, False,
+                                           traced=True) is None
+        monkeypatch.setattr(torch.compiler, "_is_exporting_flag", False)
+        with V.set_aot_compilation(True):
+            assert not launch.forward_takes_gluon(fq, fk, fv, None, mods, None, traced=True)
+        for other in (dict(causal=True, window_size_left=8), dict(causal=True, softcap=5.0)):
+            assert not launch.forward_takes_gluon(fq, fk, fv, None, modifiers(**other), None,
+                                                  traced=True)
+        short = mode.from_tensor(q_short)
+        assert not launch.forward_takes_gluon(short, short, short, None, mods, None,
+                                              traced=True)
+        assert launch.gluon_backward_order(short, short, short, short, mods, False, None,
+                                           False, traced=True) is None
+    # real tensors (an eager call) are never routed
+    assert not launch.forward_takes_gluon(q, k, v, None, mods, None, traced=True)
+
+
+def test_the_opaque_operators_equal_the_operators_bit_for_bit():
+    """attention_forward_opaque and attention_backward_opaque run the operators' bodies as
+    an eager call does; torch.library.opcheck passes on both."""
+    from flashop._ops.attention import FORWARD_INPUTS  # noqa: F401 (the module registers them)
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 16, device=DEVICE, generator=gen) for _ in range(3))
+    options = dict(causal=True, softcap=3.0)
+    expected = torch.ops.flashop.attention_forward(q, k, v, **options)
+    result = torch.ops.flashop.attention_forward_opaque(q, k, v, **options)
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    out, lse, lse_log2 = expected
+    dout = torch.randn(out.shape, device=DEVICE, generator=gen)
+    args = (dout, torch.zeros_like(lse), q, k, v, out, lse_log2)
+    expected = torch.ops.flashop.attention_backward(*args, **options)
+    result = torch.ops.flashop.attention_backward_opaque(*args, **options)
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    torch.library.opcheck(torch.ops.flashop.attention_forward_opaque.default, (q, k, v),
+                          options)
+    torch.library.opcheck(torch.ops.flashop.attention_backward_opaque.default, args, options)

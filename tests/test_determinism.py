@@ -1,7 +1,8 @@
-"""torch.use_deterministic_algorithms(True) never reaches the backward's dQ atomics (the
-nondeterministic kernel variants), whatever the switches or the caller ask for: every
-kernel launch is recorded and its DQ_ATOMIC flag read, and the Gluon backward's launch is
-replaced by a stand-in that would raise."""
+"""PyTorch's convention for the backward: the fastest by default (dQ by atomics where
+faster), bitwise reproducible where a call asks (``deterministic=True``) or under
+torch.use_deterministic_algorithms(True), whatever the switches say: every kernel launch
+is recorded and its DQ_ATOMIC flag read, and the Gluon backward's launch is replaced by a
+stand-in that would raise."""
 
 import pytest
 import torch
@@ -144,3 +145,37 @@ def test_deterministic_algorithms_reach_the_gluon_backward_only_in_order(monkeyp
         finally:
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+
+def _door_calls():
+    """Each function that takes ``deterministic``, called on small inputs with that option:
+    flashop's dense and packed calls (and their _with_lse forms), the operator, and
+    flash-attn's."""
+    from flashop import flash_attn as fa
+
+    q, k, v = (torch.randn(1, 6, 2, 16, dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    packed = (q[0], k[0], v[0], cu, cu, 4, 4)
+    yield lambda **o: flashop.attention(q, k, v, causal=True, **o)
+    yield lambda **o: flashop.attention_with_lse(q, k, v, causal=True, **o)[0]
+    yield lambda **o: flashop.attention_varlen(*packed, causal=True, **o)
+    yield lambda **o: flashop.attention_varlen_with_lse(*packed, causal=True, **o)[0]
+    yield lambda **o: torch.ops.flashop.attention(q, k, v, causal=True, **o)
+    yield lambda **o: fa.flash_attn_func(q, k, v, causal=True, **o)
+    yield lambda **o: fa.flash_attn_varlen_func(*packed, causal=True, **o)
+
+
+def test_deterministic_true_reaches_the_backward_from_every_door(dq_atomic_launches):
+    """With the atomics forced on (FLASHOP_DQ_ATOMICS=1), each door's default backward adds
+    dQ by atomics and its ``deterministic=True`` backward does not (through the direct eager
+    path, and through the operators for the operator's call)."""
+    calls = list(_door_calls())
+    with flashop.config.override(dq_atomics=True):
+        for call in calls:
+            call().sum().backward()
+            call(deterministic=True).sum().backward()
+        with flashop.config.override(direct_eager=False):
+            calls[0](deterministic=True).sum().backward()
+    assert dq_atomic_launches == [True, False] * len(calls) + [False], dq_atomic_launches

@@ -139,9 +139,6 @@ def test_unsupported_arguments_raise_naming_them():
                                   block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"qkv \(batch, seqlen, 3, nheads, headdim\)"):
         fa.flash_attn_qkvpacked_func(q)
-    with flashop.config.override(dq_atomics=True), \
-            pytest.raises(RuntimeError, match="deterministic=True"):
-        fa.flash_attn_func(q, q, q, deterministic=True)
 
 
 def test_dropout_matches_reference_with_the_drawn_mask():

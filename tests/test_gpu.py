@@ -46,12 +46,12 @@ def test_inductor_sees_the_triton_kernels():
     # the dQ kernel computes delta for the dK/dV kernel: no preprocess kernel
     assert "attention_bwd_preprocess_kernel" not in code
     assert q.grad is not None and torch.isfinite(q.grad).all()
-    # opted into dQ by atomics: the dK/dV kernel adds dQ, no dQ kernel runs, delta comes
-    # from the preprocess kernel
+    # dQ by atomics in the tl kernels (forced, the Gluon kernels off): the dK/dV kernel adds
+    # dQ, no dQ kernel runs, delta comes from the preprocess kernel
     dq = q.grad
     q.grad = None
     torch._dynamo.reset()
-    with flashop.config.override(dq_atomics=True):
+    with flashop.config.override(dq_atomics=True, gluon=False):
         _, code = run_and_get_code(lambda: loss(q, k).backward())
     code = "\n".join(code)
     assert "attention_bwd_dq_kernel" not in code
@@ -418,3 +418,74 @@ def test_compute_sanitizer_memcheck_on_odd_shapes(shape, part):
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0 and "sanitized" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in done.stdout, done.stdout[-3000:]
+
+
+def _gluon_here() -> bool:
+    return DEVICE == "cuda" and flashop._launch.gluon.available(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _gluon_here(), reason="the Gluon kernels need Hopper and triton 3.6")
+@pytest.mark.parametrize("compile_options", [dict(), dict(dynamic=True),
+                                             dict(mode="reduce-overhead")],
+                         ids=["default", "dynamic", "reduce-overhead"])
+def test_compiled_graphs_run_the_eager_kernels(compile_options):
+    """Where an eager call takes the Gluon forward and backward (D=128, 4096 keys, causal,
+    bf16), a graph compiled with fullgraph (default mode, dynamic shapes, CUDA graphs) calls
+    them through the opaque operators: Inductor's code names attention_forward_opaque and
+    attention_backward_opaque, the Gluon launchers run, and out, lse and the deterministic
+    backward's gradients equal the eager call's bit for bit; the default backward (dQ by
+    atomics) passes the accuracy rule."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flashop._launch import gluon
+    from flashop.testing import check_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 4096, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dlse = torch.randn(2, 4, 4096, device="cuda", generator=gen)
+
+    def attention(q, k, v, deterministic):
+        return flashop.attention_with_lse(q, k, v, causal=True, deterministic=deterministic)
+
+    def step(attention, deterministic):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = attention(*leaves, deterministic)
+        grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+        return [t.clone() for t in (out, lse, *grads)]
+
+    expected = step(attention, True)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, **compile_options)
+    with mock.patch.object(gluon, "attention_forward", wraps=gluon.attention_forward) as fwd, \
+            mock.patch.object(gluon, "attention_backward",
+                              wraps=gluon.attention_backward) as bwd:
+        _, code = run_and_get_code(lambda: step(compiled, True))
+        for _ in range(2):  # (CUDA graphs: recorded, then replayed)
+            result = step(compiled, True)
+    code = "\n".join(code)
+    assert fwd.called and bwd.called
+    assert "attention_forward_opaque" in code and "attention_backward_opaque" in code
+    for a, b in zip(result, expected):
+        assert torch.equal(a, b)
+    out, lse, *grads = step(compiled, False)
+    for r in check_attention(q, k, v, dout, dlse, out, lse, grads, causal=True):
+        assert r.ok, str(r)
+
+
+@pytest.mark.skipif(not _gluon_here(), reason="the Gluon kernels need Hopper and triton 3.6")
+def test_exported_graphs_keep_the_inductor_visible_kernels():
+    """The same call exported (torch.export) holds flashop's operator, not the opaque one
+    (which a package could not load), and runs as the eager call."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flashop.attention(q, k, v, causal=True)
+
+    q = torch.randn(1, 4096, 2, 128, device="cuda", dtype=torch.bfloat16)
+    program = torch.export.export(Attention(), (q, q, q))
+    graph = str(program.graph)
+    assert "attention_forward" in graph and "opaque" not in graph
+    eager = flashop.attention(q, q, q, causal=True)
+    assert torch.equal(program.module()(q, q, q), eager)

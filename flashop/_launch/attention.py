@@ -282,6 +282,16 @@ def _folds_scale(qk_scale: float, flags: dict, t: tiles.Tiles, head_dim: int) ->
                      or flags["ATTN_MASK_KIND"] == 1 or (t.split_m and flags["HAS_RIGHT"])))
 
 
+def forward_takes_gluon(q, k, v, scale: Optional[float], mods: Modifiers,
+                        packing: Optional[Packing], traced: bool = False) -> bool:
+    """Whether attention_forward launches the Gluon kernel for this call (gluon.serves);
+    ``traced``: whether a call traced for a graph compiled here may take it when the graph
+    runs (the operator then calls the eager launcher through an opaque operator)."""
+    qk_scale = resolve_scale(scale, q.shape[-1]) * LOG2E
+    return gluon.serves(q, k, v, mods.causal, qk_scale,
+                        mods.is_plain_but_dropout and packing is None, mods.dropout, traced)
+
+
 @on_inputs_device
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None):
@@ -299,8 +309,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
               **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
               **p.row_strides("l", lse))
     qk_scale = p.modifier_args["qk_scale"]
-    if gluon.serves(q, k, v, mods.causal, qk_scale, mods.is_plain_but_dropout and not p.packed,
-                    mods.dropout):
+    if forward_takes_gluon(q, k, v, scale, mods, packing):
         gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
                                 **_dropout_args(mods))
         return out, lse, lse_log2
@@ -353,35 +362,52 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
 # --- backward ---------------------------------------------------------------------------------
 
 
-def deterministic_backward() -> bool:
-    """Whether backwards sum dQ in a fixed order (bitwise reproducible: the dQ kernel sums
-    each row in one program; the Gluon backward adds its key tiles' shares in order) rather
-    than by fp32 atomics: always, unless atomics were opted into
-    (config.settings.dq_atomics), and always under torch.use_deterministic_algorithms."""
-    return not config.settings.dq_atomics or torch.are_deterministic_algorithms_enabled()
+def deterministic_backward(requested: bool = False) -> bool:
+    """Whether the backward must be bitwise reproducible (dQ summed in a fixed order: the dQ
+    kernel sums each row in one program; the Gluon backward adds its key tiles' shares in
+    order): where the caller asks for it (``deterministic=True``), under
+    torch.use_deterministic_algorithms (warn_only too: a deterministic kernel exists), or
+    with the atomics switched off (config.settings.dq_atomics False). Otherwise the fastest
+    backward runs, which adds dQ by fp32 atomics where that measured faster (PyTorch's
+    convention, as FlashAttention's and cuDNN's backwards)."""
+    return (requested or torch.are_deterministic_algorithms_enabled()
+            or config.settings.dq_atomics is False)
 
 
-def _strictly_deterministic() -> bool:
-    """torch.use_deterministic_algorithms(True) without warn_only: no nondeterministic
-    kernel may run, whatever a caller asks for."""
-    return (torch.are_deterministic_algorithms_enabled()
-            and not torch.is_deterministic_algorithms_warn_only_enabled())
+def gluon_backward_order(q, k, v, dout, mods: Modifiers, attn_mask_grad: bool,
+                         packing: Optional[Packing], deterministic: bool,
+                         traced: bool = False) -> Optional[bool]:
+    """Whether attention_backward launches the Gluon backward for this call, and how it adds
+    dQ: None (it does not), False (by atomics: unless ``deterministic``, where
+    gluon.serves_backward's rule takes the call), True (in key-tile order, where its rule
+    takes the call). Plain dense calls only (dropout allowed). ``traced``: as in
+    forward_takes_gluon."""
+    if mods.g is not None or attn_mask_grad or packing is not None:
+        return None
+    if not mods.is_plain_but_dropout:
+        return None
+    call = (q, k, v, dout, mods.causal, True)
+    if not deterministic and gluon.serves_backward(*call, False, mods.dropout, traced):
+        return False
+    if gluon.serves_backward(*call, True, mods.dropout, traced):
+        return True
+    return None
 
 
 @on_inputs_device
 def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float],
                        mods: Modifiers, attn_mask_grad: bool, packing: Optional[Packing] = None,
-                       deterministic: Optional[bool] = None):
+                       deterministic: bool = False):
     """Launch the backward from the forward's ``out`` and base-2 ``lse_log2``; returns (dq,
     dk, dv, dg, dattn_mask) (the last two as in attention_backward_outputs).
 
-    Plain calls that the Gluon backward serves (gluon.serves_backward) take it: one
-    kernel adds dQ into an fp32 buffer, in key-tile order where ``deterministic``. Elsewhere
-    dQ comes from the dQ kernel (each row summed in one program) unless ``deterministic``
-    is False (default: not deterministic_backward()) and there is no gate and no mask
-    gradient: then the dK/dV kernel adds it by fp32 atomics, with no second pass over S and
-    dP. Under torch.use_deterministic_algorithms(True) (without warn_only) ``deterministic``
-    is always True."""
+    Unless the backward must be reproducible (deterministic_backward(deterministic)),
+    plain calls that the Gluon backward serves with dQ by atomics (gluon.serves_backward)
+    take it. Plain calls it serves in key-tile order take it so (bitwise reproducible).
+    The rest take the tl kernels: dQ from the dQ kernel (each row summed in one program),
+    or, where the atomics are forced (config.settings.dq_atomics) and there is no gate and
+    no mask gradient, added by the dK/dV kernel by fp32 atomics, with no second pass over S
+    and dP."""
     q, k, v, out, dout = (unit_stride_last(x) for x in (q, k, v, out, dout))
     lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
@@ -399,16 +425,15 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         dgk = lse_log2.new_empty((p.B, p.H, p.S_k) if packing is None else (p.H, k.shape[0]))
     # dS of every (query, key) pair; pairs outside the window are never visited: zeros
     dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else None
-    if deterministic is None:
-        deterministic = deterministic_backward()
-    deterministic = deterministic or _strictly_deterministic()
+    deterministic = deterministic_backward(deterministic)
     causal = p.flags["HAS_RIGHT"]
-    # the Gluon backward (dQ added in key-tile order where deterministic, by atomics where
-    # not) serves plain calls; the tl kernels the rest
-    use_gluon = (not (has_gate or attn_mask_grad) and gluon.serves_backward(
-        q, k, v, dout, causal, mods.is_plain_but_dropout and packing is None, deterministic,
-        mods.dropout))
-    dq_atomic = not (deterministic or has_gate or attn_mask_grad or use_gluon)
+    # the Gluon backward serves plain calls: dQ by atomics unless the backward must be
+    # reproducible (or that rule declines the call), else in key-tile order; the tl kernels
+    # the rest
+    ordered = gluon_backward_order(q, k, v, dout, mods, attn_mask_grad, packing, deterministic)
+    use_gluon = ordered is not None
+    dq_atomic = (config.settings.dq_atomics is True and not deterministic
+                 and not (has_gate or attn_mask_grad or use_gluon))
     # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else None
     short = tiles.is_short(p.S_k)
@@ -416,7 +441,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
     if use_gluon:  # zeroed first: the memset runs while the host prepares the next launches
-        dq_acc, dq_sem = gluon.backward_buffer(q, deterministic)
+        dq_acc, dq_sem = gluon.backward_buffer(q, ordered)
     if dq_atomic or use_gluon:
         # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
         # rows here, delta being row-wise

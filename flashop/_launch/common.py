@@ -155,10 +155,10 @@ def tma_aligned(x: torch.Tensor) -> bool:
     size = x.element_size()
     if any(s * size % 16 for s in x.stride()[:-1]):
         return False
-    try:
+    if type(x) in EAGER_TENSOR_TYPES:
         return x.data_ptr() % 16 == 0
-    except RuntimeError:  # a fake or functional tensor (tracing): its storage is aligned
-        return x.storage_offset() * size % 16 == 0
+    # a fake or functional tensor (tracing): its storage is aligned
+    return x.storage_offset() * size % 16 == 0
 
 
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:

@@ -4,9 +4,12 @@ the launches.
 
 The Gluon kernel is written for one Triton release (GLUON_TRITON): under any other, and
 under Triton's interpreter, its module is never imported and every call takes the ``tl``
-kernels. It serves eager calls (and CUDA graphs captured from them). A traced call
-(``torch.compile``, ``torch.export``) keeps the ``tl`` kernels, which Inductor compiles
-with the rest of the graph.
+kernels. It serves eager calls (and CUDA graphs captured from them), and the calls of
+graphs that ``torch.compile`` runs here (compiled_here): Inductor cannot trace Gluon
+kernels, so there the operators call them through an opaque operator
+(flashop/_ops/attention.py), which launches them as an eager call does. An exported graph
+(``torch.export``, AOTInductor's packages) keeps the ``tl`` kernels, which Inductor
+compiles with the rest of the graph.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import functools
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flashop import config
 from flashop._launch.common import (
-    EAGER_TENSOR_TYPES, cdiv, launch_now, sm_count, tma_aligned, triton_version,
+    EAGER_TENSOR_TYPES, cdiv, known_shorter, launch_now, sm_count, tma_aligned,
+    triton_version,
 )
 from flashop.kernels import INTERPRETING
 
@@ -64,6 +69,11 @@ BWD_HEAD_DIMS = (64, 128)
 # measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
 # none: slower at every length measured)
 BWD_MIN_KEYS = {(128, False): 4096, (128, True): 1536}
+# The default backward (dQ by atomics, no order asked for): at least BWD_ATOMIC_MIN_KEYS
+# keys at every (D, causal), where it measured faster than the tl kernels' deterministic
+# backward (at 1k keys as fast or slower: the deterministic kernels keep those calls)
+BWD_ATOMIC_MIN_KEYS = {(64, False): 2048, (64, True): 2048, (128, False): 2048,
+                       (128, True): 2048}
 # With dropout, the backward's rule instead: at least BWD_DROPOUT_MIN_KEYS[D, causal] keys,
 # where it measured faster than the tl kernels (its draws cost less; shorter calls were not
 # measured)
@@ -96,11 +106,30 @@ def _is_traced(x: torch.Tensor) -> bool:
     return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
 
 
-def _takes_call(q: torch.Tensor, plain: bool) -> bool:
+def compiled_here(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a stand-in of a call that torch.compile traces into a graph run in
+    this process, rather than data or a call traced for export (``torch.export``, and
+    AOTInductor's compilation of an exported program, whose packages must hold only the
+    kernels Inductor sees and no Python-registered operator)."""
+    if not _is_traced(x) or torch.compiler.is_exporting():
+        return False
+    from torch._inductor.virtualized import V
+    return not V.aot_compilation
+
+
+def _takes_call(q: torch.Tensor, plain: bool, traced: bool) -> bool:
     """What both Gluon kernels ask of a call: the switch not off, a plain call (``plain``),
-    the kernels available on q's device, 16-bit inputs, an eager (not traced) call."""
+    the kernels available on q's device, 16-bit inputs, an eager call (``traced``: a call
+    traced for a graph compiled here, compiled_here)."""
     return (config.settings.gluon is not False and plain and available(q.device)
-            and q.dtype in (torch.float16, torch.bfloat16) and not _is_traced(q))
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and (compiled_here(q) if traced else not _is_traced(q)))
+
+
+def _same_length(S_q, S_k) -> bool:
+    """S_q == S_k, known without a guard where the lengths are symbolic (torch.compile's
+    dynamic shapes: the same symbol, as in self-attention)."""
+    return statically_known_true(S_q == S_k)
 
 
 def _addressable(*tensors: torch.Tensor) -> bool:
@@ -110,50 +139,60 @@ def _addressable(*tensors: torch.Tensor) -> bool:
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_scale: float,
-           plain: bool, dropout: bool = False) -> bool:
+           plain: bool, dropout: bool = False, traced: bool = False) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, dense; ``causal`` the only bound, and
     ``dropout``) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
     where causal, and inputs its descriptors can address
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
-    the default rule above."""
+    the default rule above. ``traced``: whether a call traced for a graph compiled here
+    (compiled_here) may take it when the graph runs; symbolic lengths then count as long
+    (no guard: the eager launcher that the opaque operator runs decides on the lengths)."""
     setting = config.settings.gluon
-    if not _takes_call(q, plain):
+    if not _takes_call(q, plain, traced):
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
+    D = int(D)  # (symbolic where traced with dynamic shapes: the kernels specialize on it)
     if D != DV or D not in FWD_TILES or qk_scale <= 0 or S_k == 0:
         return False
-    if causal and S_q != S_k:
+    if causal and not _same_length(S_q, S_k):
         return False
-    if setting is None and not (S_q >= GLUON_MIN_QUERIES and S_k >= GLUON_MIN_KEYS[D, causal]
-                                and (not dropout or (D, causal) in GLUON_DROPOUT)):
+    if setting is None and (known_shorter(S_q, GLUON_MIN_QUERIES)
+                            or known_shorter(S_k, GLUON_MIN_KEYS[D, causal])
+                            or (dropout and (D, causal) not in GLUON_DROPOUT)):
         return False
     return _addressable(q, k, v)
 
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     causal: bool, plain: bool, deterministic: bool,
-                    dropout: bool = False) -> bool:
+                    dropout: bool = False, traced: bool = False) -> bool:
     """Whether the Gluon backward takes this call, with dQ's adds in key-tile order
-    (``deterministic``) or not (dQ by atomics, which the caller asked for): where
-    available, an eager call of the plain backward (and ``dropout``) with 16-bit inputs,
-    D == DV in BWD_HEAD_DIMS, S_q == S_k where causal, a grid within bounds, and inputs its
-    descriptors can address; unless the switch forces it, the default rules above
-    (BWD_DROPOUT_MIN_KEYS with dropout, else BWD_MIN_KEYS where deterministic).
-    config.settings.gluon False turns it off."""
-    if not _takes_call(q, plain):
+    (``deterministic``) or not (dQ by atomics): where available, an eager call of the plain
+    backward (and ``dropout``) with 16-bit inputs, D == DV in BWD_HEAD_DIMS, S_q == S_k
+    where causal, a grid within bounds, and inputs its descriptors can address; unless a
+    switch forces it (config.settings.gluon, or dq_atomics for the atomics), the default
+    rules above (BWD_DROPOUT_MIN_KEYS with dropout, else BWD_MIN_KEYS where deterministic,
+    else BWD_ATOMIC_MIN_KEYS). config.settings.gluon False turns it off. ``traced``: as in
+    serves()."""
+    if not _takes_call(q, plain, traced):
         return False
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    if D != DV or D not in BWD_HEAD_DIMS or (causal and S_q != S_k):
+    D = int(D)  # (as in serves)
+    if D != DV or D not in BWD_HEAD_DIMS or (causal and not _same_length(S_q, S_k)):
         return False
-    if (B * H_kv * cdiv(S_k, BWD_BLOCK_N) > MAX_GRID_X if deterministic
-            else B * H_kv > MAX_GRID_Y):
+    # (known without a guard: a symbolic grid is checked when the graph runs)
+    if statically_known_true(B * H_kv * cdiv(S_k, BWD_BLOCK_N) > MAX_GRID_X if deterministic
+                             else B * H_kv > MAX_GRID_Y):
         return False
-    rule = BWD_DROPOUT_MIN_KEYS if dropout else BWD_MIN_KEYS if deterministic else None
-    if (config.settings.gluon is None and rule is not None
-            and S_k < rule.get((D, causal), float("inf"))):
+    rule = (BWD_DROPOUT_MIN_KEYS if dropout else BWD_MIN_KEYS if deterministic
+            else BWD_ATOMIC_MIN_KEYS)
+    forced = config.settings.gluon or (not (deterministic or dropout)
+                                       and config.settings.dq_atomics)
+    min_keys = rule.get((D, causal))
+    if not forced and (min_keys is None or known_shorter(S_k, min_keys)):
         return False
     return _addressable(q, k, v, dout)
 

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._library.triton import set_wrap_triton_enabled
 from torch.utils.flop_counter import (
     register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count,
 )
@@ -73,8 +74,9 @@ def dropout_seed(q: Tensor, dropout_p: float) -> Optional[Tensor]:
 def _call(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
           attn_mask=None, alibi_slopes=None, g=None, sinks=None, dropout_seed=None, *,
           causal=False, scale=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
-          dropout_p=0.0) -> tuple[Modifiers, Optional[Packing]]:
-    """A forward call's modifiers and packing (None: dense), checked."""
+          dropout_p=0.0, deterministic=False) -> tuple[Modifiers, Optional[Packing]]:
+    """A forward call's modifiers and packing (None: dense), checked (``deterministic``
+    concerns the backward alone)."""
     check_packing_arguments("flashop.attention_forward", cu_seqlens_q, cu_seqlens_k,
                             max_seqlen_q, max_seqlen_k)
     mods = modifiers(attn_mask, alibi_slopes, g, causal, window_size_left, window_size_right,
@@ -92,19 +94,23 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
                       sinks: Optional[Tensor] = None, dropout_seed: Optional[Tensor] = None,
                       *, causal: bool = False, scale: Optional[float] = None,
                       window_size_left: int = -1, window_size_right: int = -1,
-                      softcap: float = 0.0, dropout_p: float = 0.0
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+                      softcap: float = 0.0, dropout_p: float = 0.0,
+                      deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        attn_mask, alibi_slopes, g, sinks, dropout_seed, causal=causal,
                        scale=scale, window_size_left=window_size_left,
                        window_size_right=window_size_right, softcap=softcap,
-                       dropout_p=dropout_p)
+                       dropout_p=dropout_p, deterministic=deterministic)
 
 
 def run_forward(q, k, v, *args, scale=None, **options):
     """attention_forward's body (its arguments): checks, then the kernels; (out, lse,
-    lse_log2)."""
+    lse_log2). A call traced for a graph compiled here whose eager call takes the Gluon
+    kernel, which Inductor cannot trace, calls it through attention_forward_opaque."""
     mods, packed = _call(q, k, v, *args, scale=scale, **options)
+    if launch.forward_takes_gluon(q, k, v, scale, mods, packed, traced=True):
+        return torch.ops.flashop.attention_forward_opaque(q, k, v, *args, scale=scale,
+                                                          **options)
     return launch.attention_forward(q, k, v, scale, mods, packed)
 
 
@@ -118,7 +124,8 @@ def _backward_call(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q=None, cu_seq
                    max_seqlen_q=None, max_seqlen_k=None, attn_mask=None, alibi_slopes=None,
                    g=None, dropout_seed=None, *, causal=False, scale=None,
                    window_size_left=-1, window_size_right=-1, softcap=0.0, dropout_p=0.0,
-                   attn_mask_grad=False) -> tuple[Modifiers, Optional[Packing]]:
+                   attn_mask_grad=False, deterministic=False
+                   ) -> tuple[Modifiers, Optional[Packing]]:
     """A backward call's modifiers and packing (None: dense), checked."""
     check_packing_arguments("flashop.attention_backward", cu_seqlens_q, cu_seqlens_k,
                             max_seqlen_q, max_seqlen_k)
@@ -140,23 +147,33 @@ def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tens
                        dropout_seed: Optional[Tensor] = None, *, causal: bool = False,
                        scale: Optional[float] = None, window_size_left: int = -1,
                        window_size_right: int = -1, softcap: float = 0.0,
-                       dropout_p: float = 0.0, attn_mask_grad: bool = False
+                       dropout_p: float = 0.0, attn_mask_grad: bool = False,
+                       deterministic: bool = False
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return run_backward(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k,
                         max_seqlen_q, max_seqlen_k, attn_mask, alibi_slopes, g, dropout_seed,
                         causal=causal, scale=scale, window_size_left=window_size_left,
                         window_size_right=window_size_right, softcap=softcap,
-                        dropout_p=dropout_p, attn_mask_grad=attn_mask_grad)
+                        dropout_p=dropout_p, attn_mask_grad=attn_mask_grad,
+                        deterministic=deterministic)
 
 
 def run_backward(dout, dlse, q, k, v, out, lse_log2, *args, scale=None, attn_mask_grad=False,
-                 **options):
+                 deterministic=False, **options):
     """attention_backward's body (its arguments): checks, then the kernels; (dq, dk, dv, dg,
-    dattn_mask)."""
+    dattn_mask). As run_forward, through attention_backward_opaque where a traced call's
+    eager call takes the Gluon backward; ``deterministic`` is resolved where the call is
+    traced (launch.deterministic_backward: torch.use_deterministic_algorithms as then)."""
     mods, packed = _backward_call(dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
                                   attn_mask_grad=attn_mask_grad, **options)
+    deterministic = launch.deterministic_backward(deterministic)
+    if launch.gluon_backward_order(q, k, v, dout, mods, attn_mask_grad, packed, deterministic,
+                                   traced=True) is not None:
+        return torch.ops.flashop.attention_backward_opaque(
+            dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
+            attn_mask_grad=attn_mask_grad, deterministic=deterministic, **options)
     return launch.attention_backward(dout, dlse, q, k, v, out, lse_log2, scale, mods,
-                                     attn_mask_grad, packed)
+                                     attn_mask_grad, packed, deterministic)
 
 
 @attention_backward.register_fake
@@ -165,6 +182,32 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse_log2, *args, attn_mas
     mods, _ = _backward_call(dout, dlse, q, k, v, out, lse_log2, *args,
                              attn_mask_grad=attn_mask_grad, **options)
     return launch.attention_backward_outputs(q, k, v, mods.g, mods.attn_mask, attn_mask_grad)
+
+
+# --- the eager kernels in compiled graphs -----------------------------------------------------
+
+_lib = torch.library.Library("flashop", "FRAGMENT")
+
+
+def _register_opaque(name: str, body, fake) -> None:
+    """``flashop::<name>_opaque``: the operator ``name``'s schema, its body run as an eager
+    call runs it (the kernels launched directly, not through wrap_triton), and its fake.
+    Opaque to Inductor, which calls it as it is: a compiled graph reaches the kernels that
+    Inductor cannot trace (the Gluon ones) through it, and keeps fullgraph, dynamic shapes
+    and CUDA graphs. Exported graphs never hold it (gluon.compiled_here)."""
+    schema = str(getattr(torch.ops.flashop, name).default._schema)
+    _lib.define(f"{name}_opaque{schema[schema.index('('):]}")
+
+    def run(*args, **kwargs):
+        with set_wrap_triton_enabled(False):
+            return body(*args, **kwargs)
+
+    _lib.impl(f"{name}_opaque", run, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashop::{name}_opaque", fake, lib=_lib)
+
+
+_register_opaque("attention_forward", run_forward, _attention_forward_fake)
+_register_opaque("attention_backward", run_backward, _attention_backward_fake)
 
 
 # --- autograd ---------------------------------------------------------------------------------
@@ -262,13 +305,13 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, *args, **options) -> Tenso
 
 
 _OPTIONS = ("*, bool causal=False, float? scale=None, SymInt window_size_left=-1, "
-            "SymInt window_size_right=-1, float softcap=0., float dropout_p=0.)")
+            "SymInt window_size_right=-1, float softcap=0., float dropout_p=0., "
+            "bool deterministic=False)")
 _DENSE = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, "
           "Tensor? g=None, Tensor? sinks=None, ")
 _PACKED = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
            "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes=None, "
            "Tensor? g=None, Tensor? sinks=None, ")
-_lib = torch.library.Library("flashop", "FRAGMENT")
 autocast.register(_lib, "attention_forward")
 for _fn, _args, _returns in ((attention_with_lse, _DENSE, "(Tensor, Tensor)"),
                              (attention, _DENSE, "Tensor"),

@@ -55,7 +55,7 @@ def _zero_rows(lse: Tensor) -> Tensor:
 _N_INPUTS = len(ops.FORWARD_INPUTS)
 # the forward's keyword options, in the order _DirectAttention takes their values
 _OPTIONS = ("causal", "scale", "window_size_left", "window_size_right", "softcap",
-            "dropout_p")
+            "dropout_p", "deterministic")
 
 
 class _DirectAttention(torch.autograd.Function):
