@@ -221,6 +221,17 @@ def bench_one(fn, inputs, passes, warmup, rep, cuda_graph=False):
     return out
 
 
+def error_line(error):
+    """The line of an exception's message that says what failed (at most 200 characters)."""
+    # torch.compile's errors name the exception the traced code raised inside their text
+    cause = re.search(r"(?:got|raised exception) (\w+)\('(.+?)'\)", str(error))
+    if cause:
+        return f"{cause[1]}: {cause[2]}"[:200]
+    lines = [x for x in str(error).splitlines() if x.strip()] or [""]
+    # Triton compile errors start with "at L:C:" and end with the cause.
+    return (lines[-1] if lines[0].rstrip().endswith(":") else lines[0]).strip()[:200]
+
+
 def gpu_slug(name):
     return re.sub(r"[^a-z0-9-]", "", name.lower().replace(" ", "-"))
 
@@ -411,10 +422,7 @@ def main(argv=None):
                 times = bench_one(fn, inputs, args.passes, args.warmup, args.rep,
                                   args.cuda_graph)
             except Exception as e:  # unsupported shape, OOM, compile failure...
-                lines = [x for x in str(e).splitlines() if x.strip()] or [""]
-                # Triton compile errors start with "at L:C:" and end with the cause.
-                msg = (lines[-1] if lines[0].rstrip().endswith(":") else lines[0]).strip()[:200]
-                bar.write(f"  {name:<16} skipped: {type(e).__name__}: {msg}")
+                bar.write(f"  {name:<16} skipped: {type(e).__name__}: {error_line(e)}")
                 times = {}
             for pass_, ms in times.items():
                 tflops = flops(B, H, N, D, causal, pass_) / (ms * 1e-3) / 1e12

@@ -72,7 +72,7 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-SCRIPTS = ["attention", "modifiers", "varlen", "tune", "kernel_times", "progress"]
+SCRIPTS = ["attention", "modifiers", "varlen", "tune", "kernel_times", "progress", "train_model"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -128,3 +128,91 @@ def test_line_progress_counts_steps_and_estimates_the_rest():
     err = io.StringIO()
     assert list(progress.LineProgress(iter("ab"), file=err)) == ["a", "b"]  # no length
     assert [line.split(" (")[0] for line in err.getvalue().splitlines()] == ["[1]", "[2]"]
+
+
+# --- benchmarks/train_model.py: every provider trains the same model ----------------------
+
+import torch  # noqa: E402
+from helpers import DEVICE  # noqa: E402
+
+import train_model  # noqa: E402
+
+def _train_model_step(provider, layout, dtype):
+    """The first step's loss and gradients of the --tiny model (fresh weights of seed 0) on
+    the --tiny batch of ``layout``, with ``provider``'s attention, in ``dtype``."""
+    tm = train_model
+    cfg = tm.TINY["model"]
+    batch = tm.make_batch(cfg, 1, tm.TINY["seq"][0], layout, tm.TINY["docs"], device=DEVICE)
+    model = tm.build_model(cfg, provider, "eager", DEVICE, dtype)
+    loss = model(batch.tokens, batch.targets, batch.pos, tm.attention_mask(provider, batch))
+    loss.backward()
+    attn = model.layers[0].attn
+    return {"loss": loss.detach(), "dwq": attn.wq.weight.grad, "dwk": attn.wk.weight.grad,
+            "dwv": attn.wv.weight.grad}
+
+
+@pytest.mark.parametrize("layout", ["one", "packed"])
+def test_train_model_flashop_trains_the_model_sdpa_trains(layout):
+    """From the same weights and batch, flashop's first-step loss and the gradients of the
+    first layer's q, k and v projections (through both layers' attention backward) are within
+    the accuracy rule of the float64 model's: at most 2x (loss) and 3x (gradients) plain
+    PyTorch's fp32 error, plus fp32 rounding noise. Packed, flashop reads cu_seqlens and SDPA
+    a block-diagonal causal mask."""
+    from flashop.testing import accuracy
+
+    ref = _train_model_step("sdpa", layout, torch.float64)
+    plain = _train_model_step("sdpa", layout, torch.float32)
+    ours = _train_model_step("flashop", layout, torch.float32)
+    for name in ref:
+        acc = accuracy(name, ours[name], ref[name], plain[name], 2 if name == "loss" else 3,
+                       torch.float32)
+        assert acc.ok, acc
+
+
+def test_train_model_packed_documents_train_as_separate_sequences():
+    """The packed layout's loss (SDPA's mask; no target across a document's end) equals that
+    of each document trained as a sequence of its own, in float64; rotary positions restart
+    at each document."""
+    tm = train_model
+    cfg = tm.TINY["model"]
+    packed = tm.make_batch(cfg, 1, 64, "packed", (3, 3), device=DEVICE)
+    lens = packed.doc_lens[0]
+    assert len(lens) == 3 and sum(lens) == 64
+    assert packed.pos[0].tolist() == [i for n in lens for i in range(n)]
+    model = tm.build_model(cfg, "sdpa", "eager", DEVICE, torch.float64)
+    loss = model(packed.tokens, packed.targets, packed.pos, tm.attention_mask("sdpa", packed))
+    total, count, start = 0.0, 0, 0
+    for i, n in enumerate(lens):
+        tokens = packed.tokens[:, start:start + n]
+        # the next token of the document; after its last, none (the batch's last: the next)
+        last = packed.targets[:, -1:] if i == len(lens) - 1 else torch.full_like(tokens[:, :1],
+                                                                                 tm.IGNORE)
+        targets = torch.cat([tokens[:, 1:], last], 1)
+        valid = int((targets != tm.IGNORE).sum())
+        if valid:
+            total += model(tokens, targets, torch.arange(n, device=DEVICE)[None], None) * valid
+        count, start = count + valid, start + n
+    torch.testing.assert_close(loss, total / count, rtol=1e-12, atol=0)
+
+
+def test_train_model_prints_a_row_per_configuration_and_refusals_as_na(tmp_path, capsys):
+    """The table and the CSV, with a forced SDPA backend that refuses (cuDNN on the CPU,
+    FlashAttention-2's with a mask on a GPU): its row "n/a" with the reason, the rest run."""
+    import csv
+
+    tm = train_model
+    refused = "sdpa-cudnn" if DEVICE == "cpu" else "sdpa-flash"
+    assert tm.main(["--tiny", "--device", DEVICE, "--providers", "sdpa", refused,
+                    "--layouts", "packed", "--modes", "eager", "--warmup", "0", "--steps", "1",
+                    "--csv", str(tmp_path / "t.csv")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines.index("| mode | seq | layout | provider | tokens/s | ms/step | peak GiB "
+                       "| vs best SDPA | first loss | note |")
+    ran, na = (line.split(" | ") for line in lines[head + 2:head + 4])
+    assert ran[:4] == ["| eager", "64", "packed", "sdpa"] and ran[6:8][1] == "1.00"
+    assert float(ran[4]) > 0 and float(ran[8]) > 0
+    assert na[3:9] == [refused] + ["n/a"] * 5 and "n/a: " in na[9]
+    with open(tmp_path / "t.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["provider"] for r in rows] == ["sdpa", refused]
+    assert f"{float(rows[0]['loss']):.4f}" == ran[8] and rows[1]["note"] == na[9].rstrip(" |")
