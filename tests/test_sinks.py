@@ -102,9 +102,11 @@ def test_sink_gradient_of_rows_that_attend_only_the_sink_under_a_large_gate():
 
 @pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
 def test_packed_sinks_match_reference(sink_dtype):
+    """With a gate; a sequence without queries, and a last one without keys (dsinks reads
+    the queries' gates, which once read past the keys there)."""
     from test_varlen import make_packed
 
-    args, dout, dlse = make_packed([7, 0, 20, 13], [11, 5, 20, 4], H_kv=1, G=2, D=16,
+    args, dout, dlse = make_packed([7, 0, 20, 13], [11, 5, 20, 0], H_kv=1, G=2, D=16,
                                    dtype=torch.bfloat16, gate=torch.float32, alibi=(4, 2))
     sinks = (3 * torch.randn(2, device=DEVICE)).to(sink_dtype).requires_grad_()
     options = dict(causal=True, window_size=(6, -1), softcap=3.0)

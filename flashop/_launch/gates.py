@@ -40,6 +40,8 @@ def query_gates(g: torch.Tensor, rows: tuple, packing: "Packing | None") -> torc
     is before the first key), in the layout ``rows`` of lse: (B, H, S_q) dense, (H, total_q)
     packed."""
     g_cum, _ = gate_cumsum(g, packing)  # (B, H, S_k) dense, (H, total_k) packed
+    if g_cum.shape[-1] == 0:  # no key: every query is before the first
+        return g_cum.new_zeros(*g_cum.shape[:-1], rows[-1])
     if packing is None:
         S_q, S_k = rows[-1], g_cum.shape[-1]
         position = torch.arange(S_q, device=g.device) + (S_k - S_q)
@@ -50,7 +52,9 @@ def query_gates(g: torch.Tensor, rows: tuple, packing: "Packing | None") -> torc
     seq = token_sequences(packing.cu_seqlens_q, total_q).long()
     position = (torch.arange(total_q, device=g.device) - cu_q[seq]
                 + (cu_k[seq + 1] - cu_k[seq]) - (cu_q[seq + 1] - cu_q[seq]))
-    at = (cu_k[seq] + position.clamp(min=0)).expand(g_cum.shape[0], total_q)
+    # (a sequence without keys, whose positions are all before its first, may be last)
+    at = (cu_k[seq] + position.clamp(min=0)).clamp(max=g_cum.shape[-1] - 1)
+    at = at.expand(g_cum.shape[0], total_q)
     return torch.where(position >= 0, torch.gather(g_cum, -1, at), 0.0)
 
 
