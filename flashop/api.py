@@ -156,8 +156,11 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
 def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            k: Optional[Tensor] = None, v: Optional[Tensor] = None, *,
                            cache_seqlens, cache_batch_idx: Optional[Tensor] = None,
-                           block_table: Optional[Tensor] = None, causal: bool = False,
-                           scale: Optional[float] = None,
+                           cache_leftpad: Optional[Tensor] = None,
+                           block_table: Optional[Tensor] = None,
+                           rotary_cos: Optional[Tensor] = None,
+                           rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = True,
+                           causal: bool = False, scale: Optional[float] = None,
                            window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None,
                            sinks: Optional[Tensor] = None, num_splits: int = 0,
@@ -180,8 +183,21 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             sequence's cached length before the append. Not advanced here: add S_new to it
             for the next step.
         cache_batch_idx: (B,) int32: the dense cache's row of each sequence (default row b).
+        cache_leftpad: (B,) int32, dense caches only: sequence b's keys start at row
+            ``cache_leftpad[b]`` of its cache row (rows before it are left padding, never
+            attended); it attends rows ``cache_leftpad[b] .. cache_seqlens[b] + S_new - 1``,
+            ``L = cache_seqlens[b] + S_new - cache_leftpad[b]`` keys (flash-attn's).
         block_table: (B, max_blocks) int32: sequence b's key ``j`` is in page
             ``block_table[b, j // page_size]`` at row ``j % page_size``.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype, seqlen_ro at least
+            the cache's capacity; with ``k``, ``v`` only. The rotary embedding of the first
+            rotary_dim dims is applied inside the kernels, as flash-attn's
+            ``flash_attn_with_kvcache`` applies it: new key ``s`` rotated at position
+            ``cache_seqlens[b] + s`` before it is written, query ``i`` at
+            ``cache_seqlens[b] + i`` where causal or a window bound is set (below the
+            capacity), else every query at ``cache_seqlens[b]``.
+        rotary_interleaved: pairs dims (0, 1), (2, 3), ... (GPT-J) where True, else
+            (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ... (GPT-NeoX, Llama).
         causal: bottom-right aligned over the sequence's ``L = cache_seqlens[b] + S_new``
             keys: query ``i`` attends key ``j`` iff ``j <= i + L - S_q``.
         scale, window_size, softcap, alibi_slopes: as :func:`attention`, with ``S_k = L``
@@ -205,12 +221,14 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         (B, H, S_q) float32, natural log.
     """
     check_no_grad("flashop.attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache,
-                  k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks)
+                  k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks, rotary_cos=rotary_cos,
+                  rotary_sin=rotary_sin)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
     options = _options("flashop.attention_with_kvcache", causal, scale, window_size, softcap)
     out, lse = eager.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        sinks, num_splits=num_splits, **options)
+        sinks, rotary_cos, rotary_sin, cache_leftpad, num_splits=num_splits,
+        rotary_interleaved=rotary_interleaved, **options)
     return (out, lse) if return_lse else out

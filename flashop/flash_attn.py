@@ -21,9 +21,8 @@ the fastest backward runs, which may add dQ by atomics (``flashop.attention``'s
 ``deterministic``).
 
 ``flash_attn_with_kvcache`` (decoding over a dense or paged KV cache, appending new keys and
-values in place) runs ``flashop.attention_with_kvcache``; it raises ``NotImplementedError``
-for ``rotary_cos``/``rotary_sin`` (apply the rotary embedding to q and k before the call)
-and ``cache_leftpad``.
+values in place, with flash-attn's rotary embedding inside the call and its left-padded
+caches) runs ``flashop.attention_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -176,20 +175,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen, nheads, headdim), or ``(out, softmax_lse)`` with
     ``return_softmax_lse=True``, softmax_lse (batch, nheads, seqlen) float32, natural log.
 
-    ``rotary_cos``/``rotary_sin`` (rotary embedding inside the kernel) and
-    ``cache_leftpad`` raise ``NotImplementedError``; ``rotary_interleaved`` only matters with
-    rotary embeddings and is otherwise ignored.
+    ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2) in q's dtype, with ``k``,
+    ``v``: the new keys are rotated at positions ``cache_seqlens[b] + s`` before they are
+    written, and q at ``cache_seqlens[b] + i`` where causal or windowed, else at
+    ``cache_seqlens[b]``; ``rotary_interleaved`` pairs dims (0, 1), ... (GPT-J) or (0,
+    rotary_dim / 2), ... (GPT-NeoX). ``cache_leftpad`` (batch,) int32, dense caches only:
+    sequence b's keys start at row ``cache_leftpad[b]``.
     """
     name = "flashop.flash_attn.flash_attn_with_kvcache"
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError(
-            f"{name}: rotary_cos/rotary_sin (the rotary embedding applied inside the kernel) "
-            f"are not supported; rotate q and k before the call (at positions cache_seqlens, "
-            f"cache_seqlens + 1, ...) and pass rotary_cos=None, rotary_sin=None")
-    if cache_leftpad is not None:
-        raise NotImplementedError(
-            f"{name}: cache_leftpad (caches whose sequences start after left padding) is not "
-            f"supported; store each sequence from position 0 of its cache row (or pages)")
     if cache_seqlens is None:
         if k is not None or v is not None:
             raise ValueError(
@@ -202,6 +195,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     with torch.no_grad():
         return api.attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-            cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, causal=causal,
             scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse)

@@ -151,17 +151,48 @@ def attention_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
 # --- attention over a key/value cache (decoding) --------------------------------------------
 
 
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+           interleaved: bool = True) -> Tensor:
+    """``x`` (B, S, H, D) with the rotary embedding of flash-attn's rotary_cos / rotary_sin
+    (seqlen_ro, rotary_dim / 2) applied at ``positions`` (B, S): dims below rotary_dim pair
+    up, (2p, 2p + 1) where ``interleaved`` (GPT-J) else (p, p + rotary_dim / 2) (GPT-NeoX),
+    and each pair (x1, x2) becomes (x1 cos - x2 sin, x1 sin + x2 cos) at cos, sin =
+    cos[pos, p], sin[pos, p]; the other dims, and rows at positions outside 0 .. seqlen_ro
+    - 1, are kept. Computed in fp32 for 16-bit inputs and fp64 for fp32 ones, where the
+    products are exact, then rounded to x's dtype: the kernels' arithmetic
+    (decode.rotate_rows), bit for bit."""
+    wide = torch.float64 if x.dtype == torch.float32 else torch.float32
+    half = cos.shape[1]
+    inside = ((positions >= 0) & (positions < cos.shape[0]))[:, :, None, None]
+    index = positions.clamp(0, cos.shape[0] - 1).long()
+    c = cos.to(wide)[index][:, :, None, :]  # (B, S, 1, half)
+    s = sin.to(wide)[index][:, :, None, :]
+    xr = x[..., :2 * half].to(wide)
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    r1, r2 = x1 * c + x2 * -s, x1 * s + x2 * c
+    rot = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+    rot = torch.where(inside, rot.to(x.dtype), x[..., :2 * half])
+    return torch.cat((rot, x[..., 2 * half:]), -1)
+
+
 def kvcache_append_reference(k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
                              v: Optional[Tensor], cache_seqlens: Tensor,
                              cache_batch_idx: Optional[Tensor] = None,
-                             block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                             block_table: Optional[Tensor] = None,
+                             rotary_cos: Optional[Tensor] = None,
+                             rotary_sin: Optional[Tensor] = None,
+                             rotary_interleaved: bool = True) -> tuple[Tensor, Tensor]:
     """Copies of the caches with k, v (B, S_new, H_kv, .) written at positions
     ``cache_seqlens[b] + s`` of each sequence's slots (row ``cache_batch_idx[b]`` or ``b`` of a
-    dense cache; pages ``block_table[b, pos // page_size]`` of a paged one). Positions at or
-    past the cache's capacity are dropped, as the kernel drops them."""
+    dense cache; pages ``block_table[b, pos // page_size]`` of a paged one), k rotated at
+    those positions where ``rotary_cos``, ``rotary_sin`` are given (:func:`rotary`).
+    Positions at or past the cache's capacity are dropped, as the kernel drops them."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     if k is None:
         return k_cache, v_cache
+    if rotary_cos is not None:
+        positions = cache_seqlens[:, None] + torch.arange(k.shape[1], device=k.device)
+        k = rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
     B, S_new = k.shape[:2]
     page = k_cache.shape[1]
     capacity = page * block_table.shape[1] if block_table is not None else page
@@ -181,11 +212,12 @@ def kvcache_append_reference(k_cache: Tensor, v_cache: Tensor, k: Optional[Tenso
 
 
 def gather_kvcache(cache: Tensor, length: int, b: int, cache_batch_idx: Optional[Tensor] = None,
-                   block_table: Optional[Tensor] = None) -> Tensor:
-    """Sequence ``b``'s first ``length`` cached positions (length, H_kv, .) in key order."""
+                   block_table: Optional[Tensor] = None, start: int = 0) -> Tensor:
+    """Sequence ``b``'s first ``length`` cached positions (length, H_kv, .) in key order
+    (of a dense cache: its positions ``start`` .. ``length - 1``)."""
     if block_table is None:
         row = b if cache_batch_idx is None else int(cache_batch_idx[b])
-        return cache[row, :length]
+        return cache[row, start:length]
     page = cache.shape[1]
     pages = block_table[b, :-(-length // page)].long()
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
@@ -194,34 +226,47 @@ def gather_kvcache(cache: Tensor, length: int, b: int, cache_batch_idx: Optional
 def attention_with_kvcache_reference(
         q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
         v: Optional[Tensor] = None, *, cache_seqlens, cache_batch_idx: Optional[Tensor] = None,
-        block_table: Optional[Tensor] = None, causal: bool = False,
+        cache_leftpad: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+        rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+        rotary_interleaved: bool = True, causal: bool = False,
         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
         softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
         sinks: Optional[Tensor] = None,
         compute_dtype: Optional[torch.dtype] = torch.float32) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``flashop.attention_with_kvcache`` in plain PyTorch, leaving the caches
     unchanged: the append is applied to copies (:func:`kvcache_append_reference`), each
-    sequence's ``L = cache_seqlens[b] + S_new`` keys are gathered, and
-    :func:`attention_reference` attends over them (query i at key position i + L - S_q, as
-    its bottom-right alignment puts it). out (B, S_q, H, DV) and lse (B, H, S_q) in
-    ``compute_dtype``. ``sinks`` (H,) join each query's softmax as in attention_reference
-    (a sequence with no key: out 0, lse = sink). Every sequence must fit its cache (L <=
-    capacity)."""
+    sequence's ``L = cache_seqlens[b] + S_new`` keys are gathered (of a dense cache, from
+    position ``cache_leftpad[b]``: L less that many), and :func:`attention_reference`
+    attends over them (query i at key position i + L - S_q, as its bottom-right alignment
+    puts it). With ``rotary_cos``, ``rotary_sin`` the new keys are rotated at their
+    positions and the queries at ``cache_seqlens[b] + i`` where causal or a window bound
+    below the capacity is set, else all at ``cache_seqlens[b]`` (flash-attn's rule;
+    :func:`rotary`). out (B, S_q, H, DV) and lse (B, H, S_q) in ``compute_dtype``.
+    ``sinks`` (H,) join each query's softmax as in attention_reference (a sequence with no
+    key: out 0, lse = sink). Every sequence must fit its cache (L <= capacity)."""
     B, S_q, H, D = q.shape
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     k_cache, v_cache = kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens,
-                                                cache_batch_idx, block_table)
+                                                cache_batch_idx, block_table, rotary_cos,
+                                                rotary_sin, rotary_interleaved)
     S_new = 0 if k is None else k.shape[1]
     page = k_cache.shape[1]
     capacity = page * block_table.shape[1] if block_table is not None else page
+    if rotary_cos is not None:
+        per_query = causal or any(0 <= w < capacity for w in window_size)
+        offsets = torch.arange(S_q, device=q.device) if per_query else q.new_zeros(
+            S_q, dtype=torch.long)
+        q = rotary(q, rotary_cos, rotary_sin, cache_seqlens[:, None] + offsets,
+                   rotary_interleaved)
+    starts = [0] * B if cache_leftpad is None else cache_leftpad.tolist()
     outs, lses = [], []
     for b, cached in enumerate(cache_seqlens.tolist()):
         L = cached + S_new
         if L > capacity:
             raise ValueError(f"sequence {b}: {L} keys do not fit the cache's {capacity}")
-        kb = gather_kvcache(k_cache, L, b, cache_batch_idx, block_table)
-        vb = gather_kvcache(v_cache, L, b, cache_batch_idx, block_table)
+        kb = gather_kvcache(k_cache, L, b, cache_batch_idx, block_table, starts[b])
+        vb = gather_kvcache(v_cache, L, b, cache_batch_idx, block_table, starts[b])
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]

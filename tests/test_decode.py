@@ -55,6 +55,9 @@ class CacheCase:
     alibi: Optional[tuple] = None  # shape of the slopes: (H,) or (B, H)
     sinks: Optional[torch.dtype] = None  # dtype of the attention sinks (H,)
     num_splits: int = 0
+    rotary_dim: int = 0  # rotary_cos / rotary_sin of (capacity + 3, rotary_dim / 2)
+    interleaved: bool = True
+    leftpad: bool = False  # dense: each sequence starts at a random row up to its length
 
     @property
     def B(self) -> int:
@@ -100,7 +103,20 @@ def make_call(case: CacheCase, seed: int = 0):
         # about the log of a few tens of keys' sum: the sink takes a real share of each row
         sinks = 3 + 2 * torch.randn(case.H, device=DEVICE, generator=gen)
         kwargs["sinks"] = sinks.to(case.sinks)
+    if case.rotary_dim:
+        angle = 6.3 * torch.rand(case.capacity + 3, case.rotary_dim // 2, device=DEVICE,
+                                 generator=gen)
+        kwargs.update(rotary_cos=angle.cos().to(case.dtype),
+                      rotary_sin=angle.sin().to(case.dtype), rotary_interleaved=case.interleaved)
+    if case.leftpad:
+        lengths = torch.tensor(case.lengths, device=DEVICE)
+        kwargs["cache_leftpad"] = (torch.rand(B, device=DEVICE, generator=gen)
+                                   * (lengths + 1)).floor().to(torch.int32)
     return (q, k_cache, v_cache, k, v), kwargs
+
+
+APPEND_INDEX = ("cache_seqlens", "cache_batch_idx", "block_table", "rotary_cos", "rotary_sin",
+                "rotary_interleaved")
 
 
 def check_cache_case(case: CacheCase, seed: int = 0):
@@ -108,7 +124,7 @@ def check_cache_case(case: CacheCase, seed: int = 0):
     reference and plain PyTorch in the case's dtype; both caches after the call bit for bit
     against the expected append."""
     (q, k_cache, v_cache, k, v), kwargs = make_call(case, seed)
-    index = {n: kwargs.get(n) for n in ("cache_seqlens", "cache_batch_idx", "block_table")}
+    index = {n: kwargs[n] for n in APPEND_INDEX if n in kwargs}
     expected = kvcache_append_reference(k_cache, v_cache, k, v, **index)
     ref = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
                                            compute_dtype=torch.float64)
@@ -153,11 +169,15 @@ def cache_cases(draw):
     softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
     alibi = draw(st.sampled_from([None, None, (H_kv * G,), (B, H_kv * G)]))
     sinks = draw(st.sampled_from([None, None, torch.float32, dtype]))
+    # rotary embeddings of all of D or of part of it (with new keys to rotate), left padding
+    rotary_dim = draw(st.sampled_from([0, 0, D, 2 * (D // 4)])) if S_new else 0
     return CacheCase(lengths, S_q, S_new, H_kv, G, D, DV, dtype, paged=paged, page=page,
                      capacity=capacity, spare=draw(st.integers(0, 2)),
                      batch_idx=not paged and draw(st.booleans()), causal=causal,
                      window_size=(left, right), softcap=softcap, alibi=alibi, sinks=sinks,
-                     num_splits=draw(st.sampled_from([0, 1, 2, 3])))
+                     num_splits=draw(st.sampled_from([0, 1, 2, 3])), rotary_dim=rotary_dim,
+                     interleaved=draw(st.booleans()),
+                     leftpad=not paged and draw(st.booleans()))
 
 
 @given(cache_cases(), st.integers(0, 2**16))
@@ -218,6 +238,51 @@ def test_sink_counts_once_in_every_split_count(num_splits):
     check_cache_case(case)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(), dict(window_size=(-1, 2)),
+                                     dict(window_size=(48, -1))],
+                         ids=["causal", "no-bound", "right-bound", "bound-past-capacity"])
+def test_rotary_positions(interleaved, options):
+    """The new keys rotated at cache_seqlens[b] + s (caches bit for bit) and the queries at
+    cache_seqlens[b] + i where causal or a window bound below the capacity is set, else all
+    at cache_seqlens[b] (a bound at or past the capacity, 48, counts as none): 4 queries
+    after 3 and 20 cached keys, rotary on 24 of 32 dims, bf16 (rounded as a GPU rounds)."""
+    case = CacheCase((3, 20), 4, 4, 1, 2, 32, 32, torch.bfloat16, capacity=48,
+                     rotary_dim=24, interleaved=interleaved, **options)
+    check_cache_case(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotary_on_paged_caches_and_every_dim(dtype):
+    """Rotary on a paged cache whose appends cross a page, on all of the head dim, 2 splits."""
+    check_cache_case(CacheCase((14, 0, 30), 3, 3, 2, 2, 16, 16, dtype, paged=True, page=16,
+                               capacity=48, causal=True, rotary_dim=16, num_splits=2))
+
+
+def test_left_padding_is_never_read():
+    """cache_leftpad: each sequence attends rows cache_leftpad[b] .. cache_seqlens[b] +
+    S_new - 1 (ALiBi distances and windows counted from its own first key); the padding
+    rows, filled with NaN, are never read (a NaN there would reach the output)."""
+    case = CacheCase((9, 30, 4), 3, 2, 1, 2, 16, 16, torch.float32, capacity=40,
+                     batch_idx=True, causal=True, window_size=(6, 0), alibi=(3, 2),
+                     leftpad=True, num_splits=2)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    pads = kwargs["cache_leftpad"] = torch.tensor([5, 28, 4], dtype=torch.int32,
+                                                   device=DEVICE)
+    for b, row in enumerate(kwargs["cache_batch_idx"].tolist()):
+        k_cache[row, :pads[b]] = v_cache[row, :pads[b]] = float("nan")
+    ref = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
+                                           compute_dtype=torch.float64)
+    plain = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
+                                             compute_dtype=None)
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,
+                                                  return_lse=True)
+    for name, actual, r, p in (("out", out, ref[0], plain[0]), ("lse", lse, ref[1], plain[1])):
+        result = accuracy(name, actual, r, p, 2, case.dtype)
+        assert result.ok, str(result)
+
+
 def test_python_int_lengths_and_appends_past_capacity_are_dropped():
     """cache_seqlens as a Python int applies to every sequence; new keys past the cache's
     capacity are not written anywhere (the rest of the cache is unchanged)."""
@@ -256,7 +321,7 @@ def test_decode_loop_matches_reference_step_by_step():
 
 OPCHECK_CASES = [
     CacheCase((5, 30), 2, 3, 2, 2, 40, 24, torch.float32, capacity=40, batch_idx=True,
-              causal=True, num_splits=2),
+              causal=True, num_splits=2, rotary_dim=24, interleaved=False, leftpad=True),
     CacheCase((17, 0), 1, 2, 1, 4, 16, 16, torch.float16, paged=True, page=16, capacity=48,
               window_size=(8, 0), softcap=3.0, alibi=(4,), sinks=torch.float32, num_splits=2),
 ]
@@ -267,7 +332,9 @@ def test_opcheck(case):
     (q, k_cache, v_cache, k, v), kwargs = make_call(case)
     args = (q, k_cache, v_cache, kwargs.pop("cache_seqlens"), k, v,
             kwargs.pop("cache_batch_idx", None), kwargs.pop("block_table", None),
-            kwargs.pop("alibi_slopes", None), kwargs.pop("sinks", None))
+            kwargs.pop("alibi_slopes", None), kwargs.pop("sinks", None),
+            kwargs.pop("rotary_cos", None), kwargs.pop("rotary_sin", None),
+            kwargs.pop("cache_leftpad", None))
     kwargs["window_size_left"], kwargs["window_size_right"] = kwargs.pop("window_size")
     opcheck(torch.ops.flashop.attention_with_kvcache.default, args, kwargs)
 
@@ -277,10 +344,11 @@ def test_schema_declares_the_cache_mutation():
     assert schema == (
         "flashop::attention_with_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, "
         "Tensor cache_seqlens, Tensor? k=None, Tensor? v=None, Tensor? cache_batch_idx=None, "
-        "Tensor? block_table=None, Tensor? alibi_slopes=None, Tensor? sinks=None, *, "
+        "Tensor? block_table=None, Tensor? alibi_slopes=None, Tensor? sinks=None, "
+        "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? cache_leftpad=None, *, "
         "bool causal=False, float? scale=None, SymInt window_size_left=-1, "
-        "SymInt window_size_right=-1, float softcap=0., SymInt num_splits=0) -> "
-        "(Tensor, Tensor)")
+        "SymInt window_size_right=-1, float softcap=0., bool rotary_interleaved=True, "
+        "SymInt num_splits=0) -> (Tensor, Tensor)")
 
 
 @pytest.mark.compile
@@ -418,6 +486,33 @@ ERRORS = {
                     "sinks must have shape (H,) = (4,): one logit per query head, got (2,)"),
     "sinks dtype": (dict(sinks=torch.zeros(4, device=DEVICE, dtype=torch.bfloat16)),
                     "sinks must be torch.float32 or torch.float16, got torch.bfloat16"),
+    "leftpad with pages": (
+        dict(k_cache=_t(6, 16, 2, 16), v_cache=_t(6, 16, 2, 16),
+             block_table=torch.zeros(2, 3, dtype=torch.int32, device=DEVICE),
+             cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)),
+        "cache_leftpad is not supported with a block_table (paged cache), as in flash-attn; "
+        "start each sequence at the first row of its first page"),
+    "leftpad": (dict(cache_leftpad=torch.zeros(2, dtype=torch.int64, device=DEVICE)),
+                "cache_leftpad must be a 1-D int32 tensor of 2 start rows (one per sequence: "
+                "its keys are rows cache_leftpad[b] .. cache_seqlens[b] + S_new - 1), got "
+                "torch.int64 of shape (2,)"),
+    "rotary sin": (dict(rotary_cos=_t(32, 8)),
+                   "pass both rotary_cos and rotary_sin or neither, got only rotary_cos"),
+    "rotary without keys": (dict(rotary_cos=_t(32, 8), rotary_sin=_t(32, 8), k=None, v=None),
+                            "rotary_cos/rotary_sin rotate q and the new keys as they are "
+                            "appended, but no k, v were given (as in flash-attn); pass the new "
+                            "keys and values, or rotate q before the call"),
+    "rotary dim": (dict(rotary_cos=_t(32, 9), rotary_sin=_t(32, 9)),
+                   "rotary_cos and rotary_sin must be 2-D of one shape (seqlen_ro, rotary_dim "
+                   "/ 2) with 2 <= rotary_dim <= head_dim = 16, got rotary_cos (32, 9), "
+                   "rotary_sin (32, 9)"),
+    "rotary rows": (dict(rotary_cos=_t(31, 8), rotary_sin=_t(31, 8)),
+                    "rotary_cos and rotary_sin need a row for each of the cache's 32 positions "
+                    "(dim 0 at least 32), got rotary_cos (31, 8), rotary_sin (31, 8)"),
+    "rotary dtype": (dict(rotary_cos=_t(32, 8, dtype=torch.float32),
+                          rotary_sin=_t(32, 8, dtype=torch.float32)),
+                     "rotary_cos and rotary_sin must have q's dtype torch.float16 (as in "
+                     "flash-attn), got torch.float32 and torch.float32"),
     "sinks grad": (dict(sinks=torch.zeros(4, device=DEVICE, requires_grad=True)),
                    "is for inference and has no backward, but sinks require(s) grad; call it "
                    "under torch.no_grad() / torch.inference_mode(), or detach the inputs (for "

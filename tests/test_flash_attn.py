@@ -244,14 +244,23 @@ def test_flash_attn_with_kvcache_without_append():
         q.detach(), k_cache, v_cache, cache_seqlens=full, softcap=1.5))
 
 
-def test_flash_attn_with_kvcache_unsupported_arguments_raise_naming_them():
+def test_flash_attn_with_kvcache_rotary_and_left_padding():
+    """rotary_cos, rotary_sin (positional, as flash-attn's), rotary_interleaved and
+    cache_leftpad reach flashop.attention_with_kvcache: the same outputs and caches."""
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     q, k_cache, v_cache, k, v = _cache_call(gen, S_cache=16)
-    cos = torch.ones(16, 8, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="rotary_cos/rotary_sin"):
-        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, cos, cache_seqlens=2)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2,
-                                   cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    angle = 6.3 * torch.rand(16, 4, device=DEVICE, generator=gen)
+    cos, sin = angle.cos().half(), angle.sin().half()
+    lengths = torch.tensor([2, 9], dtype=torch.int32, device=DEVICE)
+    pads = torch.tensor([1, 4], dtype=torch.int32, device=DEVICE)
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, lengths,
+                                     cache_leftpad=pads, causal=True, rotary_interleaved=False)
+    expected = flashop.attention_with_kvcache(
+        q, k_copy, v_copy, k, v, cache_seqlens=lengths, cache_leftpad=pads, rotary_cos=cos,
+        rotary_sin=sin, rotary_interleaved=False, causal=True)
+    assert torch.equal(out, expected)
+    assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
+    assert not torch.equal(k_cache[0, 2:4], k[0])  # written rotated
     with pytest.raises(ValueError, match="k and v .* need cache_seqlens"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v)

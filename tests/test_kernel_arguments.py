@@ -17,7 +17,13 @@ GUARDS = {"alibi": "HAS_ALIBI", "g_cum": "HAS_GATE", "attn_mask": "ATTN_MASK_KIN
           "cu_seqlens_k": "IS_VARLEN", "dgq": "HAS_GATE", "dgk": "HAS_GATE",
           "dq_acc": "DQ_ATOMIC", "dattn_mask": "ATTN_MASK_GRAD",
           "cache_batch_idx": "HAS_BATCH_IDX", "block_table": "IS_PAGED", "o_part": "SPLIT",
-          "lse_part": "SPLIT"}
+          "lse_part": "SPLIT", "cache_leftpad": "HAS_LEFTPAD", "rotary_cos": "ROTARY_DIM",
+          "rotary_sin": "ROTARY_DIM"}
+
+
+# the decoding kernels' alone
+_CACHE_ONLY = ("cache_batch_idx", "block_table", "o_part", "lse_part", "cache_leftpad",
+               "rotary_cos", "rotary_sin")
 
 
 def _name(kernel) -> str:
@@ -78,7 +84,11 @@ def _decode_calls():
                                        cache_batch_idx=torch.tensor([2, 0], device=DEVICE,
                                                                     dtype=torch.int32),
                                        alibi_slopes=torch.rand(2, device=DEVICE),
-                                       sinks=torch.randn(2, device=DEVICE))
+                                       sinks=torch.randn(2, device=DEVICE),
+                                       cache_leftpad=torch.tensor([1, 0], device=DEVICE,
+                                                                  dtype=torch.int32),
+                                       rotary_cos=torch.ones(64, 8, device=DEVICE),
+                                       rotary_sin=torch.zeros(64, 8, device=DEVICE))
     pages = torch.zeros(8, 16, 1, 16, device=DEVICE)
     table = torch.tensor([[3, 1, 0, 5], [2, 4, 6, 7]], device=DEVICE, dtype=torch.int32)
     flashop.attention_with_kvcache(q, pages.clone(), pages.clone(), new, new,
@@ -100,9 +110,7 @@ def test_absent_tensors_are_none_and_their_flags_say_so(calls):
     expected = {(tensor, present) for tensor in GUARDS for present in (False, True)}
     if calls is _attention_calls:
         expected = {(t, p) for t, p in expected
-                    if t not in ("cache_batch_idx", "block_table", "o_part", "lse_part")}
+                    if t not in _CACHE_ONLY}
     else:
-        expected = {(t, p) for t, p in expected
-                    if t in ("alibi", "sinks", "cache_batch_idx", "block_table", "o_part",
-                             "lse_part")}
+        expected = {(t, p) for t, p in expected if t in ("alibi", "sinks") + _CACHE_ONLY}
     assert expected <= seen, expected - seen

@@ -182,11 +182,21 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
+def _rotary_args(cos: Optional[TensorMeta], interleaved: bool) -> dict:
+    """The kernels' rotary arguments (rotate_rows): none (ROTARY_DIM 0) without cos."""
+    if cos is None:
+        return dict(stride_rs=0, seqlen_ro=0, ROTARY_DIM=0, ROTARY_INTERLEAVED=False)
+    return dict(stride_rs=cos.stride[0], seqlen_ro=cos.shape[0], ROTARY_DIM=2 * cos.shape[1],
+                ROTARY_INTERLEAVED=interleaved)
+
+
 def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta,
-                   block_table: Optional[TensorMeta], batch_idx: bool) -> Optional[Planned]:
+                   block_table: Optional[TensorMeta], batch_idx: bool,
+                   rotary: dict) -> Optional[Planned]:
     """The append of k, v (B, S_new, H_kv, .) into the caches at positions
-    cache_seqlens[b] + s, in place; positions past the cache's capacity are dropped. None
-    where there is nothing to write."""
+    cache_seqlens[b] + s, in place (the keys rotated where ``rotary``, _rotary_args, says);
+    positions past the cache's capacity are dropped. None where there is nothing to
+    write."""
     B, S_new, H_kv, D = k.shape
     DV = v.shape[-1]
     if B == 0 or S_new == 0 or H_kv == 0:
@@ -203,26 +213,37 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
         stride_vcb=v_cache.stride[0], stride_vcs=v_cache.stride[1],
         stride_vch=v_cache.stride[2],
         stride_tb=block_table.stride[0] if paged else 0,
-        S_new=S_new, capacity=capacity,
+        S_new=S_new, capacity=capacity, **rotary,
         D=D, DV=DV, BLOCK_D=block_dim(D), BLOCK_DV=block_dim(DV), BLOCK_S=block_s,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged, HAS_BATCH_IDX=batch_idx,
         num_warps=4, num_stages=1))
 
 
+def rotary_per_query(mods: Modifiers, capacity) -> bool:
+    """Whether the queries are rotated each at its own position (cache_seqlens[b] + i)
+    rather than all at cache_seqlens[b]: flash-attn's rule, causal or a window bound, a
+    bound at or past the cache's capacity counting as none."""
+    left, right = mods.bounds
+    return 0 <= left < capacity or 0 <= right < capacity or mods.causal
+
+
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
-    block_table, alibi_slopes, sinks) have the (shape, strides, dtype, device) ``metas``
-    (None for None; common.eager_meta), with ``options`` (the call's Modifiers without
-    their tensors, scale, num_splits). The outputs' strides are the call's to add."""
-    q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks = (
-        None if m is None else TensorMeta(*m) for m in metas)
-    mods, scale, num_splits = options
+    block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin) have the
+    (shape, strides, dtype, device) ``metas`` (None for None; common.eager_meta), with
+    ``options`` (the call's Modifiers without their tensors, scale, num_splits,
+    rotary_interleaved). The outputs' strides are the call's to add."""
+    (q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks, leftpad, cos,
+     _) = (None if m is None else TensorMeta(*m) for m in metas)
+    mods, scale, num_splits, interleaved = options
     paged = block_table is not None
+    rotary = _rotary_args(cos, interleaved)
     append = None
     S_new = 0
     if k is not None:
         S_new = k.shape[1]
-        append = _append_launch(k, v, k_cache, v_cache, block_table, batch_idx is not None)
+        append = _append_launch(k, v, k_cache, v_cache, block_table, batch_idx is not None,
+                                rotary)
     B, S_q, H, D = q.shape
     H_kv, DV = k_cache.shape[2], v_cache.shape[3]
     if B * S_q * H * DV == 0:
@@ -264,12 +285,13 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
-        **score_args(mods, resolve_scale(scale, D), alibi), **sink_args(sinks),
+        **score_args(mods, resolve_scale(scale, D), alibi), **sink_args(sinks), **rotary,
         S_q=S_q, S_new=S_new, capacity=capacity, G=G,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
         TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
-        HAS_BATCH_IDX=batch_idx is not None, SPLIT=split,
+        HAS_BATCH_IDX=batch_idx is not None, HAS_LEFTPAD=leftpad is not None, SPLIT=split,
+        ROTARY_PER_QUERY=cos is not None and rotary_per_query(mods, capacity),
         **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages))
     return _Plan(append, decode, merge, parts)
 
@@ -284,33 +306,43 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                            cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
                            block_table: Optional[torch.Tensor], scale: Optional[float],
-                           mods: Modifiers, num_splits: int
+                           mods: Modifiers, num_splits: int,
+                           cache_leftpad: Optional[torch.Tensor] = None,
+                           rotary_cos: Optional[torch.Tensor] = None,
+                           rotary_sin: Optional[torch.Tensor] = None,
+                           rotary_interleaved: bool = True
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append k, v into the caches (in place), then attend; returns (out, lse) as
-    kvcache_outputs allocates them. ``num_splits`` 0 picks the splits (auto_splits). The
-    launches' arguments but the tensors are planned once per signature of eager calls
-    (_plan; traced calls plan each time)."""
+    """Append k, v into the caches (in place; the keys rotated where rotary_cos is given),
+    then attend; returns (out, lse) as kvcache_outputs allocates them. ``num_splits`` 0
+    picks the splits (auto_splits). The launches' arguments but the tensors are planned
+    once per signature of eager calls (_plan; traced calls plan each time)."""
     cache_seqlens = cache_seqlens.contiguous()
     if cache_batch_idx is not None:
         cache_batch_idx = cache_batch_idx.contiguous()
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
     if block_table is not None:
         block_table = unit_stride_last(block_table)
     if k is not None:
         k, v = unit_stride_last(k), unit_stride_last(v)
+    if rotary_cos is not None:
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     q = unit_stride_last(q)
     alibi, sinks = mods.alibi_slopes, mods.sinks
-    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi, sinks)
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi, sinks,
+               cache_leftpad, rotary_cos, rotary_sin)
     # the plan's key holds the modifiers' values; their tensors are the call's
     values = mods if alibi is None and sinks is None else replace(mods, alibi_slopes=None,
                                                                     sinks=None)
-    options = (values, scale, num_splits)
+    options = (values, scale, num_splits, rotary_interleaved)
     metas = eager_meta(*tensors)
     plan = (_plan(metas, options) if metas is not None
             else _make_plan(tuple(map(tensor_meta, tensors)), options))
     if plan.append is not None:
         launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
                        v_cache=v_cache, cache_seqlens=cache_seqlens,
-                       cache_batch_idx=cache_batch_idx, block_table=block_table)
+                       cache_batch_idx=cache_batch_idx, block_table=block_table,
+                       rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
@@ -328,7 +360,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         attention_decode_kernel, plan.decode, q=q, k_cache=k_cache, v_cache=v_cache,
         o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
-        **outputs)
+        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin, **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)

@@ -2,8 +2,9 @@
 the region's dtype, as SDPA does, so fp32 (or mixed) q, k, v run in bf16 or fp16 and give
 outputs in that dtype, with gradients flowing back through the casts to fp32 leaves.
 
-What is cast: q, k and v (and the new keys and values of a cache append) of any floating
-dtype but float64 (which autocast leaves alone); the modifiers flashop takes in fp32 or the
+What is cast: q, k and v (and the new keys and values of a cache append, and the rotary
+tables, which must have q's dtype) of any floating dtype but float64 (which autocast leaves
+alone); the modifiers flashop takes in fp32 or the
 inputs' dtype (``attn_mask``, ``g``, ``sinks``) only where they are 16-bit of another dtype,
 since fp32 ones are read in fp32 anyway (more accurate than SDPA's cast of its mask). ALiBi
 slopes stay fp32, and integers as they are. The key/value caches are written in place, so a
@@ -27,7 +28,7 @@ from torch import Tensor
 DEVICE_TYPES = ("cpu", "cuda")
 # the arguments cast to the region's dtype, and those cast only from another 16-bit dtype
 _INPUTS = {"attention_forward": (("q", "k", "v"), ("attn_mask", "g", "sinks")),
-           "attention_with_kvcache": (("q", "k", "v"), ("sinks",))}
+           "attention_with_kvcache": (("q", "k", "v", "rotary_cos", "rotary_sin"), ("sinks",))}
 
 
 def region_dtype(x: Tensor) -> Optional[torch.dtype]:

@@ -25,11 +25,13 @@ def _shape(t: torch.Tensor) -> tuple:
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale: Optional[float], mods, num_splits: int, *,
-                         interpreting: bool, op: str = OP) -> None:
+                         interpreting: bool, op: str = OP, rotary_cos=None, rotary_sin=None,
+                         cache_leftpad=None) -> None:
     """Validate q (B, S_q, H, D); a dense cache (B_cache, S_cache, H_kv, D / DV) or a paged
     one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks); k, v
-    (B, S_new, H_kv, D / DV) or neither; int32 cache_seqlens (B,) and cache_batch_idx (B,);
-    scale, the modifiers and num_splits."""
+    (B, S_new, H_kv, D / DV) or neither; int32 cache_seqlens (B,), cache_batch_idx (B,) and
+    cache_leftpad (B,) (dense caches); rotary_cos, rotary_sin (check_rotary); scale, the
+    modifiers and num_splits."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError(f"{op}: pass both k and v (the new keys and values to append) or "
@@ -55,9 +57,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         raise ValueError(f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 or "
                          f"float32")
     index = {"cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
-             "block_table": block_table,
+             "block_table": block_table, "cache_leftpad": cache_leftpad,
              "alibi_slopes": None if mods is None else mods.alibi_slopes,
-             "sinks": None if mods is None else mods.sinks}
+             "sinks": None if mods is None else mods.sinks, "rotary_cos": rotary_cos,
+             "rotary_sin": rotary_sin}
     devices = {n: t.device for n, t in {**tensors, **index}.items() if t is not None}
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())
@@ -92,6 +95,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         if cache_batch_idx is not None:
             raise ValueError(f"{op}: cache_batch_idx selects rows of a dense cache; with a "
                              f"block_table (paged cache) map the sequences' pages instead")
+        if cache_leftpad is not None:
+            raise ValueError(f"{op}: cache_leftpad is not supported with a block_table "
+                             f"(paged cache), as in flash-attn; start each sequence at the "
+                             f"first row of its first page")
         if (block_table.dim() != 2 or block_table.dtype != torch.int32
                 or block_table.shape[0] != B):
             raise ValueError(
@@ -118,6 +125,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                 f"{B} sequences: sequence b uses row b; pass cache_batch_idx to pick rows, or "
                 f"a larger cache ({caches})")
         capacity = k_cache.shape[1]
+        if cache_leftpad is not None and (cache_leftpad.dim() != 1
+                                          or cache_leftpad.dtype != torch.int32
+                                          or cache_leftpad.shape[0] != B):
+            raise ValueError(
+                f"{op}: cache_leftpad must be a 1-D int32 tensor of {B} start rows (one per "
+                f"sequence: its keys are rows cache_leftpad[b] .. cache_seqlens[b] + S_new - "
+                f"1), got {cache_leftpad.dtype} of shape {_shape(cache_leftpad)}")
     if (cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32
             or cache_seqlens.shape[0] != B):
         raise ValueError(
@@ -138,12 +152,45 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                 f"{op}: {S_new} new keys do not fit a cache of {capacity} positions per "
                 f"sequence ({new}, {caches}); allocate a larger cache")
 
+    check_rotary(op, q, k, rotary_cos, rotary_sin, capacity)
     check_scale(op, scale)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"{op}: num_splits must be 0 (chosen from the GPU and the shapes) "
                          f"or from 1 to {MAX_NUM_SPLITS}, got {num_splits}")
     if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, S_q, capacity, H)
+
+
+def check_rotary(op: str, q, k, rotary_cos, rotary_sin, capacity) -> None:
+    """rotary_cos and rotary_sin both or neither, with new keys to rotate; of one shape
+    (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D and a row for each of the cache's
+    ``capacity`` positions; in q's dtype (as flash-attn takes them)."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        given = "rotary_cos" if rotary_sin is None else "rotary_sin"
+        raise ValueError(f"{op}: pass both rotary_cos and rotary_sin or neither, got only "
+                         f"{given}")
+    if k is None:
+        raise ValueError(
+            f"{op}: rotary_cos/rotary_sin rotate q and the new keys as they are appended, "
+            f"but no k, v were given (as in flash-attn); pass the new keys and values, or "
+            f"rotate q before the call")
+    D = q.shape[-1]
+    shapes = f"rotary_cos {_shape(rotary_cos)}, rotary_sin {_shape(rotary_sin)}"
+    if (rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape
+            or not 1 <= rotary_cos.shape[1] <= D // 2):
+        raise ValueError(
+            f"{op}: rotary_cos and rotary_sin must be 2-D of one shape (seqlen_ro, "
+            f"rotary_dim / 2) with 2 <= rotary_dim <= head_dim = {D}, got {shapes}")
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(
+            f"{op}: rotary_cos and rotary_sin need a row for each of the cache's {capacity} "
+            f"positions (dim 0 at least {capacity}), got {shapes}")
+    if rotary_cos.dtype != q.dtype or rotary_sin.dtype != q.dtype:
+        raise ValueError(
+            f"{op}: rotary_cos and rotary_sin must have q's dtype {q.dtype} (as in "
+            f"flash-attn), got {rotary_cos.dtype} and {rotary_sin.dtype}")
 
 
 def check_no_grad(op: str, **tensors) -> None:

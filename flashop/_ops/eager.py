@@ -118,20 +118,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
-                           block_table, alibi_slopes, sinks, **options):
+                           block_table, alibi_slopes, sinks, rotary_cos=None, rotary_sin=None,
+                           cache_leftpad=None, **options):
     """(out, lse) of attention_with_kvcache: the operator's body itself where the direct
     path applies (a decode step's host time), else the operator."""
     if is_direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                 alibi_slopes, sinks):
+                 alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad):
         dtype = autocast.region_dtype(q)
         if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
-            q, k_cache, v_cache, k, v, sinks = autocast.cast_arguments(
+            q, k_cache, v_cache, k, v, sinks, rotary_cos, rotary_sin = autocast.cast_arguments(
                 "attention_with_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
-                                               sinks=sinks), dtype).values()
+                                               sinks=sinks, rotary_cos=rotary_cos,
+                                               rotary_sin=rotary_sin), dtype).values()
         with set_wrap_triton_enabled(False):
             return kvcache.run_attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                alibi_slopes, sinks, **options)
+                alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, **options)
     return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
                                           cache_batch_idx, block_table, alibi_slopes, sinks,
-                                          **options)
+                                          rotary_cos, rotary_sin, cache_leftpad, **options)

@@ -1,9 +1,12 @@
 """Registration of ``torch.ops.flashop.attention_with_kvcache``.
 
 ``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
-cache_batch_idx, block_table, alibi_slopes, sinks, *, causal, scale, window_size_left,
-window_size_right, softcap, num_splits) -> (out, lse)``: appends k, v (when given) into the
-caches in place, then attends over each sequence's first ``cache_seqlens[b] + S_new`` keys.
+cache_batch_idx, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, *,
+causal, scale, window_size_left, window_size_right, softcap, rotary_interleaved,
+num_splits) -> (out, lse)``: appends k, v (when given; the keys rotated where rotary_cos and
+rotary_sin are given, as the queries then are) into the caches in place, then attends over
+each sequence's first ``cache_seqlens[b] + S_new`` keys (from row ``cache_leftpad[b]`` of a
+dense cache where it is given).
 The schema declares the caches' mutation (``Tensor(a!) k_cache, Tensor(b!) v_cache``), so
 functionalization, Inductor and CUDA graphs see it. The op always returns lse (B, H, S_q)
 fp32 natural log; ``flashop.attention_with_kvcache`` drops it unless ``return_lse``. No
@@ -39,15 +42,16 @@ MAX_PASSED = 1024
 
 
 def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
-             block_table=None, alibi_slopes=None, sinks=None, *, causal=False, scale=None,
-             window_size_left=-1, window_size_right=-1, softcap=0.0, num_splits=0):
+             block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
+             cache_leftpad=None, *, causal=False, scale=None, window_size_left=-1,
+             window_size_right=-1, softcap=0.0, rotary_interleaved=True, num_splits=0):
     """The call's Modifiers, its inputs checked (check_kvcache_inputs). The checks read
     shapes, strides, dtypes, devices and the options only: an eager call whose signature
     (eager_meta, the options) passed before passes again without them."""
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
                      softcap, sinks)
     metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                       alibi_slopes, sinks)
+                       alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad)
     key = None
     if metas is not None:
         key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
@@ -55,7 +59,9 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
         if key in _PASSED:
             return mods
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                         block_table, scale, mods, num_splits, interpreting=INTERPRETING)
+                         block_table, scale, mods, num_splits, interpreting=INTERPRETING,
+                         rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                         cache_leftpad=cache_leftpad)
     if key is not None:
         if len(_PASSED) >= MAX_PASSED:
             _PASSED.clear()
@@ -69,25 +75,34 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            cache_batch_idx: Optional[Tensor] = None,
                            block_table: Optional[Tensor] = None,
                            alibi_slopes: Optional[Tensor] = None,
-                           sinks: Optional[Tensor] = None, *, causal: bool = False,
+                           sinks: Optional[Tensor] = None,
+                           rotary_cos: Optional[Tensor] = None,
+                           rotary_sin: Optional[Tensor] = None,
+                           cache_leftpad: Optional[Tensor] = None, *, causal: bool = False,
                            scale: Optional[float] = None, window_size_left: int = -1,
                            window_size_right: int = -1, softcap: float = 0.0,
+                           rotary_interleaved: bool = True,
                            num_splits: int = 0) -> tuple[Tensor, Tensor]:
     return run_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        sinks, causal=causal, scale=scale, window_size_left=window_size_left,
-        window_size_right=window_size_right, softcap=softcap, num_splits=num_splits)
+        sinks, rotary_cos, rotary_sin, cache_leftpad, causal=causal, scale=scale,
+        window_size_left=window_size_left, window_size_right=window_size_right,
+        softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)
 
 
 def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None,
-                               cache_batch_idx=None, block_table=None, *args, scale=None,
-                               num_splits=0, **options):
+                               cache_batch_idx=None, block_table=None, alibi_slopes=None,
+                               sinks=None, rotary_cos=None, rotary_sin=None,
+                               cache_leftpad=None, *, scale=None, num_splits=0,
+                               rotary_interleaved=True, **options):
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
     Also run directly by the eager path (flashop/_ops/eager.py)."""
     mods = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                    *args, scale=scale, num_splits=num_splits, **options)
-    return launch.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
-                                         cache_batch_idx, block_table, scale, mods, num_splits)
+                    alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, scale=scale,
+                    num_splits=num_splits, rotary_interleaved=rotary_interleaved, **options)
+    return launch.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, mods,
+        num_splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
 
 
 _lib = torch.library.Library("flashop", "FRAGMENT")  # kept: its registrations live with it
@@ -102,17 +117,19 @@ def _attention_with_kvcache_fake(q, k_cache, v_cache, *args, **options):
 
 @register_flop_formula(torch.ops.flashop.attention_with_kvcache, get_raw=True)
 def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
-           block_table=None, *args, out_val=None, **options) -> int:
+           block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
+           cache_leftpad=None, *args, out_val=None, **options) -> int:
     """SDPA's count (torch.utils.flop_counter) over each sequence's keys after the append,
-    ``cache_seqlens[b] + S_new`` up to the cache's capacity (the capacity for each where the
-    lengths have no values: fake or meta tensors)."""
+    ``cache_seqlens[b] + S_new`` up to the cache's capacity, less ``cache_leftpad[b]`` (the
+    capacity for each where the lengths have no values: fake or meta tensors)."""
     B, S_q, H, D = q.shape
     H_kv, DV = k_cache.shape[2], v_cache.shape[3]
     capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                 else k_cache.shape[1])
     S_new = 0 if k is None else k.shape[1]
     cached = values(cache_seqlens)
-    lengths = ([capacity] * B if cached is None
-               else [min(n + S_new, capacity) for n in cached])
+    pads = [0] * B if cache_leftpad is None else values(cache_leftpad)
+    lengths = ([capacity] * B if cached is None or pads is None
+               else [max(min(n + S_new, capacity) - p, 0) for n, p in zip(cached, pads)])
     return sum(sdpa_flop_count((1, H, S_q, D), (1, H_kv, L, D), (1, H_kv, L, DV))
                for L in lengths)

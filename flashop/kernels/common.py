@@ -15,6 +15,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 units -> natural-log uni
 # Philox's products by inline PTX (philox), on NVIDIA GPUs: not under Triton's interpreter,
 # which cannot run PTX (it takes the same products from mul.hi and mul.lo)
 PTX_PRODUCTS = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -28,6 +29,18 @@ def dot_operand(x, UPCAST: tl.constexpr):
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as a GPU's cast rounds.
+    triton<=3.9: the interpreter's fp32 -> bf16 cast truncates; this one rounds there by
+    hand (finite values)."""
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
 
 
 @triton.jit

@@ -4,7 +4,13 @@ cache, the split-KV ("flash decoding") attention kernel and the merge of its spl
 Vocabulary as in common.py, plus: ``L`` a sequence's keys (``cache_seqlens[b] + S_new``),
 ``capacity`` the keys its cache can hold (``S_cache``, or ``max_blocks * PAGE_SIZE`` for a
 paged cache), ``PAGE_SIZE`` the keys of one page. A paged cache's key ``j`` of sequence
-``b`` lives in page ``block_table[b, j // PAGE_SIZE]`` at row ``j % PAGE_SIZE``.
+``b`` lives in page ``block_table[b, j // PAGE_SIZE]`` at row ``j % PAGE_SIZE``. A dense
+cache's sequence may start at row ``cache_leftpad[b]`` (``HAS_LEFTPAD``): its key ``j`` is
+row ``cache_leftpad[b] + j``.
+
+Rotary embeddings (``ROTARY_DIM > 0``, flash-attn's ``rotary_cos``/``rotary_sin`` of shape
+(seqlen_ro, ROTARY_DIM / 2)): the append rotates the new keys before writing them, the
+attention kernel rotates the queries as it loads them (rotate_rows).
 
 Scores are in base-2 units inside the kernels; lse is written in natural-log units, except
 the splits' partial lse (base 2), which only the merge reads.
@@ -13,26 +19,73 @@ the splits' partial lse (base 2), which only the merge reads.
 import triton
 import triton.language as tl
 
-from flashop.kernels.common import LN2, LOG2E, attention_scores, dot_operand, load_tile
+from flashop.kernels.common import (
+    LN2, LOG2E, attention_scores, dot_operand, load_tile, to_bf16,
+)
+
+
+@triton.jit
+def rotate_rows(b_x, p_x, m_rows, o_pos, rotary_cos, rotary_sin, stride_rs, seqlen_ro,
+                BLOCK_D: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                ROTARY_INTERLEAVED: tl.constexpr):
+    """The rows ``b_x`` [ROWS, BLOCK_D] (loaded from ``p_x[:, None] + d``) rotated at the
+    positions ``o_pos`` [ROWS]: dims ``d < ROTARY_DIM`` pair up, (2p, 2p + 1) where
+    ``ROTARY_INTERLEAVED`` (GPT-J), else (p, p + ROTARY_DIM / 2) (GPT-NeoX), and each pair
+    (x1, x2) becomes (x1 cos - x2 sin, x1 sin + x2 cos) with cos, sin = rotary_cos[pos, p],
+    rotary_sin[pos, p]; the other dims are kept. Positions at or past ``seqlen_ro`` are
+    left unrotated (the checks make every cached position have a row).
+
+    Products of 16-bit numbers are exact in fp32 and products of fp32 ones in fp64: computed
+    in that width, the one rounding is the sum's (fused into an FMA or not), then the
+    dtype's, so the result is the reference's bit for bit (flashop.reference.rotary)."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    o_d = tl.arange(0, BLOCK_D)
+    m_rot = o_d < ROTARY_DIM
+    if ROTARY_INTERLEAVED:
+        o_pair = o_d // 2
+        o_partner = o_d ^ 1
+        first = o_d % 2 == 0
+    else:
+        first = o_d < HALF
+        o_pair = tl.where(first, o_d, o_d - HALF)
+        o_partner = tl.where(first, o_d + HALF, o_d - HALF)
+    m = m_rows[:, None] & m_rot[None, :]
+    b_partner = tl.load(p_x[:, None] + o_partner[None, :], mask=m, other=0.0)
+    m_cs = m & (o_pos < seqlen_ro)[:, None]
+    o_cs = o_pos[:, None].to(tl.int64) * stride_rs + o_pair[None, :]
+    b_cos = tl.load(rotary_cos + o_cs, mask=m_cs, other=1.0).to(tl.float32)
+    b_sin = tl.load(rotary_sin + o_cs, mask=m_cs, other=0.0).to(tl.float32)
+    b_sin = tl.where(first[None, :], -b_sin, b_sin)
+    if b_x.dtype == tl.float32:
+        b_rot = (b_x.to(tl.float64) * b_cos.to(tl.float64)
+                 + b_partner.to(tl.float64) * b_sin.to(tl.float64)).to(tl.float32)
+    else:
+        b_rot = b_x.to(tl.float32) * b_cos + b_partner.to(tl.float32) * b_sin
+        if b_x.dtype == tl.bfloat16:
+            b_rot = to_bf16(b_rot)
+    return tl.where(m_rot[None, :], b_rot.to(b_x.dtype), b_x)
 
 
 @triton.jit
 def kvcache_append_kernel(
-    k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+    k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+    rotary_sin,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
-    stride_tb,
-    S_new, capacity,
+    stride_tb, stride_rs,
+    S_new, capacity, seqlen_ro,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
 ):
     """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise) for the BLOCK_S
     new tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
     outside the named slots is written. ``slot`` is row ``cache_batch_idx[b]`` (or ``b``)
     of a dense cache, or the page ``block_table[b, pos // PAGE_SIZE]`` of a paged one.
+    Where ``ROTARY_DIM > 0`` the keys are written rotated at their positions
+    ``cache_seqlens[b] + s`` (rotate_rows).
 
     The cache offsets are computed here, not in a helper: torch < 2.13's mutation analysis
     follows a helper's results to all of its arguments (see common.py)."""
@@ -60,8 +113,11 @@ def kvcache_append_kernel(
     m_k = m_s[:, None] & (o_d[None, :] < D)
     m_v = m_s[:, None] & (o_dv[None, :] < DV)
     # [BLOCK_S, BLOCK_D]
-    b_k = tl.load(k + i_b * stride_kb + i_h * stride_kh + o_s[:, None] * stride_ks
-                  + o_d[None, :], mask=m_k)
+    p_k = k + i_b * stride_kb + i_h * stride_kh + o_s * stride_ks
+    b_k = tl.load(p_k[:, None] + o_d[None, :], mask=m_k)
+    if ROTARY_DIM > 0:
+        b_k = rotate_rows(b_k, p_k, m_s, o_pos, rotary_cos, rotary_sin, stride_rs, seqlen_ro,
+                          BLOCK_D, ROTARY_DIM, ROTARY_INTERLEAVED)
     tl.store(k_cache + i_h * stride_kch + o_kc[:, None] + o_d[None, :], b_k, mask=m_k)
     # [BLOCK_S, BLOCK_DV]
     b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
@@ -140,7 +196,7 @@ def _decode_key_tiles(
 @triton.jit
 def attention_decode_kernel(
     q, k_cache, v_cache, o, lse, o_part, lse_part, cache_seqlens, cache_batch_idx,
-    block_table, alibi, sinks,
+    block_table, alibi, sinks, cache_leftpad, rotary_cos, rotary_sin,
     stride_qb, stride_qs, stride_qh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
@@ -148,14 +204,15 @@ def attention_decode_kernel(
     stride_lb, stride_lh,
     stride_pp, stride_pb, stride_ps, stride_ph,
     stride_lpp, stride_lpb, stride_lph,
-    stride_tb, stride_ab, stride_ah, stride_sh,
-    S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right,
+    stride_tb, stride_ab, stride_ah, stride_sh, stride_rs,
+    S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right, seqlen_ro,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
+    SPLIT: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    ROTARY_PER_QUERY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Attention of q[b, i, h] over the first ``L = cache_seqlens[b] + S_new`` keys of
     sequence b's cache, query i at key position ``i + L - S_q``; grid (splits, H_kv *
@@ -176,6 +233,13 @@ def attention_decode_kernel(
     forward does), so its partial output and lse include it and the merge counts it once.
     A row with no key then gets 0 and lse = sink.
 
+    Where ``HAS_LEFTPAD`` (dense caches), sequence b's keys start at row
+    ``cache_leftpad[b]`` of its cache row: ``L = cache_seqlens[b] + S_new -
+    cache_leftpad[b]`` keys, of which those below ``capacity - cache_leftpad[b]`` are read.
+    Where ``ROTARY_DIM > 0`` the queries are rotated as they are loaded (rotate_rows), query
+    i at position ``cache_seqlens[b] + i`` where ``ROTARY_PER_QUERY``, else all at
+    ``cache_seqlens[b]`` (flash-attn's rule), and rounded to q's dtype before the products.
+
     The lengths are read here: the launch depends on shapes only, so it can be captured in a
     CUDA graph and compiled once for all lengths.
     """
@@ -189,8 +253,13 @@ def attention_decode_kernel(
     i_hk = (tl.program_id(1) // n_row_tiles).to(tl.int64)
     start_r = (tl.program_id(1) % n_row_tiles) * BLOCK_M
 
-    L = tl.load(cache_seqlens + i_b) + S_new
-    L_read = tl.minimum(L, capacity)  # keys past the cache's capacity are never read
+    cached = tl.load(cache_seqlens + i_b)
+    L = cached + S_new
+    lp = 0
+    if HAS_LEFTPAD:
+        lp = tl.load(cache_leftpad + i_b)
+        L -= lp
+    L_read = tl.minimum(L, capacity - lp)  # keys past the cache's capacity are never read
     off = L - S_q  # query i sits at key position i + off
 
     o_r = start_r + tl.arange(0, BLOCK_M)
@@ -199,8 +268,15 @@ def attention_decode_kernel(
     o_h = i_hk * G + o_r % G  # query head
     o_d = tl.arange(0, BLOCK_D)
     # [BLOCK_M, BLOCK_D]
-    b_q = tl.load(q + i_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh
-                  + o_d[None, :], mask=m_r[:, None] & (o_d[None, :] < D), other=0.0)
+    p_q = q + i_b * stride_qb + o_i * stride_qs + o_h * stride_qh
+    b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_r[:, None] & (o_d[None, :] < D),
+                  other=0.0)
+    if ROTARY_DIM > 0:
+        o_pos = cached + o_i
+        if not ROTARY_PER_QUERY:
+            o_pos = cached + 0 * o_i
+        b_q = rotate_rows(b_q, p_q, m_r, o_pos, rotary_cos, rotary_sin, stride_rs, seqlen_ro,
+                          BLOCK_D, ROTARY_DIM, ROTARY_INTERLEAVED)
     b_q = dot_operand(b_q, UPCAST)
     alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
@@ -239,6 +315,9 @@ def attention_decode_kernel(
             i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
         k_base = k_cache + i_row * stride_kcb + i_hk * stride_kch
         v_base = v_cache + i_row * stride_vcb + i_hk * stride_vch
+        if HAS_LEFTPAD:
+            k_base += lp.to(tl.int64) * stride_kcs
+            v_base += lp.to(tl.int64) * stride_vcs
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
