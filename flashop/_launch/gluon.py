@@ -17,9 +17,8 @@ from typing import Optional
 import torch
 
 from flashop import config
-from flashop._launch.common import (
-    EAGER_TENSOR_TYPES, cdiv, launch_now, sm_count, tma_aligned, triton_version,
-)
+from flashop._launch.common import cdiv, sm_count, tma_aligned
+from flashop._launch.fastpath import is_traced, launch_now, triton_version
 from flashop.kernels import INTERPRETING
 
 # triton==3.6: the Gluon API the kernel is written against
@@ -91,16 +90,11 @@ def _bwd_kernel():
     return attention_bwd_gluon_kernel
 
 
-def _is_traced(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data."""
-    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
-
-
 def _takes_call(q: torch.Tensor, plain: bool) -> bool:
     """What both Gluon kernels ask of a call: the switch not off, a plain call (``plain``),
     the kernels available on q's device, 16-bit inputs, an eager (not traced) call."""
     return (config.settings.gluon is not False and plain and available(q.device)
-            and q.dtype in (torch.float16, torch.bfloat16) and not _is_traced(q))
+            and q.dtype in (torch.float16, torch.bfloat16) and not is_traced(q))
 
 
 def _addressable(*tensors: torch.Tensor) -> bool:
@@ -176,7 +170,7 @@ def _descriptor_type():
     class Descriptor(TensorDescriptor):
         """A host-made tensor descriptor that equals another of the same dtype and block
         (``spec``; its layout follows from them, _tile_layout), what Triton specialises a
-        kernel on, so that a launch's key (common.launch_now) can hold it."""
+        kernel on, so that a launch's key (fastpath.launch_now) can hold it."""
 
         def __eq__(self, other):
             return type(other) is Descriptor and self.spec == other.spec

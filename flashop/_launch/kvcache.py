@@ -16,10 +16,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from flashop._launch.common import (
-    Planned, TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, eager_meta,
-    launch_planned, max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale,
-    sm_count, tensor_meta, unit_stride_last,
+    TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
+    next_power_of_2, on_inputs_device, resolve_scale, sm_count, tensor_meta, unit_stride_last,
 )
+from flashop._launch.fastpath import Planned, eager_meta, launch_planned
 from flashop._launch.options import Modifiers
 from flashop._launch.scores import score_args, sink_args
 from flashop._launch.tiles import shared_memory_bytes
@@ -212,7 +212,7 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks) have the (shape, strides, dtype, device) ``metas``
-    (None for None; common.eager_meta), with ``options`` (the call's Modifiers without
+    (None for None; fastpath.eager_meta), with ``options`` (the call's Modifiers without
     their tensors, scale, num_splits). The outputs' strides are the call's to add."""
     q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks = (
         None if m is None else TensorMeta(*m) for m in metas)
