@@ -171,14 +171,14 @@ def _attention_with_grads(q, k, v, dout, dlse, **options):
 
 def test_cached_launches_equal_tritons_own():
     """An eager launch keeps the kernel Triton compiled for the call's key and launches it
-    directly on later calls of that key (launch_common.launch_now): results equal Triton's
+    directly on later calls of that key (fastpath.launch_now): results equal Triton's
     own launches bit for bit, a tensor of other alignment gets its own kernel, and a repeated
     call binds no argument through Triton (its JITFunction.run is not entered)."""
     import triton.runtime.jit as jit
-    from flashop._launch import common as launch_common
+    from flashop._launch import fastpath
 
-    if not launch_common._triton_allows_cached_launches():
-        pytest.skip(f"cached launches serve triton {launch_common.CACHED_LAUNCH_TRITON}")
+    if not fastpath._triton_allows_cached_launches():
+        pytest.skip(f"cached launches serve triton {fastpath.CACHED_LAUNCH_TRITON}")
     cases = [Case(B=1, S_q=1, S_k=1, H_kv=1, G=1, D=64, DV=64, dtype=torch.bfloat16),
              Case(B=2, S_q=200, S_k=333, H_kv=2, G=2, D=128, DV=128, dtype=torch.float16,
                   causal=True, layout="bhsd"),
@@ -215,16 +215,16 @@ def test_cached_launches_equal_tritons_own():
 
 
 def test_cached_decode_launches_equal_tritons_own():
-    """Decode steps launch their planned kernels directly (launch_common.launch_planned)
+    """Decode steps launch their planned kernels directly (fastpath.launch_planned)
     from their second call: outputs, lse and the appended caches equal Triton's own
     launches bit for bit, for dense and paged caches with and without splits, a repeated
     step binds no argument through Triton, and queries of other alignment get their own
     kernel."""
     import triton.runtime.jit as jit
-    from flashop._launch import common as launch_common
+    from flashop._launch import fastpath
 
-    if not launch_common._triton_allows_cached_launches():
-        pytest.skip(f"cached launches serve triton {launch_common.CACHED_LAUNCH_TRITON}")
+    if not fastpath._triton_allows_cached_launches():
+        pytest.skip(f"cached launches serve triton {fastpath.CACHED_LAUNCH_TRITON}")
     torch.manual_seed(0)
     B, H, H_kv, D, L, page = 2, 8, 2, 128, 1000, 16
     dt = torch.bfloat16

@@ -21,10 +21,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flashop import config
-from flashop._launch.common import (
-    EAGER_TENSOR_TYPES, cdiv, known_shorter, launch_now, sm_count, tma_aligned,
-    triton_version,
-)
+from flashop._launch.common import cdiv, known_shorter, sm_count, tma_aligned
+from flashop._launch.fastpath import is_traced, launch_now, triton_version
 from flashop.kernels import INTERPRETING
 
 # triton==3.6: the Gluon API the kernel is written against
@@ -101,17 +99,12 @@ def _bwd_kernel():
     return attention_bwd_gluon_kernel
 
 
-def _is_traced(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data."""
-    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
-
-
 def compiled_here(x: torch.Tensor) -> bool:
     """Whether ``x`` is a stand-in of a call that torch.compile traces into a graph run in
     this process, rather than data or a call traced for export (``torch.export``, and
     AOTInductor's compilation of an exported program, whose packages must hold only the
     kernels Inductor sees and no Python-registered operator)."""
-    if not _is_traced(x) or torch.compiler.is_exporting():
+    if not is_traced(x) or torch.compiler.is_exporting():
         return False
     from torch._inductor.virtualized import V
     return not V.aot_compilation
@@ -123,7 +116,7 @@ def _takes_call(q: torch.Tensor, plain: bool, traced: bool) -> bool:
     traced for a graph compiled here, compiled_here)."""
     return (config.settings.gluon is not False and plain and available(q.device)
             and q.dtype in (torch.float16, torch.bfloat16)
-            and (compiled_here(q) if traced else not _is_traced(q)))
+            and (compiled_here(q) if traced else not is_traced(q)))
 
 
 def _same_length(S_q, S_k) -> bool:
@@ -215,7 +208,7 @@ def _descriptor_type():
     class Descriptor(TensorDescriptor):
         """A host-made tensor descriptor that equals another of the same dtype and block
         (``spec``; its layout follows from them, _tile_layout), what Triton specialises a
-        kernel on, so that a launch's key (common.launch_now) can hold it."""
+        kernel on, so that a launch's key (fastpath.launch_now) can hold it."""
 
         def __eq__(self, other):
             return type(other) is Descriptor and self.spec == other.spec

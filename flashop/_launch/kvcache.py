@@ -16,10 +16,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from flashop._launch.common import (
-    Planned, TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, eager_meta,
-    launch_planned, max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale,
-    sm_count, tensor_meta, unit_stride_last,
+    TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
+    next_power_of_2, on_inputs_device, resolve_scale, sm_count, tensor_meta, unit_stride_last,
 )
+from flashop._launch.fastpath import Planned, eager_meta, launch_planned
 from flashop._launch.options import Modifiers
 from flashop._launch.scores import score_args, sink_args
 from flashop._launch.tiles import shared_memory_bytes
@@ -230,7 +230,7 @@ def rotary_per_query(mods: Modifiers, capacity) -> bool:
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin) have the
-    (shape, strides, dtype, device) ``metas`` (None for None; common.eager_meta), with
+    (shape, strides, dtype, device) ``metas`` (None for None; fastpath.eager_meta), with
     ``options`` (the call's Modifiers without their tensors, scale, num_splits,
     rotary_interleaved). The outputs' strides are the call's to add."""
     (q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks, leftpad, cos,

@@ -1,9 +1,9 @@
 """The eager path of the Python API: a call of plain tensors with nothing watching (no
 torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform; see
-``is_direct``) runs the operators' bodies directly, skipping the dispatcher's layers and the
-registered operator's generated autograd function, a large part of a short call's host
-time. The attention forward runs in an autograd function whose backward runs the backward
-operator's body the same way. Results, checks and messages are the operators';
+fastpath.is_direct) runs the operators' bodies directly, skipping the dispatcher's layers
+and the registered operator's generated autograd function, a large part of a short call's
+host time. The attention forward runs in an autograd function whose backward runs the
+backward operator's body the same way. Results, checks and messages are the operators';
 ``FLASHOP_DIRECT_EAGER=0`` (``flashop.config``) sends every call through them. Every other
 call goes through the operators (their composites' Python bodies, which trace the same).
 """
@@ -16,23 +16,9 @@ import torch
 from torch import Tensor
 from torch._library.triton import set_wrap_triton_enabled
 
-from flashop import config
-from flashop._launch.common import EAGER_TENSOR_TYPES
+from flashop._launch.fastpath import is_direct
 from flashop._ops import attention as ops
 from flashop._ops import autocast, kvcache
-
-
-def is_direct(q: Tensor, *tensors: Optional[Tensor]) -> bool:
-    """Whether a call with ``q`` and these tensors takes the direct eager path: eager
-    tensors (no subclass: fake, functional, DTensor, ...) with data (not on the meta device,
-    whose calls the operators' fakes answer), and nothing that must see the operator (a
-    compiler or tracer, a dispatch mode, a functorch transform)."""
-    return (config.settings.direct_eager and not q.is_meta and type(q) in EAGER_TENSOR_TYPES
-            and not torch.compiler.is_compiling()
-            and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active()
-            and not torch._C._get_tracing_state())
 
 
 # one fp32 zero per device, never written: the gradient of an lse that no loss reads

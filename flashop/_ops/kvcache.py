@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import kvcache as launch
-from flashop._launch.common import eager_meta
+from flashop._launch.fastpath import eager_meta
 from flashop._launch.options import modifiers
 from flashop._ops import autocast
 from flashop._ops.attention import values
