@@ -489,3 +489,19 @@ def test_exported_graphs_keep_the_inductor_visible_kernels():
     assert "attention_forward" in graph and "opaque" not in graph
     eager = flashop.attention(q, q, q, causal=True)
     assert torch.equal(program.module()(q, q, q), eager)
+
+
+@pytest.mark.skipif(not _gluon_here(), reason="the Gluon kernels need Hopper and triton 3.6")
+def test_cached_launches_keep_no_tensor_alive():
+    """The launch cache keys a Gluon launch by its descriptors' dtype and block: after a
+    forward and backward whose tensors are all deleted, none of their memory stays
+    allocated (the cache held the first call's tensors through its descriptors)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(2):  # the first call fills the cache, the second launches from it
+        q, k, v = (torch.randn(2, 2048, 4, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        flashop.attention(q, k, v, causal=True).sum().backward()
+        del q, k, v
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 2**20

@@ -212,6 +212,16 @@ def launch_planned(kernel, planned: Planned, **per_call) -> None:
                            _call_key(values[:len(per_call)])), device)
 
 
+def _kept(key):
+    """``key`` as the launch cache keeps it: each part that holds a tensor (a host-made
+    tensor descriptor holds its tensor) replaced by its equal that holds none
+    (``launch_key()``), so that the cache keeps no call's tensors alive."""
+    if isinstance(key, tuple):
+        return tuple(_kept(part) for part in key)
+    launch_key = getattr(key, "launch_key", None)
+    return key if launch_key is None else launch_key()
+
+
 def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callable,
                   device) -> None:
     """launch_now's cache: the compiled kernel kept under ``key()`` (a call's
@@ -236,7 +246,7 @@ def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callabl
             order = [given.get(name, len(values) + i) for i, name in enumerate(launches.names)]
             arguments = (operator.itemgetter(*order) if len(order) > 1
                          else lambda all_values: (all_values[order[0]],))
-            launches.compiled[key] = (compiled, arguments)
+            launches.compiled[_kept(key)] = (compiled, arguments)
         return
     compiled, arguments = entry
     grid = tuple(grid) + (1,) * (3 - len(grid))

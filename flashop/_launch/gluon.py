@@ -216,6 +216,13 @@ def _descriptor_type():
         def __hash__(self):
             return hash(self.spec)
 
+        def launch_key(self) -> "Descriptor":
+            """An equal descriptor that holds no tensor, as a launch cache keeps it (a
+            cached key must not keep its first call's tensors alive)."""
+            kept = object.__new__(Descriptor)
+            kept.spec = self.spec
+            return kept
+
     return Descriptor
 
 
