@@ -123,9 +123,10 @@ def test_compiled_graphs_reach_the_gluon_kernels_through_the_opaque_operators(mo
     from flashop._ops import attention as ops
 
     monkeypatch.setattr(gluon, "available", lambda device: True)
-    q, k, v = (torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16) for _ in range(3))
-    out, lse, lse_log2 = (torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16),
-                          *torch.empty(2, 1, 2, 4096).unbind())
+    q, k, v = (torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+               for _ in range(3))
+    out, lse, lse_log2 = (torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16, device=DEVICE),
+                          *torch.empty(2, 1, 2, 4096, device=DEVICE).unbind())
     forward = lambda q, k, v: ops.run_forward(q, k, v, causal=True)  # noqa: E731
     backward = lambda *a: ops.run_backward(*a, causal=True)  # noqa: E731
     grads = (out, lse, q, k, v, out, lse_log2)

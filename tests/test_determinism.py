@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashop
-from helpers import Case, make_inputs, make_modifiers
+from helpers import DEVICE, Case, make_inputs, make_modifiers
 
 
 @pytest.fixture
@@ -154,9 +154,9 @@ def _door_calls():
     flash-attn's."""
     from flashop import flash_attn as fa
 
-    q, k, v = (torch.randn(1, 6, 2, 16, dtype=torch.float16, requires_grad=True)
+    q, k, v = (torch.randn(1, 6, 2, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
                for _ in range(3))
-    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
     packed = (q[0], k[0], v[0], cu, cu, 4, 4)
     yield lambda **o: flashop.attention(q, k, v, causal=True, **o)
     yield lambda **o: flashop.attention_with_lse(q, k, v, causal=True, **o)[0]

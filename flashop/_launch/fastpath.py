@@ -218,6 +218,8 @@ def _kept(key):
     (``launch_key()``), so that the cache keeps no call's tensors alive."""
     if isinstance(key, tuple):
         return tuple(_kept(part) for part in key)
+    if isinstance(key, type):  # (a key holds its values' types too)
+        return key
     launch_key = getattr(key, "launch_key", None)
     return key if launch_key is None else launch_key()
 
