@@ -434,7 +434,7 @@ def _gluon_here() -> bool:
 @pytest.mark.parametrize("compile_options", [dict(), dict(dynamic=True),
                                              dict(mode="reduce-overhead")],
                          ids=["default", "dynamic", "reduce-overhead"])
-def test_compiled_graphs_run_the_eager_kernels(compile_options):
+def test_compiled_graphs_run_the_eager_kernels(compile_options, monkeypatch):
     """Where an eager call takes the Gluon forward and backward (D=128, 4096 keys, causal,
     bf16), a graph compiled with fullgraph (default mode, dynamic shapes, CUDA graphs) calls
     them through the opaque operators: Inductor's code names attention_forward_opaque and
@@ -464,19 +464,23 @@ def test_compiled_graphs_run_the_eager_kernels(compile_options):
     expected = step(attention, True)
     torch._dynamo.reset()
     compiled = torch.compile(attention, fullgraph=True, **compile_options)
-    with mock.patch.object(gluon, "attention_forward", wraps=gluon.attention_forward) as fwd, \
-            mock.patch.object(gluon, "attention_backward",
-                              wraps=gluon.attention_backward) as bwd:
-        _, code = run_and_get_code(lambda: step(compiled, True))
-        for _ in range(2):  # (CUDA graphs: recorded, then replayed)
-            result = step(compiled, True)
+    launches = []  # (a mock would keep the call's tensors, which CUDA graphs' pool refuses)
+    for name in ("attention_forward", "attention_backward"):
+        def counted(*args, _launch=getattr(gluon, name), _name=name, **kwargs):
+            launches.append(_name)
+            return _launch(*args, **kwargs)
+        monkeypatch.setattr(gluon, name, counted)
+    _, code = run_and_get_code(lambda: step(compiled, True))
+    for _ in range(2):  # (CUDA graphs: recorded, then replayed)
+        result = step(compiled, True)
     code = "\n".join(code)
-    assert fwd.called and bwd.called
+    assert {"attention_forward", "attention_backward"} <= set(launches), launches
     assert "attention_forward_opaque" in code and "attention_backward_opaque" in code
     for a, b in zip(result, expected):
         assert torch.equal(a, b)
     out, lse, *grads = step(compiled, False)
-    for r in check_attention(q, k, v, dout, dlse, out, lse, grads, causal=True):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    for r in check_attention(*leaves, dout, dlse, out, lse, grads, causal=True):
         assert r.ok, str(r)
 
 
