@@ -14,9 +14,9 @@ flash-attn >= 2.1.
 ``dropout_p > 0`` runs flashop's attention dropout (flash-attn applies dropout whenever it is
 given, training or not: pass 0.0 in evaluation); the mask comes from torch's generator of
 q's device, so ``torch.manual_seed`` reproduces it, and the backward regenerates the same
-mask (docs/modifiers.md). What flashop does not implement raises ``NotImplementedError``
-naming the argument: ``block_table`` of ``flash_attn_varlen_func`` (paged KV caches).
-``deterministic`` is accepted: flashop's backward is deterministic unless
+mask (docs/modifiers.md). ``block_table`` of ``flash_attn_varlen_func`` runs the paged
+prefill (k and v paged caches, forward only, as in flash-attn). ``deterministic`` is
+accepted: flashop's backward is deterministic unless
 ``FLASHOP_DQ_ATOMICS=1`` (``flashop.config``) opts into dQ by atomics, which
 ``deterministic=True`` then refuses.
 
@@ -40,12 +40,7 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _check_unsupported(name: str, deterministic: bool,
-                       block_table: Optional[Tensor] = None) -> None:
-    if block_table is not None:
-        raise NotImplementedError(
-            f"flashop.flash_attn.{name}: block_table (a paged KV cache) is not supported; "
-            f"pass contiguous k and v with cu_seqlens_k")
+def _check_unsupported(name: str, deterministic: bool) -> None:
     if deterministic and config.settings.dq_atomics:
         raise RuntimeError(
             f"flashop.flash_attn.{name}: deterministic=True, but FLASHOP_DQ_ATOMICS=1 makes "
@@ -72,10 +67,12 @@ def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
 def _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, block_table=None):
-    _check_unsupported(name, deterministic, block_table)
+    _check_unsupported(name, deterministic)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
                    softcap=softcap, dropout_p=float(dropout_p))
+    if block_table is not None:  # paged prefill: forward only
+        options["block_table"] = block_table
     if return_attn_probs:
         out, lse = api.attention_varlen_with_lse(*args, **options)
         return out, lse, None
@@ -128,7 +125,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, nheads, headdim), k and v
     (total_k, nheads_k, headdim), ``cu_seqlens_q/k`` (batch + 1,) int32, ``max_seqlen_q/k``
     ints. Returns out (total_q, nheads, headdim), or ``(out, softmax_lse (nheads, total_q),
-    None)`` with ``return_attn_probs=True``. ``block_table`` must be None."""
+    None)`` with ``return_attn_probs=True``. With ``block_table`` (batch, max_num_blocks)
+    int32, k and v are paged caches (num_blocks, page_block_size, nheads_k, headdim) and
+    sequence b's keys (as many as cu_seqlens_k counts) are its first keys in its pages:
+    paged prefill, forward only (flashop.attention_varlen)."""
     return _packed("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs, block_table)
