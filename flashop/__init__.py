@@ -2,8 +2,9 @@
 
 Importing flashop registers the ``torch.ops.flashop`` operators: ``attention_forward`` and
 ``attention_backward`` (one pair for dense and packed batches), the composites built on them
-(``attention``, ``attention_with_lse``, ``attention_varlen``, ``attention_varlen_with_lse``)
-and the decoding operator ``attention_with_kvcache``; it also registers "flashop" with
+(``attention``, ``attention_with_lse``, ``attention_varlen``, ``attention_varlen_with_lse``),
+the decoding operator ``attention_with_kvcache`` and the paged prefill's
+``attention_varlen_paged``; it also registers "flashop" with
 SDPA's flash-attention registry (torch >= 2.11), without activating it. See README.md and
 docs/ for the API and its conventions; ``flashop.config`` holds the FLASHOP_* switches.
 

@@ -106,7 +106,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      sinks: Optional[Tensor] = None, *, causal: bool = False,
                      scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                      softcap: float = 0.0, dropout_p: float = 0.0,
-                     deterministic: bool = False) -> Tensor:
+                     deterministic: bool = False,
+                     block_table: Optional[Tensor] = None) -> Tensor:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func`` layout); differentiable.
 
@@ -123,6 +124,15 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             restarts at each sequence); sinks (H,); causal, scale, window_size, softcap,
             dropout_p, deterministic: as :func:`attention`, applied within each sequence,
             aligned to its own end.
+        block_table: (batch, max_blocks) int32, paged prefill (flash-attn's
+            ``flash_attn_varlen_func(..., block_table=...)``): k and v are then paged
+            caches (num_blocks, page_size, H_kv, D / DV), page_size a power of two from 16
+            to 256, and sequence b's ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys are its
+            first keys in the pages ``block_table[b]`` (key ``j`` at row ``j % page_size``
+            of page ``block_table[b, j // page_size]``): a cached prefix and the new tokens
+            already written there. The forward kernel reads the pages in place (no gather).
+            Forward only, as in flash-attn: no gate, no dropout, and a backward through the
+            output raises.
 
     Returns:
         (total_q, H, DV) in the inputs' dtype. Packed batches from padded ones:
@@ -131,7 +141,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
         sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p, deterministic=deterministic)[0]
+        dropout_p=dropout_p, deterministic=deterministic, block_table=block_table)[0]
 
 
 def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -140,14 +150,26 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
                               sinks: Optional[Tensor] = None, *, causal: bool = False,
                               scale: Optional[float] = None,
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                              dropout_p: float = 0.0, deterministic: bool = False
+                              dropout_p: float = 0.0, deterministic: bool = False,
+                              block_table: Optional[Tensor] = None
                               ) -> tuple[Tensor, Tensor]:
     """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
-    packed layout); both differentiable."""
-    options = _options("flashop.attention_varlen", causal, scale, window_size, softcap,
-                       dropout_p=dropout_p, deterministic=deterministic)
+    packed layout); both differentiable (without a block_table)."""
+    op = "flashop.attention_varlen"
+    options = _options(op, causal, scale, window_size, softcap)
+    if block_table is not None:
+        if g is not None or dropout_p != 0:
+            given = "the gate g" if g is not None else f"dropout_p={dropout_p}"
+            raise ValueError(
+                f"{op}: {given} is not supported with a block_table: attention over paged "
+                f"keys and values is forward-only (as in flash-attn), for inference; pass k "
+                f"and v packed (total_k, kv_heads, head_dim) for training")
+        return eager.attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, block_table, alibi_slopes, sinks,
+                                            **options)
     return eager.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           None, alibi_slopes, g, sinks, **options)
+                           None, alibi_slopes, g, sinks, dropout_p=dropout_p,
+                           deterministic=deterministic, **options)
 
 
 # --- attention over a key/value cache (decoding) --------------------------------------------

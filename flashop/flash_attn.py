@@ -14,11 +14,10 @@ flash-attn >= 2.1.
 ``dropout_p > 0`` runs flashop's attention dropout (flash-attn applies dropout whenever it is
 given, training or not: pass 0.0 in evaluation); the mask comes from torch's generator of
 q's device, so ``torch.manual_seed`` reproduces it, and the backward regenerates the same
-mask (docs/modifiers.md). What flashop does not implement raises ``NotImplementedError``
-naming the argument: ``block_table`` of ``flash_attn_varlen_func`` (paged KV caches).
-``deterministic=True`` makes the backward bitwise reproducible, as in flash-attn; by default
-the fastest backward runs, which may add dQ by atomics (``flashop.attention``'s
-``deterministic``).
+mask (docs/modifiers.md). ``block_table`` of ``flash_attn_varlen_func`` runs the paged
+prefill (k and v paged caches, forward only, as in flash-attn). ``deterministic=True`` makes
+the backward bitwise reproducible, as in flash-attn; by default the fastest backward runs,
+which may add dQ by atomics (``flashop.attention``'s ``deterministic``).
 
 ``flash_attn_with_kvcache`` (decoding over a dense or paged KV cache, appending new keys and
 values in place, with flash-attn's rotary embedding inside the call and its left-padded
@@ -40,13 +39,6 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_fu
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _check_unsupported(name: str, block_table: Optional[Tensor] = None) -> None:
-    if block_table is not None:
-        raise NotImplementedError(
-            f"flashop.flash_attn.{name}: block_table (a paged KV cache) is not supported; "
-            f"pass contiguous k and v with cu_seqlens_k")
-
-
 def _window(window_size: Sequence[int]) -> tuple:
     # flash-attn treats any negative side as unbounded; flashop spells that -1
     return unbounded_if_negative(*window_size)
@@ -54,7 +46,6 @@ def _window(window_size: Sequence[int]) -> tuple:
 
 def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
            alibi_slopes, deterministic, return_attn_probs):
-    _check_unsupported(name)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
                    softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic)
     if return_attn_probs:
@@ -66,10 +57,11 @@ def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
 def _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, block_table=None):
-    _check_unsupported(name, block_table)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
                    softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic)
+    if block_table is not None:  # paged prefill: forward only
+        options["block_table"] = block_table
     if return_attn_probs:
         out, lse = api.attention_varlen_with_lse(*args, **options)
         return out, lse, None
@@ -122,7 +114,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, nheads, headdim), k and v
     (total_k, nheads_k, headdim), ``cu_seqlens_q/k`` (batch + 1,) int32, ``max_seqlen_q/k``
     ints. Returns out (total_q, nheads, headdim), or ``(out, softmax_lse (nheads, total_q),
-    None)`` with ``return_attn_probs=True``. ``block_table`` must be None."""
+    None)`` with ``return_attn_probs=True``. With ``block_table`` (batch, max_num_blocks)
+    int32, k and v are paged caches (num_blocks, page_block_size, nheads_k, headdim) and
+    sequence b's keys (as many as cu_seqlens_k counts) are its first keys in its pages:
+    paged prefill, forward only (flashop.attention_varlen)."""
     return _packed("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs, block_table)

@@ -91,22 +91,41 @@ def test_packed_calls():
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_decode_calls_append_in_the_regions_dtype(direct):
-    """fp32 q and new keys and values over a bf16 cache: cast, appended and attended as the
-    call on bf16 inputs; the cache is written in place."""
+    """fp32 q, new keys and values and rotary tables over a bf16 cache: cast, appended
+    (rotated) and attended as the call on bf16 inputs; the cache is written in place."""
     q, new_k, new_v = (x.detach() for x in _leaves((2, 1, 4, 16), (2, 1, 2, 16),
                                                    (2, 1, 2, 16)))
     cache = torch.randn(2, 32, 2, 16, device=DEVICE).to(torch.bfloat16)
     lens = torch.tensor([3, 17], device=DEVICE, dtype=torch.int32)
+    angle = torch.rand(32, 8, device=DEVICE) * 6.3
+    rotary = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin())
     caches = (cache.clone(), cache.clone())
     with torch.autocast(DEVICE, dtype=torch.bfloat16), \
             flashop.config.override(direct_eager=direct):
         out = flashop.attention_with_kvcache(q, *caches, new_k, new_v, cache_seqlens=lens,
-                                             causal=True)
+                                             causal=True, **rotary)
     expected = (cache.clone(), cache.clone())
-    ref = flashop.attention_with_kvcache(q.bfloat16(), *expected, new_k.bfloat16(),
-                                         new_v.bfloat16(), cache_seqlens=lens, causal=True)
+    ref = flashop.attention_with_kvcache(
+        q.bfloat16(), *expected, new_k.bfloat16(), new_v.bfloat16(), cache_seqlens=lens,
+        causal=True, **{name: x.bfloat16() for name, x in rotary.items()})
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_paged_prefill_reads_its_caches_cast(direct):
+    """fp32 q over fp32 pages, only read: both cast, as the call on bf16 inputs."""
+    q = torch.randn(12, 4, 16, device=DEVICE)
+    pages = torch.randn(4, 16, 2, 16, device=DEVICE)
+    cu = torch.tensor([0, 5, 12], device=DEVICE, dtype=torch.int32)
+    table = torch.tensor([[2, 0], [1, 3]], device=DEVICE, dtype=torch.int32)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), \
+            flashop.config.override(direct_eager=direct):
+        out = flashop.attention_varlen(q, pages, pages, cu, cu * 2, 7, 14, causal=True,
+                                       block_table=table)
+    ref = flashop.attention_varlen(q.bfloat16(), pages.bfloat16(), pages.bfloat16(), cu, cu * 2,
+                                   7, 14, causal=True, block_table=table)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
 @pytest.mark.compile

@@ -119,11 +119,17 @@ APPEND_INDEX = ("cache_seqlens", "cache_batch_idx", "block_table", "rotary_cos",
                 "rotary_interleaved")
 
 
-def check_cache_case(case: CacheCase, seed: int = 0):
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b hold the same bits (NaNs included)."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+def check_cache_case(case: CacheCase, seed: int = 0, call=None):
     """flashop's out and lse (outputs poisoned) under the accuracy rule against the fp64
     reference and plain PyTorch in the case's dtype; both caches after the call bit for bit
-    against the expected append."""
-    (q, k_cache, v_cache, k, v), kwargs = make_call(case, seed)
+    against the expected append. ``call``: make_call's result, where not made here."""
+    (q, k_cache, v_cache, k, v), kwargs = call or make_call(case, seed)
     index = {n: kwargs[n] for n in APPEND_INDEX if n in kwargs}
     expected = kvcache_append_reference(k_cache, v_cache, k, v, **index)
     ref = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
@@ -138,8 +144,8 @@ def check_cache_case(case: CacheCase, seed: int = 0):
     for name, actual, r, p in (("out", out, ref[0], plain[0]), ("lse", lse, ref[1], plain[1])):
         result = accuracy(name, actual, r, p, 2, case.dtype)
         assert result.ok, str(result)
-    assert torch.equal(k_cache, expected[0]), "k_cache differs from the expected append"
-    assert torch.equal(v_cache, expected[1]), "v_cache differs from the expected append"
+    assert bitwise_equal(k_cache, expected[0]), "k_cache differs from the expected append"
+    assert bitwise_equal(v_cache, expected[1]), "v_cache differs from the expected append"
 
 
 def kwargs_ref(kwargs: dict) -> dict:
@@ -238,25 +244,26 @@ def test_sink_counts_once_in_every_split_count(num_splits):
     check_cache_case(case)
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("options", [dict(causal=True), dict(), dict(window_size=(-1, 2)),
-                                     dict(window_size=(48, -1))],
-                         ids=["causal", "no-bound", "right-bound", "bound-past-capacity"])
-def test_rotary_positions(interleaved, options):
+@pytest.mark.parametrize("options,interleaved", [
+    (dict(causal=True), True), (dict(), False), (dict(window_size=(-1, 2)), False),
+    (dict(window_size=(48, -1)), True)],
+    ids=["causal", "no-bound", "right-bound", "bound-past-capacity"])
+def test_rotary_positions(options, interleaved):
     """The new keys rotated at cache_seqlens[b] + s (caches bit for bit) and the queries at
     cache_seqlens[b] + i where causal or a window bound below the capacity is set, else all
     at cache_seqlens[b] (a bound at or past the capacity, 48, counts as none): 4 queries
-    after 3 and 20 cached keys, rotary on 24 of 32 dims, bf16 (rounded as a GPU rounds)."""
+    after 3 and 20 cached keys, rotary on 24 of 32 dims, GPT-J's pairs and GPT-NeoX's, bf16
+    (rounded as a GPU rounds)."""
     case = CacheCase((3, 20), 4, 4, 1, 2, 32, 32, torch.bfloat16, capacity=48,
                      rotary_dim=24, interleaved=interleaved, **options)
     check_cache_case(case)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_rotary_on_paged_caches_and_every_dim(dtype):
-    """Rotary on a paged cache whose appends cross a page, on all of the head dim, 2 splits."""
-    check_cache_case(CacheCase((14, 0, 30), 3, 3, 2, 2, 16, 16, dtype, paged=True, page=16,
-                               capacity=48, causal=True, rotary_dim=16, num_splits=2))
+def test_rotary_on_paged_caches_and_every_dim():
+    """Rotary on a paged cache whose appends cross a page, on all of the head dim, 2 splits,
+    fp32 (rotated in fp64)."""
+    check_cache_case(CacheCase((14, 0, 30), 3, 3, 2, 2, 16, 16, torch.float32, paged=True,
+                               page=16, capacity=48, causal=True, rotary_dim=16, num_splits=2))
 
 
 def test_left_padding_is_never_read():
@@ -271,16 +278,7 @@ def test_left_padding_is_never_read():
                                                    device=DEVICE)
     for b, row in enumerate(kwargs["cache_batch_idx"].tolist()):
         k_cache[row, :pads[b]] = v_cache[row, :pads[b]] = float("nan")
-    ref = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
-                                           compute_dtype=torch.float64)
-    plain = attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **kwargs_ref(kwargs),
-                                             compute_dtype=None)
-    with poisoned_outputs():
-        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,
-                                                  return_lse=True)
-    for name, actual, r, p in (("out", out, ref[0], plain[0]), ("lse", lse, ref[1], plain[1])):
-        result = accuracy(name, actual, r, p, 2, case.dtype)
-        assert result.ok, str(result)
+    check_cache_case(case, call=((q, k_cache, v_cache, k, v), kwargs))
 
 
 def test_python_int_lengths_and_appends_past_capacity_are_dropped():
@@ -777,13 +775,18 @@ def test_cuda_graph_replays_over_growing_lengths_equal_eager(paged):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-def test_inductor_launches_the_decode_kernels():
+@pytest.mark.parametrize("case", [
+    CacheCase((100, 2000), 1, 1, 2, 4, 128, 128, torch.bfloat16, paged=True, page=16,
+              capacity=4096, causal=True, num_splits=4),
+    CacheCase((100, 2000, 7), 4, 4, 2, 4, 128, 128, torch.bfloat16, capacity=4096,
+              causal=True, rotary_dim=64, interleaved=False, leftpad=True, num_splits=4)],
+    ids=["paged", "rotary-leftpad"])
+def test_inductor_launches_the_decode_kernels(case):
     """Under torch.compile the op is a triton_op: Inductor's code launches the append,
-    split-KV and merge kernels itself (no opaque call), with eager's results."""
+    split-KV and merge kernels itself (no opaque call), with eager's results and caches (the
+    keys rotated in the append) bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
-    case = CacheCase((100, 2000), 1, 1, 2, 4, 128, 128, torch.bfloat16, paged=True, page=16,
-                     capacity=4096, causal=True, num_splits=4)
     (q, k_cache, v_cache, k, v), kwargs = make_call(case)
     caches = k_cache.clone(), v_cache.clone()
     expected = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,

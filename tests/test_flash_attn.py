@@ -133,10 +133,12 @@ def test_varlen_functions_match_reference_and_each_other():
 
 def test_unsupported_arguments_raise_naming_them():
     q = torch.zeros(1, 4, 2, 8, device=DEVICE, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported with a block_table"):
         cu = _cu([4])
-        fa.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4,
-                                  block_table=torch.zeros(1, 1, dtype=torch.int32))
+        fa.flash_attn_varlen_func(q[0], torch.zeros(1, 16, 2, 8, device=DEVICE).half(),
+                                  torch.zeros(1, 16, 2, 8, device=DEVICE).half(), cu, cu, 4, 4,
+                                  0.1, block_table=torch.zeros(1, 1, dtype=torch.int32,
+                                                               device=DEVICE))
     with pytest.raises(ValueError, match=r"qkv \(batch, seqlen, 3, nheads, headdim\)"):
         fa.flash_attn_qkvpacked_func(q)
 

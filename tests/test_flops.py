@@ -1,7 +1,7 @@
 """FLOP counting: torch.utils.flop_counter.FlopCounterMode counts flashop's operators with
 SDPA's formula (the products over every (query, key) pair, causal or windowed or not; the
-backward 2.5x the forward), per sequence of a packed batch and over each cached sequence's
-keys."""
+backward 2.5x the forward), per sequence of a packed batch (paged or not) and over each
+cached sequence's keys."""
 
 import pytest
 import torch
@@ -45,6 +45,19 @@ def test_packed_batches_count_each_sequence():
     pairs = sum(a * b for a, b in zip(lengths_q, lengths_k))
     assert counts == {"attention_forward": 4 * H * pairs * D,
                       "attention_backward": 10 * H * pairs * D}
+
+
+def test_paged_prefill_counts_each_sequence():
+    """The paged prefill as the packed forward: each sequence's queries times its keys."""
+    lengths_q, lengths_k, H, D = [5, 0, 30], [17, 4, 30], 2, 16
+    cu_q, cu_k = (torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+                  for lens in (lengths_q, lengths_k))
+    q, cache = _randn(sum(lengths_q), H, D), _randn(6, 16, H, D)
+    table = torch.arange(6, device=DEVICE, dtype=torch.int32).view(3, 2)
+    counts = _counts(lambda: flashop.attention_varlen(q, cache, cache, cu_q, cu_k, 30, 30,
+                                                      causal=True, block_table=table))
+    pairs = sum(a * b for a, b in zip(lengths_q, lengths_k))
+    assert counts == {"attention_varlen_paged": 4 * H * pairs * D}
 
 
 def test_decoding_counts_each_sequences_keys():

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -295,6 +296,32 @@ def test_inputs_on_another_gpu_than_the_current_one(D):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+@pytest.mark.parametrize("page", [16, 256])
+def test_paged_prefill_under_inductor_and_autotuned(page):
+    """The paged prefill (attention_varlen with a block_table) under torch.compile: Inductor's
+    code launches the forward kernel itself, with eager's bits; and with the autotuner's
+    tiles (FLASHOP_AUTOTUNE=1: key tiles above and below the page size) bf16 against the
+    reference of the gathered keys."""
+    from torch._inductor.utils import run_and_get_code
+    from test_paged_prefill import PagedCase, check_paged, make_paged
+
+    case = PagedCase((300, 1, 77), (1000, 513, 77), 2, 4, 128, 128, torch.bfloat16,
+                     page=page, max_blocks=1024 // page, spare=5, causal=True, softcap=20.0)
+    args, _ = make_paged(case)
+    options = dict(causal=True, softcap=20.0, block_table=args[7])
+    expected = flashop.attention_varlen_with_lse(*args[:7], **options)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: flashop.attention_varlen_with_lse(*a, **options),
+                             fullgraph=True)
+    result, code = run_and_get_code(lambda: compiled(*args[:7]))
+    code = "\n".join(code)
+    assert "attention_fwd_kernel" in code and "attention_varlen_paged" not in code
+    assert all(torch.equal(a, b) for a, b in zip(result, expected))
+    with flashop.config.override(autotune=True):
+        check_paged(case)
+        check_paged(replace(case, D=64, DV=64, window_size=(100, 0), alibi=(8,)))
+
+
 # odd shapes for compute-sanitizer: (B, S_q, S_k, H, H_kv, D, DV, causal)
 SANITIZER_SHAPES = [(1, 1, 1, 1, 1, 59, 59, True), (2, 77, 131, 6, 2, 111, 40, True),
                     (1, 257, 65, 3, 3, 80, 80, True), (1, 129, 129, 2, 1, 256, 256, False),
@@ -376,6 +403,32 @@ for dtype in (torch.bfloat16, torch.float32):
                                                    cache_seqlens=lens, block_table=table,
                                                    causal=bool(causal), num_splits=splits,
                                                    window_size=(20, -1))
+    elif part == "paged":  # paged prefill over pages of 16 and 256; rotary and left padding
+        if dtype == torch.bfloat16:  # in the append and the decode kernel
+            q, k, v = q.detach(), k.detach(), v.detach()
+            cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
+            cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
+            for page in (16, 256):
+                per_seq = -(-S_k // page)
+                table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
+                table = table.view(B, per_seq).to(torch.int32)
+                pages = [torch.randn(B * per_seq + 3, page, H_kv, d, device="cuda", dtype=dtype)
+                         for d in (D, DV)]
+                flashop.attention_varlen(q.flatten(0, 1), *pages, cu_q, cu_k, S_q, S_k,
+                                         causal=bool(causal), window_size=(30, -1),
+                                         block_table=table)
+            cap = S_k + S_q + 5
+            new_k = k.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
+            new_v = v.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
+            angle = torch.rand(cap, D // 2, device="cuda") * 6.3
+            lens = torch.randint(0, S_k + 1, (B,), device="cuda", dtype=torch.int32)
+            pads = (torch.rand(B, device="cuda") * (lens + 1)).floor().to(torch.int32)
+            k_cache = torch.randn(B, cap, H_kv, D, device="cuda", dtype=dtype)
+            v_cache = torch.randn(B, cap, H_kv, DV, device="cuda", dtype=dtype)
+            flashop.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lens,
+                                           cache_leftpad=pads, rotary_cos=angle.cos().to(dtype),
+                                           rotary_sin=angle.sin().to(dtype),
+                                           rotary_interleaved=bool(causal), causal=bool(causal))
     else:  # the same tokens packed (B sequences of S_q and S_k); a boolean mask dense
         cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
         cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
@@ -392,13 +445,14 @@ print("sanitized")
 
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
-# key/value-cache op (appends into dense and paged caches, split and not), "gluon" the Gluon
+# key/value-cache op (appends into dense and paged caches, split and not), "paged" the paged
+# prefill and the rotary, left-padded append and decode, "gluon" the Gluon
 # forward at D=128, 64 and 256 (causal and not; with dropout at D=128 and 64) over the
 # shape's batch, lengths and heads, and the Gluon backward at D=128 and 64 (its dQ adds in
 # key-tile order; by atomics with FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
-                   ("gluon", "0"), ("gluon", "1")]
+                   ("paged", "0"), ("gluon", "0"), ("gluon", "1")]
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")

@@ -22,8 +22,8 @@ GUARDS = {"alibi": "HAS_ALIBI", "g_cum": "HAS_GATE", "attn_mask": "ATTN_MASK_KIN
 
 
 # the decoding kernels' alone
-_CACHE_ONLY = ("cache_batch_idx", "block_table", "o_part", "lse_part", "cache_leftpad",
-               "rotary_cos", "rotary_sin")
+_CACHE_ONLY = ("cache_batch_idx", "o_part", "lse_part", "cache_leftpad", "rotary_cos",
+               "rotary_sin")
 
 
 def _name(kernel) -> str:
@@ -69,6 +69,10 @@ def _attention_calls():
     g = torch.nn.functional.logsigmoid(torch.randn(30, 2, device=DEVICE)).requires_grad_()
     out = flashop.attention_varlen(q, k, v, cu, cu, 23, 23, g=g, causal=True)
     out.sum().backward()
+    pages = torch.randn(4, 16, 2, 16, device=DEVICE)
+    table = torch.tensor([[3, 1], [0, 2]], device=DEVICE, dtype=torch.int32)
+    flashop.attention_varlen(q.detach(), pages, pages, cu, cu, 23, 23, causal=True,
+                             block_table=table)
 
 
 def _decode_calls():
@@ -112,5 +116,6 @@ def test_absent_tensors_are_none_and_their_flags_say_so(calls):
         expected = {(t, p) for t, p in expected
                     if t not in _CACHE_ONLY}
     else:
-        expected = {(t, p) for t, p in expected if t in ("alibi", "sinks") + _CACHE_ONLY}
+        expected = {(t, p) for t, p in expected
+                    if t in ("alibi", "sinks", "block_table") + _CACHE_ONLY}
     assert expected <= seen, expected - seen

@@ -1,6 +1,6 @@
 """Meta tensors (a model built under ``torch.device("meta")``): every public function answers
 with meta outputs of the right shapes and dtypes, gradients included, from the operators'
-fakes, and no launcher runs."""
+fakes (the paged prefill's included), and no launcher runs."""
 
 from unittest import mock
 
@@ -72,6 +72,15 @@ def test_decode_calls(paged):
                                               sinks=_meta(4, dtype=torch.float32),
                                               return_lse=True)
     assert (out.shape, out.device, lse.shape) == ((3, 2, 4, 16), META, (3, 4, 2))
+
+
+def test_paged_prefill():
+    q, cache = _meta(50, 4, 16), _meta(12, 16, 2, 16)
+    cu = torch.empty(4, device=META, dtype=torch.int32)
+    table = torch.empty(3, 4, device=META, dtype=torch.int32)
+    out, lse = flashop.attention_varlen_with_lse(q, cache, cache, cu, cu, 30, 64, causal=True,
+                                                 block_table=table)
+    assert (out.shape, out.device, lse.shape) == ((50, 4, 16), META, (4, 50))
 
 
 def test_flash_attn_functions():

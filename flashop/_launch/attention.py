@@ -117,11 +117,25 @@ def _sinks(mods: Modifiers) -> dict:
 
 def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
     """The kernels' (batch, seq, head) strides: a packed (total, H, D) tensor has batch
-    stride 0 (each program offsets its sequence's start instead). The tensors themselves are
+    stride 0 (each program offsets its sequence's start instead); a paged cache (pages,
+    page_size, H_kv, D) gives its page stride as the batch's. The tensors themselves are
     passed as they are: a broadcast view of an output would hide the kernel's writes from
     functionalization under torch.compile."""
     strides = x.stride()
-    return strides[:3] if packing is None else (0, *strides[:2])
+    return strides[:3] if packing is None or x.dim() == 4 else (0, *strides[:2])
+
+
+_NOT_PAGED = dict(block_table=None, stride_tb=0, capacity=0, PAGE_SIZE=1, IS_PAGED=False)
+
+
+def _paging(packing: Optional[Packing], k: torch.Tensor) -> dict:
+    """The forward's paging arguments: a paged prefill's block table, its row stride, its
+    capacity in keys and the page size (k's dim 1); none otherwise."""
+    if packing is None or packing.block_table is None:
+        return _NOT_PAGED
+    table, page = unit_stride_last(packing.block_table), int(k.shape[1])
+    return dict(block_table=table, stride_tb=table.stride(0), capacity=table.shape[1] * page,
+                PAGE_SIZE=page, IS_PAGED=True)
 
 
 @dataclass
@@ -151,8 +165,11 @@ class Problem:
             B, S_q, S_k = q.shape[0], q.shape[1], k.shape[1]
         else:
             B, S_q, S_k = packing.batch, packing.max_seqlen_q, packing.max_seqlen_k
-        check_row_offsets(op, (q, k, v, x), tuple(_seq_strides(t, packing)[1]
-                                                  for t in (q, k, v, x)), (S_q, S_k, S_k, S_q))
+        # a paged cache's rows are offset within a page (pages by 64-bit offsets)
+        S_kv = S_k if packing is None or packing.block_table is None else k.shape[1]
+        check_row_offsets(op, (q, k, v, x),
+                          tuple(_seq_strides(t, packing)[1] for t in (q, k, v, x)),
+                          (S_q, S_kv, S_kv, S_q))
         H, D, H_kv, DV = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
         sm_scale = resolve_scale(scale, D)
         args, flags = _modifier_args(q, k, mods, sm_scale, packing)
@@ -313,10 +330,11 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
                                 **_dropout_args(mods))
         return out, lse, lse_log2
-    # sinks and dropout: the general kernel
+    # sinks and dropout: the general kernel; pages: the general kernel without descriptors
+    paging = _paging(packing, k)
     ws = (mods.sinks is None and not mods.dropout
           and _uses_ws(q, k, v, p.flags, p.head_dim, p.S_k, p.packed))
-    tma = not ws and _uses_tma(q, k, v, p.head_dim, p.S_k)
+    tma = not (ws or paging["IS_PAGED"]) and _uses_tma(q, k, v, p.head_dim, p.S_k)
     if ws or tma:  # descriptors made in the kernels
         ensure_triton_allocator()
     if ws:
@@ -327,8 +345,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         return out, lse, lse_log2
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k)
     _launch(attention_fwd_kernel, "fwd", t, grid, lengths=(p.S_q, p.S_k),
-            autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **p.modifier_args,
-            **_sinks(mods), **_dropout_args(mods),
+            autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **paging,
+            **p.modifier_args, **_sinks(mods), **_dropout_args(mods),
             **p.constexprs(), **p.flags, FOLD_SCALE=_folds_scale(qk_scale, p.flags, t,
                                                                  p.head_dim), TMA=tma)
     return out, lse, lse_log2

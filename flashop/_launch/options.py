@@ -89,12 +89,15 @@ def modifiers(attn_mask=None, alibi_slopes=None, g=None, causal=False, window_si
 class Packing:
     """A packed batch (flash_attn_varlen's convention): sequence b holds the query tokens
     ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` and the key tokens likewise; the longest
-    lengths size the grid."""
+    lengths size the grid. With a ``block_table`` (paged prefill, forward only) k and v are
+    paged caches and sequence b's keys are its first ``cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]`` keys in the pages of ``block_table[b]``."""
 
     cu_seqlens_q: torch.Tensor  # (batch + 1,) int32
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    block_table: Optional[torch.Tensor] = None  # (batch, max_blocks) int32
 
     @property
     def batch(self) -> int:

@@ -221,12 +221,13 @@ def prune_tiles(kind: str, block_d: int, block_dv: int, itemsize: int,
 # The autotuner's key: every compile-time choice that moves the best tiles, and the lengths'
 # bucket (tensor dtypes are added by Triton)
 _AUTOTUNE_KEY = ["seq_bucket", "D", "DV", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP",
-                 "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND", "IS_VARLEN", "TMA"]
+                 "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND", "IS_VARLEN", "TMA", "PAGE_SIZE"]
 
 
 def autotune_key(kernel) -> list:
     """The names of _AUTOTUNE_KEY that are ``kernel``'s arguments (newer Tritons refuse a
-    key that names something else; only the forward has TMA)."""
+    key that names something else; only the forward has TMA and PAGE_SIZE: 1 unpaged, else
+    the page whose size against BLOCK_N sets how the key tiles find their pages)."""
     return [name for name in _AUTOTUNE_KEY if name in kernel.arg_names]
 
 

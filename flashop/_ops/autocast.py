@@ -28,7 +28,8 @@ from torch import Tensor
 DEVICE_TYPES = ("cpu", "cuda")
 # the arguments cast to the region's dtype, and those cast only from another 16-bit dtype
 _INPUTS = {"attention_forward": (("q", "k", "v"), ("attn_mask", "g", "sinks")),
-           "attention_with_kvcache": (("q", "k", "v", "rotary_cos", "rotary_sin"), ("sinks",))}
+           "attention_with_kvcache": (("q", "k", "v", "rotary_cos", "rotary_sin"), ("sinks",)),
+           "attention_varlen_paged": (("q", "k_cache", "v_cache"), ("sinks",))}
 
 
 def region_dtype(x: Tensor) -> Optional[torch.dtype]:

@@ -298,6 +298,33 @@ def _check_forward_results(op, q, out, dout, lse_log2, dlse, out_shape, lse_shap
 _PACKED = "(total_tokens, heads, head_dim)"
 
 
+def check_offsets(op: str, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  total_k: Optional[int]) -> None:
+    """A packed batch's int32 cu_seqlens (batch + 1,) on q's device and its longest lengths,
+    for q's total_q query tokens and ``total_k`` key tokens (None: keys in a paged cache,
+    whose offsets only count them)."""
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+                            ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        if cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype != torch.int32:
+            end = "" if total is None else f", {total}"
+            raise ValueError(
+                f"{op}: {name} must be a 1-D int32 tensor of batch + 1 cumulative offsets "
+                f"(0, len_0, len_0 + len_1, ...{end}), got {cu.dtype} of shape "
+                f"{_shape(cu)}")
+        if cu.device != q.device:
+            raise ValueError(f"{op}: {name} must be on {q.device} like q, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"{op}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{_shape(cu_seqlens_q)} and {_shape(cu_seqlens_k)}")
+    for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
+                           ("max_seqlen_k", max_seqlen_k, total_k)):
+        if m < 0 or (m == 0 and total is not None and total > 0):
+            raise ValueError(
+                f"{op}: {name} must be the longest sequence's length (>= 1 with {total} "
+                f"tokens), got {m}")
+
+
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         scale: Optional[float], mods, *, interpreting: bool,
                         op: str = "flashop.attention_varlen") -> None:
@@ -314,25 +341,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                 f"{_shape(t)}; for padded (batch, seqlen, heads, head_dim) tensors use "
                 f"flashop.attention, or flashop.unpad_input to pack them")
     _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=True)
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
-                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-        if cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype != torch.int32:
-            raise ValueError(
-                f"{op}: {name} must be a 1-D int32 tensor of batch + 1 cumulative offsets "
-                f"(0, len_0, len_0 + len_1, ..., {total}), got {cu.dtype} of shape "
-                f"{_shape(cu)}")
-        if cu.device != q.device:
-            raise ValueError(f"{op}: {name} must be on {q.device} like q, got {cu.device}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"{op}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-            f"{_shape(cu_seqlens_q)} and {_shape(cu_seqlens_k)}")
-    for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
-                           ("max_seqlen_k", max_seqlen_k, k.shape[0])):
-        if m < 0 or (m == 0 and total > 0):
-            raise ValueError(
-                f"{op}: {name} must be the longest sequence's length (>= 1 with {total} "
-                f"tokens), got {m}")
+    check_offsets(op, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k.shape[0])
     if mods is None or mods.is_plain:
         return
     if mods.attn_mask is not None:

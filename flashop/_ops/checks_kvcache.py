@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from flashop._ops.checks import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_kernels_run_on, check_modifiers, check_scale,
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_kernels_run_on, check_modifiers, check_offsets,
+    check_scale,
 )
 
 OP = "flashop.attention_with_kvcache"
@@ -77,13 +78,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     if k_cache.shape[3] != D:
         raise ValueError(f"{op}: q and k_cache must have the same head dim (dim 3), got "
                          f"{caches}")
-    if H_kv == 0 or H % H_kv != 0:
-        raise ValueError(
-            f"{op}: the number of query heads ({H}) must be a multiple of the cache's number "
-            f"of key/value heads ({H_kv}) for grouped-query attention, got {caches}")
-    if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
-        raise ValueError(f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} "
-                         f"for q and k and {DV} for v ({caches})")
+    _check_heads(op, H, H_kv, D, DV, caches)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.size(-1) > 1 and cache.stride(-1) != 1:
             raise ValueError(
@@ -92,6 +87,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
 
     paged = block_table is not None
     if paged:
+        _check_block_table(op, block_table, B, k_cache, caches)
         if cache_batch_idx is not None:
             raise ValueError(f"{op}: cache_batch_idx selects rows of a dense cache; with a "
                              f"block_table (paged cache) map the sequences' pages instead")
@@ -99,18 +95,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             raise ValueError(f"{op}: cache_leftpad is not supported with a block_table "
                              f"(paged cache), as in flash-attn; start each sequence at the "
                              f"first row of its first page")
-        if (block_table.dim() != 2 or block_table.dtype != torch.int32
-                or block_table.shape[0] != B):
-            raise ValueError(
-                f"{op}: block_table must be a 2-D int32 tensor (batch, max_blocks) = ({B}, "
-                f"...) of page indices into the caches' first dim, got {block_table.dtype} of "
-                f"shape {_shape(block_table)}")
-        page = k_cache.shape[1]
-        if page < 16 or page > 256 or page & (page - 1):
-            raise ValueError(
-                f"{op}: the paged cache's page size (k_cache dim 1) must be a power of two "
-                f"from 16 to 256, got {page} ({caches})")
-        capacity = block_table.shape[1] * page
+        capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         if cache_batch_idx is not None:
             if (cache_batch_idx.dim() != 1 or cache_batch_idx.dtype != torch.int32
@@ -159,6 +144,81 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                          f"or from 1 to {MAX_NUM_SPLITS}, got {num_splits}")
     if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, S_q, capacity, H)
+
+
+def _check_heads(op: str, H, H_kv, D, DV, caches: str) -> None:
+    """H a multiple of the cache's H_kv; head dims from 1 to MAX_HEAD_DIM."""
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(
+            f"{op}: the number of query heads ({H}) must be a multiple of the cache's number "
+            f"of key/value heads ({H_kv}) for grouped-query attention, got {caches}")
+    if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
+        raise ValueError(f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} "
+                         f"for q and k and {DV} for v ({caches})")
+
+
+def _check_block_table(op: str, block_table, B, k_cache, caches: str) -> None:
+    """block_table (B, max_blocks) int32; the cache's pages (dim 1) a power of two from 16 to
+    256 keys."""
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != B:
+        raise ValueError(
+            f"{op}: block_table must be a 2-D int32 tensor (batch, max_blocks) = ({B}, "
+            f"...) of page indices into the caches' first dim, got {block_table.dtype} of "
+            f"shape {_shape(block_table)}")
+    page = k_cache.shape[1]
+    if page < 16 or page > 256 or page & (page - 1):
+        raise ValueError(
+            f"{op}: the paged cache's page size (k_cache dim 1) must be a power of two "
+            f"from 16 to 256, got {page} ({caches})")
+
+
+def check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale: Optional[float], mods, *,
+                              interpreting: bool, op: str = "flashop.attention_varlen") -> None:
+    """Validate a paged prefill: packed q (total_q, H, D) with int32 cu_seqlens_q/k (batch
+    + 1,) and the longest lengths, paged caches (num_blocks, page_size, H_kv, D / DV) with
+    ``packing.block_table`` (batch, max_blocks) int32 of room for max_seqlen_k keys; scale
+    and the modifiers (the operator takes no gate and no dropout)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"{op}: with a block_table, q must be packed (total_q, heads, head_dim) and k, v "
+            f"paged caches (num_blocks, page_size, kv_heads, head_dim), got q {_shape(q)}, k "
+            f"{_shape(k_cache)}, v {_shape(v_cache)}")
+    caches = f"q {_shape(q)}, k {_shape(k_cache)}, v {_shape(v_cache)}"
+    tensors = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=packing.cu_seqlens_q,
+                   cu_seqlens_k=packing.cu_seqlens_k, block_table=packing.block_table,
+                   alibi_slopes=mods.alibi_slopes, sinks=mods.sinks)
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"{op}: q, k and v must have the same dtype, got q {q.dtype}, k "
+                         f"{k_cache.dtype}, v {v_cache.dtype}; cast them to one of float16, "
+                         f"bfloat16, float32")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 or "
+                         f"float32")
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) != 1:
+        got = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"{op}: all tensors must be on one device, got {got}")
+    check_kernels_run_on(op, q.device, interpreting=interpreting,
+                         reference="flashop.attention_varlen_reference on the gathered pages")
+    H, D = q.shape[1], q.shape[2]
+    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
+        raise ValueError(f"{op}: k and v must be pages of one shape (num_blocks, page_size, "
+                         f"kv_heads) with q's head dim in k, got {caches}")
+    _check_heads(op, H, H_kv, D, DV, caches)
+    check_offsets(op, q, packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q,
+                  packing.max_seqlen_k, None)
+    B = packing.batch
+    _check_block_table(op, packing.block_table, B, k_cache, caches)
+    capacity = packing.block_table.shape[1] * k_cache.shape[1]
+    if packing.max_seqlen_k > capacity:
+        raise ValueError(
+            f"{op}: max_seqlen_k = {packing.max_seqlen_k} keys do not fit the block table's "
+            f"{packing.block_table.shape[1]} pages of {k_cache.shape[1]} ({capacity} keys per "
+            f"sequence); give each sequence enough pages")
+    check_scale(op, scale)
+    if not mods.is_plain:
+        check_modifiers(q, mods, op, B, packing.max_seqlen_q, packing.max_seqlen_k, H)
 
 
 def check_rotary(op: str, q, k, rotary_cos, rotary_sin, capacity) -> None:

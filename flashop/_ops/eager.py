@@ -123,3 +123,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch
     return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
                                           cache_batch_idx, block_table, alibi_slopes, sinks,
                                           rotary_cos, rotary_sin, cache_leftpad, **options)
+
+
+def attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, block_table, alibi_slopes, sinks, **options):
+    """(out, lse) of a paged prefill: the operator's body itself where the direct path
+    applies and no input requires grad, else the operator (whose autograd refuses a
+    backward)."""
+    tensors = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+               sinks)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes)
+    if is_direct(*tensors) and not grads:
+        dtype = autocast.region_dtype(q)
+        if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
+            q, k_cache, v_cache, sinks = autocast.cast_arguments(
+                "attention_varlen_paged", dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                               sinks=sinks), dtype).values()
+        with set_wrap_triton_enabled(False):
+            return kvcache.run_attention_varlen_paged(q, k_cache, v_cache, *args, sinks,
+                                                      **options)
+    return kvcache.attention_varlen_paged(q, k_cache, v_cache, *args, sinks, **options)

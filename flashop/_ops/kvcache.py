@@ -1,4 +1,5 @@
-"""Registration of ``torch.ops.flashop.attention_with_kvcache``.
+"""Registration of the operators over key/value caches: ``attention_with_kvcache``
+(decoding) and ``attention_varlen_paged`` (paged prefill).
 
 ``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
 cache_batch_idx, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, *,
@@ -12,9 +13,18 @@ functionalization, Inductor and CUDA graphs see it. The op always returns lse (B
 fp32 natural log; ``flashop.attention_with_kvcache`` drops it unless ``return_lse``. No
 autograd: inference only.
 
-On a GPU the op is a ``torch.library.triton_op`` (Inductor sees into its kernels); under
-Triton's CPU interpreter an opaque ``torch.library.custom_op``, as flashop/_ops/attention.py
-explains. Both share the body and the fake below.
+``flashop::attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, sinks, *, causal, scale,
+window_size_left, window_size_right, softcap) -> (out, lse)``: packed queries over paged
+caches that it only reads (``flashop.attention_varlen(..., block_table=...)``), run by the
+packed forward kernel reading the pages. An operator of its own rather than a
+``block_table`` argument of the training operator ``attention_forward``: it is forward-only
+(its registered backward raises, as flash-attn has none), takes no gate or dropout, and
+leaves that operator's schema, autograd and backward as they are.
+
+On a GPU the ops are ``torch.library.triton_op``s (Inductor sees into their kernels); under
+Triton's CPU interpreter opaque ``torch.library.custom_op``s, as flashop/_ops/attention.py
+explains. Both registrations share the bodies and fakes below.
 """
 
 from __future__ import annotations
@@ -25,12 +35,13 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
+from flashop._launch import attention as launch_attention
 from flashop._launch import kvcache as launch
 from flashop._launch.fastpath import eager_meta
-from flashop._launch.options import modifiers
+from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
-from flashop._ops.attention import values
-from flashop._ops.checks_kvcache import check_kvcache_inputs
+from flashop._ops.attention import bhsd_shapes, values
+from flashop._ops.checks_kvcache import check_kvcache_inputs, check_paged_varlen_inputs
 from flashop.kernels import INTERPRETING
 
 _register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
@@ -133,3 +144,75 @@ def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=N
                else [max(min(n + S_new, capacity) - p, 0) for n, p in zip(cached, pads)])
     return sum(sdpa_flop_count((1, H, S_q, D), (1, H_kv, L, D), (1, H_kv, L, DV))
                for L in lengths)
+
+
+# --- paged prefill: packed queries over paged keys and values (forward only) ----------------
+
+
+def _paged_call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                block_table, alibi_slopes=None, sinks=None, *, causal=False, scale=None,
+                window_size_left=-1, window_size_right=-1, softcap=0.0):
+    """A paged prefill's Modifiers and Packing (with its block table), checked."""
+    mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
+                     softcap, sinks)
+    packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale, mods,
+                              interpreting=INTERPRETING)
+    return mods, packing
+
+
+@_register("flashop::attention_varlen_paged", mutates_args=())
+def attention_varlen_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           block_table: Tensor, alibi_slopes: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None, *, causal: bool = False,
+                           scale: Optional[float] = None, window_size_left: int = -1,
+                           window_size_right: int = -1,
+                           softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return run_attention_varlen_paged(
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        block_table, alibi_slopes, sinks, causal=causal, scale=scale,
+        window_size_left=window_size_left, window_size_right=window_size_right,
+        softcap=softcap)
+
+
+def run_attention_varlen_paged(q, k_cache, v_cache, *args, scale=None, **options):
+    """attention_varlen_paged's body (its arguments): checks, then the forward kernel
+    reading the pages; (out (total_q, H, DV), lse (H, total_q)). Also run directly by the
+    eager path (flashop/_ops/eager.py)."""
+    mods, packing = _paged_call(q, k_cache, v_cache, *args, scale=scale, **options)
+    out, lse, _ = launch_attention.attention_forward(q, k_cache, v_cache, scale, mods, packing)
+    return out, lse
+
+
+@attention_varlen_paged.register_fake
+def _attention_varlen_paged_fake(q, k_cache, v_cache, *args, **options):
+    _paged_call(q, k_cache, v_cache, *args, **options)
+    out, lse, _ = launch_attention.attention_forward_outputs(q, k_cache, v_cache, packed=True)
+    return out, lse
+
+
+def _paged_backward(ctx, dout, dlse):
+    raise RuntimeError(
+        "flashop.attention_varlen: no backward over paged keys and values (block_table): "
+        "paged prefill is forward-only, as in flash-attn; for training pass k and v packed "
+        "(total_k, kv_heads, head_dim) with cu_seqlens_k, or run the paged call under "
+        "torch.no_grad() / torch.inference_mode()")
+
+
+def _paged_setup_context(ctx, inputs, keyword_only_inputs, output):
+    pass  # the backward saves nothing: it raises
+
+
+attention_varlen_paged.register_autograd(_paged_backward, setup_context=_paged_setup_context)
+autocast.register(_lib, "attention_varlen_paged")
+
+
+@register_flop_formula(torch.ops.flashop.attention_varlen_paged, get_raw=True)
+def _paged_flops(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 *args, out_val=None, **options) -> int:
+    """SDPA's count per sequence, as the packed forward's (each sequence's keys counted from
+    cu_seqlens_k)."""
+    k, v = k_cache[:0, 0], v_cache[:0, 0]  # (0, H_kv, .): heads and head dims as packed keys
+    return sum(sdpa_flop_count(*shapes) for shapes in bhsd_shapes(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))

@@ -80,6 +80,7 @@ def _fwd_key_tiles(
     HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
     FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
+    block_table, stride_kb, stride_vb, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
@@ -87,7 +88,10 @@ def _fwd_key_tiles(
     ``EDGE_TILE`` tiles may cross the window (causal) bounds or the end of the keys; the others
     are inside for every row of the program and skip that masking. Where ``TMA``, ``k``
     and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
-    read rows past S_k and columns past D as 0.
+    read rows past S_k and columns past D as 0. Where ``IS_PAGED``, key ``j`` is row
+    ``j % PAGE_SIZE`` of page ``block_table[j // PAGE_SIZE]`` (``block_table`` at this
+    sequence's row; pages ``stride_kb`` / ``stride_vb`` apart): a tile's one page id where
+    the tile lies in one page (PAGE_SIZE >= BLOCK_N), else each key's.
 
     With two query tiles the order is: both tiles' scores, then each tile's softmax and P V
     product. Triton waits for a scores product where it is issued but lets a P V product,
@@ -102,11 +106,23 @@ def _fwd_key_tiles(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < S_k
+        if IS_PAGED:
+            if PAGE_SIZE >= BLOCK_N:
+                i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
+                o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            else:
+                i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+                o_row = o_n % PAGE_SIZE
+            o_kn = i_page * stride_kb + o_row * stride_ks
+            o_vn = i_page * stride_vb + o_row * stride_vs
+        else:
+            o_kn = o_n * stride_ks
+            o_vn = o_n * stride_vs
         # K^T tile [BLOCK_D, BLOCK_N]
         if TMA:
             b_kt = tl.trans(k.load([start_n, 0]))
         else:
-            b_kt = load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
+            b_kt = load_tile(k + o_kn[None, :] + o_d[:, None], m_n[None, :],
                              o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
         b_gk = 0.0
         if HAS_GATE:
@@ -125,7 +141,7 @@ def _fwd_key_tiles(
         if TMA:
             b_v = v.load([start_n, 0])
         else:
-            b_v = load_tile(v + o_n[:, None] * stride_vs + o_dv[None, :], m_n[:, None],
+            b_v = load_tile(v + o_vn[:, None] + o_dv[None, :], m_n[:, None],
                             o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
         b_keep = 0
         b_keep2 = 0
@@ -193,7 +209,7 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, st
 @triton.jit
 def attention_fwd_kernel(
     q, k, v, o, lse, lse_log2, alibi, g_cum, attn_mask, sinks, dropout_seed, cu_seqlens_q,
-    cu_seqlens_k,
+    cu_seqlens_k, block_table,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -201,15 +217,15 @@ def attention_fwd_kernel(
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
     stride_amb, stride_amh, stride_amq, stride_amk,
-    stride_lb, stride_lh, stride_sh,
-    S_q, S_k, G, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket,
+    stride_lb, stride_lh, stride_sh, stride_tb,
+    S_q, S_k, G, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket, capacity,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, HAS_SINK: tl.constexpr,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
@@ -219,7 +235,12 @@ def attention_fwd_kernel(
     costs P about 1e-5 of relative accuracy at scores of a few hundred).
     Where ``IS_VARLEN``, batch entry b is the packed sequence ``cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1]`` (keys likewise; S_q, S_k are then the longest lengths) and the
-    tensors' batch strides are 0.
+    tensors' batch strides are 0. Where also ``IS_PAGED`` (paged prefill), k and v are
+    paged caches (pages, PAGE_SIZE rows, heads, dims; ``stride_kb`` / ``stride_vb`` their
+    page strides): sequence b's ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys are its first
+    keys in the pages ``block_table[b * stride_tb + j // PAGE_SIZE]`` (_fwd_key_tiles), and
+    no key past the table's ``capacity`` (max_blocks * PAGE_SIZE) is read: a longer
+    sequence counts as that long.
     ``alibi`` (slopes), ``g_cum`` (the cumulative gate, fp32, read through its (batch, seq,
     head) strides) and ``attn_mask`` are read only where their flag is set. ``seq_bucket`` is
     not read: it is the autotuner's key for the lengths (flashop/launch.py).
@@ -265,8 +286,14 @@ def attention_fwd_kernel(
         if start_m >= S_q:  # a tile past this sequence's end
             return
     q += i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
-    k += i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
-    v += i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    if IS_PAGED:  # the pages are offset per key tile (_fwd_key_tiles)
+        S_k = tl.minimum(S_k, capacity)
+        block_table += i_b * stride_tb
+        k += i_hk * stride_kh
+        v += i_hk * stride_vh
+    else:
+        k += i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+        v += i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
     o += i_b * stride_ob + q_start * stride_os + i_h * stride_oh
     lse += i_b * stride_lb + i_h * stride_lh + q_start
     lse_log2 += i_b * stride_lb + i_h * stride_lh + q_start
@@ -356,7 +383,7 @@ def attention_fwd_kernel(
                 S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
                 ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-                dropout_p, DROPOUT)
+                dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED)
     if SPLIT_M and HAS_RIGHT:
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
@@ -366,7 +393,7 @@ def attention_fwd_kernel(
             S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
             ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-            dropout_p, DROPOUT)
+            dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED)
 
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT)
