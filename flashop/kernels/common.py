@@ -19,6 +19,22 @@ INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 @triton.jit
+def round_to_e4m3(x):
+    """``x`` (fp32) rounded to the nearest ``float8_e4m3fn`` value, ties to even, saturating
+    at +-448: the value the GPU's conversion gives, in fp32, so that ``.to(tl.float8e4nv)``
+    of it is exact. Adding and subtracting 2^(E + 20) (E: x's exponent, at least -6, the
+    smallest normal one) rounds x to a multiple of 2^(E - 3), e4m3's spacing there.
+    triton interpreter: its own conversion to fp8 neither rounds to even nor carries into
+    the exponent (-127.99 converts to -64); kernels that must match the GPU's bits under it
+    round here first."""
+    b_a = tl.minimum(tl.abs(x), 448.0)
+    b_e = tl.maximum((b_a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+    b_magic = ((b_e + 20) << 23).to(tl.float32, bitcast=True)
+    b_r = (b_a + b_magic) - b_magic
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -b_r, b_r)  # -0.0 keeps its sign
+
+
+@triton.jit
 def dot_operand(x, UPCAST: tl.constexpr):
     """Operand of ``tl.dot``: as loaded, or in fp32 where ``UPCAST``.
 
