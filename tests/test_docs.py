@@ -1,8 +1,8 @@
 """The documentation against the repository: every relative link and image in README.md,
-benchmarks/README.md and docs/ points at a file of the repository (and at a heading of it
-where it names one), and no link or path leaves the repository; README's Usage runs; the
-benchmarks' list names every script; the public functions' calls written out in the docs
-name every parameter with its default."""
+benchmarks/README.md, examples/README.md and docs/ points at a file of the repository (and
+at a heading of it where it names one), and no link or path leaves the repository; README's
+Usage runs; the benchmarks' and the examples' lists name every script; the public
+functions' calls written out in the docs name every parameter with its default."""
 
 import re
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md",
-                *(ROOT / "docs").rglob("*.md")])
+                ROOT / "examples" / "README.md", *(ROOT / "docs").rglob("*.md")])
 # the user docs: the paths they name in code spans must exist too (the notes name files of
 # their day, some of them since removed: those are kept in git history)
 USER_PAGES = [p for p in PAGES if "notes" not in p.relative_to(ROOT).parts]
@@ -19,7 +19,7 @@ USER_PAGES = [p for p in PAGES if "notes" not in p.relative_to(ROOT).parts]
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-PATH_IN_CODE = re.compile(r"`((?:benchmarks|docs|flashop|tests)/[\w./-]+)`")
+PATH_IN_CODE = re.compile(r"`((?:benchmarks|docs|examples|flashop|tests)/[\w./-]+)`")
 
 
 def _prose(text: str) -> str:
@@ -118,10 +118,13 @@ def test_the_readmes_usage_runs():
     exec(compile(small, "README.md (Usage)", "exec"), {})
 
 
-def test_the_benchmarks_readme_lists_every_script():
-    listed = set(re.findall(r"^\| `([\w.]+)` \|", (ROOT / "benchmarks" / "README.md").read_text(),
+@pytest.mark.parametrize("folder", ["benchmarks", "examples"])
+def test_the_readme_lists_every_script(folder):
+    """benchmarks/README.md names each script in a table row, examples/README.md in a
+    heading."""
+    listed = set(re.findall(r"^(?:\| |## )`([\w.]+)`", (ROOT / folder / "README.md").read_text(),
                             re.MULTILINE))
-    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    scripts = {p.name for p in (ROOT / folder).iterdir() if p.suffix in (".py", ".sh")}
     assert scripts == listed, (scripts - listed, listed - scripts)
 
 
