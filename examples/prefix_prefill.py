@@ -253,6 +253,7 @@ def main(argv=None) -> int:
     from flashop.testing import accuracy
 
     dtype, device = DTYPES[args.dtype], args.device
+    on_cuda = torch.device(device).type == "cuda"
     model = ToyModel.random(device)
     manager = BlockManager(num_pages=12)
     caches = [tuple(torch.full((len(manager.pages), PAGE, KV_HEADS, HEAD_DIM), float("nan"),
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
 
     print(f"toy model: {LAYERS} layers, {HEADS} heads ({KV_HEADS} KV heads) of {HEAD_DIM}, "
           f"{args.dtype}, pages of {PAGE}, on "
-          f"{torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}")
+          f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}")
     print(f"A: {len(prompt_a)} prompt tokens prefilled, then {len(out_a)} more; "
           f"pages {a.block_table}")
     print(f"B: {len(b.tokens)} tokens, {b.num_cached - len(out_b)} cached, {len(out_b)} "

@@ -76,7 +76,7 @@ def train(model, ids, steps: int, device: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, first_grads = [], None
     for _ in range(steps):
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss = model(ids, labels=ids).loss
         loss.backward()
         grads = [p.grad for p in model.parameters()]
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     model.zero_grad(set_to_none=True)
     ref_loss, ref_grads = reference(model, ids)
 
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    on_cuda = torch.device(args.device).type == "cuda"
+    device = torch.cuda.get_device_name(args.device) if on_cuda else "cpu"
     print(f"tiny Llama, fp32 weights, bf16 autocast, batch {args.batch} x {args.seq} tokens, "
           f"AdamW, on {device}")
     print("step  loss flashop  loss sdpa")
