@@ -26,13 +26,40 @@ def _options(op: str, causal, scale, window_size, softcap, **more) -> dict:
                 softcap=softcap, **more)
 
 
+def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g=None,
+               dropout_p: float = 0.0, block_table=None) -> bool:
+    """Whether the call runs the fp8 operator (flashop/_ops/attention_fp8.py): e4m3 inputs.
+    The fp8 arguments with other inputs, or what the fp8 forward does not take, raise."""
+    if q.dtype != torch.float8_e4m3fn:
+        given = [name for name, d in zip(("q_descale", "k_descale", "v_descale", "out_dtype"),
+                                         (*descales, out_dtype)) if d is not None]
+        if given:
+            raise ValueError(
+                f"{op}: {', '.join(given)} apply to float8_e4m3fn q, k, v only, got q of "
+                f"dtype {q.dtype}; drop {'them' if len(given) > 1 else 'it'}, or pass e4m3 "
+                f"inputs")
+        return False
+    refused = [what for what, there in (
+        ("attn_mask", attn_mask is not None), ("the gate g", g is not None),
+        (f"dropout_p={dropout_p}", dropout_p != 0), ("block_table", block_table is not None))
+        if there]
+    if refused:
+        raise ValueError(
+            f"{op}: {', '.join(refused)} is not supported with float8_e4m3fn inputs (the fp8 "
+            f"forward takes causal, window_size, softcap, alibi_slopes, sinks, grouped-query "
+            f"heads and packed batches); run this call on 16-bit inputs")
+    return True
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
               sinks: Optional[Tensor] = None, *, causal: bool = False,
               scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
               softcap: float = 0.0, dropout_p: float = 0.0,
-              deterministic: bool = False) -> Tensor:
-    """Scaled dot-product attention, FlashAttention-2 style; differentiable.
+              deterministic: bool = False, q_descale: Optional[Tensor] = None,
+              k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
+              out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Scaled dot-product attention, FlashAttention-2 style; differentiable (but in fp8).
 
     Args:
         q: (B, S_q, H, D) queries.
@@ -66,17 +93,28 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
             as ``torch.use_deterministic_algorithms(True)`` does for every call. By default
             the fastest backward runs, which may add dQ by fp32 atomics (run to run, the
             gradients may then differ in their last bits).
+        q_descale, k_descale, v_descale: with ``float8_e4m3fn`` q, k, v (fp8, forward
+            only; docs/fp8.md): (B, H_kv) float32 factors, None for 1; query head ``h``
+            of batch entry ``b`` is ``q * q_descale[b, h // (H // H_kv)]``, key/value head
+            ``h_kv`` is ``k * k_descale[b, h_kv]`` (FlashAttention-3's scaling). fp8 calls
+            take causal, window_size, softcap, alibi_slopes and sinks (fp32), not
+            attn_mask, g or dropout; a backward through them raises.
+        out_dtype: the output's dtype of an fp8 call: torch.bfloat16 (None) or
+            torch.float16.
 
     Queries that attend no key (all masked) get output 0. docs/modifiers.md has the exact
     formula and the order in which the modifiers apply.
 
     Returns:
-        (B, S_q, H, DV) tensor in the inputs' dtype (float16, bfloat16 or float32). Any
-        strides are accepted; only a non-unit stride in the last dimension causes a copy.
+        (B, S_q, H, DV) tensor in the inputs' dtype (float16, bfloat16 or float32; fp8
+        inputs: ``out_dtype``). Any strides are accepted; only a non-unit stride in the
+        last dimension causes a copy.
     """
     return attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
                               scale=scale, window_size=window_size, softcap=softcap,
-                              dropout_p=dropout_p, deterministic=deterministic)[0]
+                              dropout_p=dropout_p, deterministic=deterministic,
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                              out_dtype=out_dtype)[0]
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -84,7 +122,9 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
                        sinks: Optional[Tensor] = None, *, causal: bool = False,
                        scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                        softcap: float = 0.0, dropout_p: float = 0.0,
-                       deterministic: bool = False) -> tuple[Tensor, Tensor]:
+                       deterministic: bool = False, q_descale: Optional[Tensor] = None,
+                       k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """As :func:`attention`, also returning the log-sum-exp of the scores.
 
     Returns:
@@ -94,8 +134,14 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
         there are sinks: the log of the softmax's denominator. Dropout leaves it
         unchanged. Both outputs are differentiable.
     """
-    options = _options("flashop.attention", causal, scale, window_size, softcap,
-                       dropout_p=dropout_p, deterministic=deterministic)
+    op = "flashop.attention"
+    descales = (q_descale, k_descale, v_descale)
+    if _takes_fp8(op, q, descales, out_dtype, attn_mask, g, dropout_p):
+        return eager.attention_fp8(q, k, v, None, None, None, None, *descales, alibi_slopes,
+                                   sinks, **_options(op, causal, scale, window_size, softcap,
+                                                     out_dtype=out_dtype))
+    options = _options(op, causal, scale, window_size, softcap, dropout_p=dropout_p,
+                       deterministic=deterministic)
     return eager.attention(q, k, v, None, None, None, None, attn_mask, alibi_slopes, g, sinks,
                            **options)
 
@@ -107,7 +153,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                      softcap: float = 0.0, dropout_p: float = 0.0,
                      deterministic: bool = False,
-                     block_table: Optional[Tensor] = None) -> Tensor:
+                     block_table: Optional[Tensor] = None, q_descale: Optional[Tensor] = None,
+                     k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func`` layout); differentiable.
 
@@ -133,6 +181,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             already written there. The forward kernel reads the pages in place (no gather).
             Forward only, as in flash-attn: no gate, no dropout, and a backward through the
             output raises.
+        q_descale, k_descale, v_descale, out_dtype: fp8 inputs, as :func:`attention`'s;
+            the descales are (batch, H_kv), one row per sequence.
 
     Returns:
         (total_q, H, DV) in the inputs' dtype. Packed batches from padded ones:
@@ -141,7 +191,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
         sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p, deterministic=deterministic, block_table=block_table)[0]
+        dropout_p=dropout_p, deterministic=deterministic, block_table=block_table,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)[0]
 
 
 def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -151,12 +202,22 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
                               scale: Optional[float] = None,
                               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                               dropout_p: float = 0.0, deterministic: bool = False,
-                              block_table: Optional[Tensor] = None
+                              block_table: Optional[Tensor] = None,
+                              q_descale: Optional[Tensor] = None,
+                              k_descale: Optional[Tensor] = None,
+                              v_descale: Optional[Tensor] = None,
+                              out_dtype: Optional[torch.dtype] = None
                               ) -> tuple[Tensor, Tensor]:
     """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
     packed layout); both differentiable (without a block_table)."""
     op = "flashop.attention_varlen"
     options = _options(op, causal, scale, window_size, softcap)
+    descales = (q_descale, k_descale, v_descale)
+    if _takes_fp8(op, q, descales, out_dtype, g=g, dropout_p=dropout_p,
+                  block_table=block_table):
+        return eager.attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, *descales, alibi_slopes, sinks,
+                                   out_dtype=out_dtype, **options)
     if block_table is not None:
         if g is not None or dropout_p != 0:
             given = "the gate g" if g is not None else f"dropout_p={dropout_p}"

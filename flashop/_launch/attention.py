@@ -29,19 +29,22 @@ from flashop.kernels.backward import (
 )
 from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
+from flashop.kernels.layout import keys_last_kernel
 
 
 def attention_forward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              packed: bool = False):
+                              packed: bool = False, out_dtype: Optional[torch.dtype] = None):
     """Allocate (out, lse, lse_log2) for the forward, all contiguous: out (B, S_q, H, DV) in
-    q's dtype, lse and lse_log2 (B, H, S_q) fp32; packed, out (total_q, H, DV) and the lses
-    (H, total_q). The real ops and their fakes both allocate here."""
+    ``out_dtype`` (default q's dtype), lse and lse_log2 (B, H, S_q) fp32; packed, out
+    (total_q, H, DV) and the lses (H, total_q). The real ops and their fakes both allocate
+    here."""
+    dtype = out_dtype or q.dtype
     if packed:
         total_q, H, _ = q.shape
-        out, rows = q.new_empty((total_q, H, v.shape[-1])), (H, total_q)
+        out, rows = q.new_empty((total_q, H, v.shape[-1]), dtype=dtype), (H, total_q)
     else:
         B, S_q, H, _ = q.shape
-        out, rows = q.new_empty((B, S_q, H, v.shape[-1])), (B, H, S_q)
+        out, rows = q.new_empty((B, S_q, H, v.shape[-1]), dtype=dtype), (B, H, S_q)
     return (out, q.new_empty(rows, dtype=torch.float32),
             q.new_empty(rows, dtype=torch.float32))
 
@@ -282,7 +285,11 @@ def _uses_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: dict, hea
     if setting is None and not (64 < head_dim <= 128 and q.device.type == "cuda"
                                 and is_hopper(q.device)):
         return False
-    return (tma_aligned(q) and tma_aligned(k) and tma_aligned(v)
+    if q.dtype == torch.float8_e4m3fn:  # v keys-last (_fp8_values): its head dim's rows
+        v_aligned = keys_last(v) and tma_aligned(v.transpose(-3, -1))
+    else:
+        v_aligned = tma_aligned(v)
+    return (tma_aligned(q) and tma_aligned(k) and v_aligned
             and _ws_query_layout(q) is not None)
 
 
@@ -309,13 +316,58 @@ def forward_takes_gluon(q, k, v, scale: Optional[float], mods: Modifiers,
                         mods.is_plain_but_dropout and packing is None, mods.dropout, traced)
 
 
+def keys_last(v: torch.Tensor) -> bool:
+    """Whether ``v`` (B, S_k, H_kv, DV) or packed (total_k, H_kv, DV) has unit stride along
+    its keys (a head dim of one element counts as a unit stride in the last dim)."""
+    return v.stride(-3) == 1 and v.size(-1) > 1
+
+
+def _fp8_values(v: torch.Tensor) -> torch.Tensor:
+    """e4m3 values as the forward reads them: keys-last (unit stride along the keys), the
+    layout Hopper's fp8 products read without a transpose (the values' tiles are their
+    second operand, summed along the keys); values in another layout are copied so (a read
+    and a write of v, kernels/layout.py; pass them keys-last to skip it: for (B, S_k, H_kv,
+    DV), ``v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)``)."""
+    if keys_last(v) or v.numel() == 0:
+        return v
+    v = unit_stride_last(v)
+    packed = v.dim() == 3
+    x = v.unsqueeze(0) if packed else v
+    B, S, H, D = x.shape
+    y = x.new_empty((B, H, D, S))
+    launch_kernel(keys_last_kernel, (cdiv(S, 64), H, B), x=x, y=y, S=S,
+                  stride_xb=x.stride(0), stride_xs=x.stride(1), stride_xh=x.stride(2),
+                  stride_yb=y.stride(0), stride_yh=y.stride(1), stride_yd=y.stride(2), D=D,
+                  BLOCK_S=64, BLOCK_D=block_dim(D))
+    y = y.permute(0, 3, 1, 2)
+    return y[0] if packed else y
+
+
+_NOT_FP8 = dict(q_descale=None, k_descale=None, v_descale=None, stride_dsb=0, FP8=False)
+
+
+def _fp8_args(q: torch.Tensor, descales: Optional[tuple], B: int, H_kv: int) -> dict:
+    """The forward's fp8 arguments: for e4m3 inputs the three descales, (B, H_kv) fp32
+    (ones where None), and their batch stride; none otherwise."""
+    if q.dtype != torch.float8_e4m3fn:
+        return _NOT_FP8
+    given = descales or (None, None, None)
+    q_ds, k_ds, v_ds = (q.new_ones((B, H_kv), dtype=torch.float32) if d is None
+                        else d.contiguous() for d in given)
+    return dict(q_descale=q_ds, k_descale=k_ds, v_descale=v_ds, stride_dsb=H_kv, FP8=True)
+
+
 @on_inputs_device
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
-                      packing: Optional[Packing] = None):
+                      packing: Optional[Packing] = None, descales: Optional[tuple] = None,
+                      out_dtype: Optional[torch.dtype] = None):
     """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
-    lse in natural-log units, and in base 2 for the backward."""
-    q, k, v = unit_stride_last(q), unit_stride_last(k), unit_stride_last(v)
-    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None)
+    lse in natural-log units, and in base 2 for the backward. e4m3 inputs take their
+    ``descales`` (q's, k's, v's: (B, H_kv) fp32 or None) and give out in ``out_dtype``."""
+    q, k = unit_stride_last(q), unit_stride_last(k)
+    v = _fp8_values(v) if q.dtype == torch.float8_e4m3fn else unit_stride_last(v)
+    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None,
+                                                   out_dtype=out_dtype)
     if out.numel() == 0:
         return out, lse, lse_log2
     p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
@@ -325,8 +377,10 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     io = dict(q=q, k=k, v=v, o=out, lse=lse, lse_log2=lse_log2, **p.strides("q", q),
               **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
               **p.row_strides("l", lse))
+    stride_vd = v.stride(-1)
     qk_scale = p.modifier_args["qk_scale"]
-    if forward_takes_gluon(q, k, v, scale, mods, packing):
+    fp8 = _fp8_args(q, descales, p.B, p.H_kv)
+    if not fp8["FP8"] and forward_takes_gluon(q, k, v, scale, mods, packing):
         gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
                                 **_dropout_args(mods))
         return out, lse, lse_log2
@@ -334,19 +388,22 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     paging = _paging(packing, k)
     ws = (mods.sinks is None and not mods.dropout
           and _uses_ws(q, k, v, p.flags, p.head_dim, p.S_k, p.packed))
-    tma = not (ws or paging["IS_PAGED"]) and _uses_tma(q, k, v, p.head_dim, p.S_k)
+    tma = (not (ws or paging["IS_PAGED"]) and stride_vd == 1
+           and _uses_tma(q, k, v, p.head_dim, p.S_k))
     if ws or tma:  # descriptors made in the kernels
         ensure_triton_allocator()
     if ws:
         _launch(attention_fwd_ws_kernel, "fwd_ws",
                 tiles.tiles_for("fwd_ws", p.head_dim, q.dtype, q.device), grid, lengths=(),
                 **io, S_q=p.S_q, S_k=p.S_k, G=p.H // p.H_kv, qk_scale=qk_scale,
-                **p.constexprs(), FOLD_SCALE=qk_scale > 0, Q_HEAD_MAJOR=_ws_query_layout(q))
+                **p.constexprs(), FOLD_SCALE=qk_scale > 0, Q_HEAD_MAJOR=_ws_query_layout(q),
+                **fp8, stride_vd=stride_vd)
         return out, lse, lse_log2
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k)
     _launch(attention_fwd_kernel, "fwd", t, grid, lengths=(p.S_q, p.S_k),
             autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **paging,
-            **p.modifier_args, **_sinks(mods), **_dropout_args(mods),
+            **p.modifier_args, **_sinks(mods), **_dropout_args(mods), **fp8,
+            stride_vd=stride_vd,
             **p.constexprs(), **p.flags, FOLD_SCALE=_folds_scale(qk_scale, p.flags, t,
                                                                  p.head_dim), TMA=tma)
     return out, lse, lse_log2

@@ -42,7 +42,7 @@ _DTYPE_CONSTEXPRS = {dtype: dict(
     UPCAST=INTERPRETING and dtype == torch.bfloat16,
     # fp32 inputs get full fp32 products, as torch.matmul's default (no TF32)
     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+) for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)}
 
 
 def dtype_constexprs(dtype: torch.dtype) -> dict:

@@ -3,4 +3,4 @@ ops, fakes, autograd), the input checks they share with their fakes, and the eag
 that runs their bodies without the dispatcher. Built on ``flashop._launch``; importing it
 registers the operators."""
 
-from flashop._ops import attention, kvcache  # noqa: F401  (registers the operators)
+from flashop._ops import attention, attention_fp8, kvcache  # noqa: F401  (registers the ops)

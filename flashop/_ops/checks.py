@@ -12,6 +12,8 @@ import torch
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn  # FlashAttention-3's fp8: forward only (flashop::attention_fp8)
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -64,37 +66,40 @@ def check_packing_arguments(op: str, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, packing=None, *,
-                           interpreting: bool, op: Optional[str] = None) -> None:
+                           interpreting: bool, op: Optional[str] = None,
+                           fp8: bool = False) -> None:
     """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV), scale and the
     score modifiers ``mods`` (an ``options.Modifiers``; None: no modifiers); where
-    ``packing`` (an ``options.Packing``) is given, a packed batch (check_varlen_inputs)."""
+    ``packing`` (an ``options.Packing``) is given, a packed batch (check_varlen_inputs).
+    ``fp8``: the inputs are e4m3 (the fp8 operator), else 16- or 32-bit."""
     if packing is not None:
         check_varlen_inputs(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k,
                             packing.max_seqlen_q, packing.max_seqlen_k, scale, mods,
-                            interpreting=interpreting, op=op or "flashop.attention_varlen")
+                            interpreting=interpreting, op=op or "flashop.attention_varlen",
+                            fp8=fp8)
         return
     op = op or "flashop.attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
                 f"{op}: {name} must be a 4-D tensor {_LAYOUT}, got shape {_shape(t)}")
-    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=False)
+    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=False, fp8=fp8)
     B, H = q.shape[0], q.shape[2]
     if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, q.shape[1], k.shape[1], H)
 
 
 def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
-               packed: bool) -> None:
+               packed: bool, fp8: bool = False) -> None:
     """The checks dense and packed inputs share: dtypes, devices, matching shapes (dims
     named as the caller sees them: packed tensors have no batch dim), head dims, scale."""
     if not q.dtype == k.dtype == v.dtype:
+        fp8_hint = (", or all three to float8_e4m3fn" if FP8 in (q.dtype, k.dtype, v.dtype)
+                    else "")
         raise ValueError(
             f"{op}: q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, "
-            f"v {v.dtype}; cast them to one of float16, bfloat16, float32")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+            f"v {v.dtype}; cast them to one of float16, bfloat16, float32{fp8_hint}")
+    _check_dtype(op, q.dtype, fp8)
     if not q.device == k.device == v.device:
         raise ValueError(
             f"{op}: q, k and v must be on the same device, got q on {q.device}, "
@@ -131,6 +136,50 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
             f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} for q and k "
             f"and {DV} for v ({_shapes(q, k, v)})")
     check_scale(op, scale)
+
+
+def _check_dtype(op: str, dtype: torch.dtype, fp8: bool) -> None:
+    """16- or 32-bit inputs, or where ``fp8``, e4m3 ones; an fp8 call of the differentiable
+    operators is told where fp8 goes."""
+    if fp8:
+        if dtype != FP8:
+            raise ValueError(f"{op}: the fp8 operator takes float8_e4m3fn q, k and v, got "
+                             f"{dtype}; run 16- and 32-bit inputs through flashop.attention")
+        return
+    if dtype == FP8:
+        raise ValueError(
+            f"{op}: float8_e4m3fn inputs are forward-only and run on flashop::attention_fp8: "
+            f"call flashop.attention / attention_with_lse / attention_varlen(_with_lse), which "
+            f"route them there (with q_descale, k_descale, v_descale), or "
+            f"torch.ops.flashop.attention_fp8")
+    if dtype not in SUPPORTED_DTYPES:
+        fp8_hint = (" (of the fp8 types, float8_e4m3fn, FlashAttention-3's)"
+                    if dtype.is_floating_point and dtype.itemsize == 1 else "")
+        raise ValueError(
+            f"{op}: dtype {dtype} is not supported; use float16, bfloat16 or float32"
+            f"{fp8_hint}")
+
+
+def check_fp8_inputs(q, k, v, descales: tuple, out_dtype: Optional[torch.dtype], scale,
+                     mods, packing, *, interpreting: bool, op: str) -> None:
+    """Validate an fp8 call: e4m3 q, k, v as check_attention_inputs (dense or packed), each
+    descale None or (B, H_kv) float32 on q's device (B the batch, or the packed batch's
+    number of sequences), the output's dtype 16-bit (None: bfloat16)."""
+    check_attention_inputs(q, k, v, scale, mods, packing, interpreting=interpreting, op=op,
+                           fp8=True)
+    B = q.shape[0] if packing is None else packing.batch
+    H_kv = k.shape[-2]
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is None:
+            continue
+        if _shape(d) != (B, H_kv):
+            raise ValueError(
+                f"{op}: {name} must have shape (batch, kv_heads) = ({B}, {H_kv}) (one factor "
+                f"per sequence and key/value head, FlashAttention-3's), got {_shape(d)}")
+        _check_tensor(op, name, d, (torch.float32,), q.device)
+    if out_dtype is not None and out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16 (or None: "
+                         f"bfloat16), got {out_dtype}")
 
 
 def check_scale(op: str, scale: Optional[float]) -> None:
@@ -250,7 +299,8 @@ def check_training_options(q, mods, op: str, H) -> None:
 
 
 def _float_dtypes(q) -> tuple:
-    return (torch.float32,) if q.dtype == torch.float32 else (torch.float32, q.dtype)
+    """A floating modifier's dtypes: fp32, or q's where 16-bit (fp8 calls take fp32)."""
+    return (torch.float32,) if q.dtype in (torch.float32, FP8) else (torch.float32, q.dtype)
 
 
 def _check_tensor(op, name, t, dtypes, device) -> None:
@@ -327,7 +377,7 @@ def check_offsets(op: str, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         scale: Optional[float], mods, *, interpreting: bool,
-                        op: str = "flashop.attention_varlen") -> None:
+                        op: str = "flashop.attention_varlen", fp8: bool = False) -> None:
     """Validate a packed batch: q (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv,
     DV), int32 cu_seqlens of length batch + 1, the longest lengths, scale and modifiers.
 
@@ -340,7 +390,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                 f"{op}: {name} must be a 3-D tensor {_PACKED} of packed sequences, got shape "
                 f"{_shape(t)}; for padded (batch, seqlen, heads, head_dim) tensors use "
                 f"flashop.attention, or flashop.unpad_input to pack them")
-    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=True)
+    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=True, fp8=fp8)
     check_offsets(op, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k.shape[0])
     if mods is None or mods.is_plain:
         return

@@ -18,6 +18,7 @@ from torch._library.triton import set_wrap_triton_enabled
 
 from flashop._launch.fastpath import is_direct
 from flashop._ops import attention as ops
+from flashop._ops import attention_fp8 as attention_fp8_ops
 from flashop._ops import autocast, kvcache
 
 
@@ -144,3 +145,21 @@ def attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
             return kvcache.run_attention_varlen_paged(q, k_cache, v_cache, *args, sinks,
                                                       **options)
     return kvcache.attention_varlen_paged(q, k_cache, v_cache, *args, sinks, **options)
+
+
+def attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
+                  k_descale, v_descale, alibi_slopes, sinks, **options):
+    """(out, lse) of an fp8 call: the operator's body itself where the direct path applies
+    and no input requires grad, else the operator (whose autograd refuses a backward).
+    Autocast leaves e4m3 inputs as they are."""
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale,
+               alibi_slopes, sinks)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if is_direct(*tensors) and not grads:
+        with set_wrap_triton_enabled(False):
+            return attention_fp8_ops.run_attention_fp8(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
+                k_descale, v_descale, alibi_slopes, sinks, **options)
+    return attention_fp8_ops.attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, q_descale, k_descale, v_descale,
+                                           alibi_slopes, sinks, **options)

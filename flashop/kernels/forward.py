@@ -10,9 +10,15 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, dropout_keep, heaviest_tiles_first,
-    key_tile_range, load_tile,
+    INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep,
+    heaviest_tiles_first, key_tile_range, load_tile, round_to_e4m3,
 )
+
+# fp8 inputs: P is scaled by 448 (e4m3's largest value, 2^P_SHIFT) before its cast to e4m3
+# for the P V product, so that probabilities down to 2^-6 / 448 keep e4m3's 3-bit mantissa
+# (unscaled, those under 2^-6 would be subnormal: spacing 2^-9, the typical P at 16k keys
+# is 2^-6 to 2^-10); the sum l and the accumulator carry the same factor, which cancels.
+P_SHIFT = tl.constexpr(8.807354922057604)  # log2(448)
 
 
 @triton.jit
@@ -38,14 +44,15 @@ def _fwd_scores(
 @triton.jit
 def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
               FOLD_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              b_keep, DROPOUT: tl.constexpr):
+              b_keep, DROPOUT: tl.constexpr, FP8: tl.constexpr):
     """Fold one tile of scores and its value tile into the running (acc, l_i, m_i): the
     online softmax. ``MASKED``: some scores may be -inf. Where ``FOLD_SCALE`` (a positive
     ``qk_scale`` and no additive modifier), ``b_s`` is not yet scaled: the row max is
     scaled once per row (the same value, rounding being monotonic) and the scale goes into
     the exponent's argument, one FMA per score instead of a multiply and a subtraction.
     Where ``DROPOUT``, only the probabilities ``b_keep`` keeps reach acc (the denominator
-    l_i counts them all; the 1 / (1 - p) is applied at the end, _fwd_rows_out)."""
+    l_i counts them all; the 1 / (1 - p) is applied at the end, _fwd_rows_out). Where
+    ``FP8`` (e4m3 values), P is 2^P_SHIFT times the probabilities (see P_SHIFT), in e4m3."""
     # [rows]
     if FOLD_SCALE:
         m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
@@ -56,14 +63,19 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
+    m_exp = m_sub
+    if FP8:
+        m_exp = m_sub - P_SHIFT
     if FOLD_SCALE:
-        b_p = tl.math.exp2(b_s * qk_scale - m_sub[:, None])
+        b_p = tl.math.exp2(b_s * qk_scale - m_exp[:, None])
     else:
-        b_p = tl.math.exp2(b_s - m_sub[:, None])
+        b_p = tl.math.exp2(b_s - m_exp[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     if DROPOUT:
         b_p = tl.where(b_keep, b_p, 0.0)
+    if FP8 and INTERPRETED:
+        b_p = round_to_e4m3(b_p)  # triton interpreter: its own cast does not round to even
     # [rows, BLOCK_DV]
     acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                  acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -73,7 +85,7 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
 @triton.jit
 def _fwd_key_tiles(
     acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks, stride_vs,
-    stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale,
+    stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale,
     softcap_log2, alibi_log2, left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -81,6 +93,7 @@ def _fwd_key_tiles(
     FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
     block_table, stride_kb, stride_vb, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
@@ -141,7 +154,7 @@ def _fwd_key_tiles(
         if TMA:
             b_v = v.load([start_n, 0])
         else:
-            b_v = load_tile(v + o_vn[:, None] + o_dv[None, :], m_n[:, None],
+            b_v = load_tile(v + o_vn[:, None] + o_dv[None, :] * stride_vd, m_n[:, None],
                             o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
         b_keep = 0
         b_keep2 = 0
@@ -152,11 +165,11 @@ def _fwd_key_tiles(
                                        False)
         acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale,
                                   EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
-                                  DOT_PRECISION, b_keep, DROPOUT)
+                                  DOT_PRECISION, b_keep, DROPOUT, FP8)
         if SPLIT_M:
             acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
                                          EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
-                                         DOT_PRECISION, b_keep2, DROPOUT)
+                                         DOT_PRECISION, b_keep2, DROPOUT, FP8)
     return acc, l_i, m_i, acc2, l_i2, m_i2
 
 
@@ -179,9 +192,10 @@ def _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h, k_star
 @triton.jit
 def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os,
                   stride_gs, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr,
-                  dropout_p, DROPOUT: tl.constexpr):
-    """Store the output rows ``o_m`` (acc / l, and / (1 - dropout_p) where ``DROPOUT``) and
-    their log-sum-exp, natural and base 2."""
+                  dropout_p, DROPOUT: tl.constexpr, v_scale, FP8: tl.constexpr):
+    """Store the output rows ``o_m`` (acc / l, and / (1 - dropout_p) where ``DROPOUT``;
+    where ``FP8``, times the values' descale ``v_scale``, l holding P's factor 2^P_SHIFT)
+    and their log-sum-exp, natural and base 2."""
     o_dv = tl.arange(0, BLOCK_DV)
     # rows that attend no key (outside the window, masked out, or S_k == 0) and no sink:
     # output 0, lse -inf
@@ -189,11 +203,16 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, st
     l_safe = tl.where(m_empty, 1.0, l_i)
     if DROPOUT:
         b_o = acc / (l_safe * (1.0 - dropout_p))[:, None]
+    elif FP8:
+        b_o = acc * (v_scale / l_safe)[:, None]
     else:
         b_o = acc / l_safe[:, None]
     tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
-    b_lse_log2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    b_log2_l = tl.math.log2(l_safe)
+    if FP8:
+        b_log2_l -= P_SHIFT
+    b_lse_log2 = tl.where(m_empty, float("-inf"), m_i + b_log2_l)
     tl.store(lse_log2 + o_m, b_lse_log2, mask=m_m)
     b_lse = b_lse_log2 * LN2
     if HAS_GATE:
@@ -209,15 +228,15 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, st
 @triton.jit
 def attention_fwd_kernel(
     q, k, v, o, lse, lse_log2, alibi, g_cum, attn_mask, sinks, dropout_seed, cu_seqlens_q,
-    cu_seqlens_k, block_table,
+    cu_seqlens_k, block_table, q_descale, k_descale, v_descale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh,
     stride_ab, stride_ah,
     stride_gb, stride_gs, stride_gh,
     stride_amb, stride_amh, stride_amq, stride_amk,
-    stride_lb, stride_lh, stride_sh, stride_tb,
+    stride_lb, stride_lh, stride_sh, stride_tb, stride_dsb,
     S_q, S_k, G, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket, capacity,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -225,7 +244,7 @@ def attention_fwd_kernel(
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, HAS_SINK: tl.constexpr,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
@@ -252,12 +271,20 @@ def attention_fwd_kernel(
     additive modifier, where it measured faster).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
-    descriptors' alignment (16-byte base and row strides).
+    descriptors' alignment (16-byte base and row strides) and ``stride_vd`` is 1. Other
+    inputs have unit stride in their head dim, and v too but where FP8: Hopper's fp8
+    products read their second operand along the keys, so v may come with unit stride
+    along its keys instead (``stride_vd`` its head dim's stride).
     Where ``HAS_SINK``, head h's logit ``sinks[h * stride_sh]`` joins every row's softmax
     denominator (attending nothing): the running max and sum start from it, so a row that
     attends no key gets lse = sink and output 0. Where ``DROPOUT``, the probabilities are
     dropped with probability ``dropout_p`` by the mask dropout_keep draws from the int64
     ``dropout_seed[0]``, and the rest scaled by 1 / (1 - dropout_p); lse is unaffected.
+    Where ``FP8``, q, k and v are e4m3 and their real values are times the fp32 descales
+    ``q_descale``, ``k_descale``, ``v_descale`` at ``b * stride_dsb + h // G`` (one per
+    sequence and key/value head, FlashAttention-3's scaling): the query and key descales
+    multiply the score scale, the value descale the output; P goes to the P V product in
+    e4m3 (see P_SHIFT).
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
@@ -272,6 +299,11 @@ def attention_fwd_kernel(
         i_h = tl.program_id(1).to(tl.int64)
         i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
+    v_scale = 1.0
+    if FP8:
+        o_ds = i_b * stride_dsb + i_hk
+        qk_scale = qk_scale * (tl.load(q_descale + o_ds) * tl.load(k_descale + o_ds))
+        v_scale = tl.load(v_descale + o_ds)
     # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
     # helper (see the end of common.py)
     q_start = 0
@@ -320,12 +352,17 @@ def attention_fwd_kernel(
     m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([TILE_M], dtype=tl.float32)
     sink_log2 = 0.0
+    # the sink's term of the sum: exp2(0), times P's factor where FP8
+    if FP8:
+        P_ONE: tl.constexpr = 448.0
+    else:
+        P_ONE: tl.constexpr = 1.0
     if HAS_SINK:
         # the sink as one more score of every row: the running sum starts at exp2(0) = 1
         sink_log2 = tl.load(sinks + i_h * stride_sh).to(tl.float32) * LOG2E
         m_i = _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h,
                          k_start, stride_gb, stride_gh, HAS_GATE)
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        l_i = tl.where(m_i == float("-inf"), 0.0, P_ONE)
     acc = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
     # the second tile's (placeholders without SPLIT_M)
     o_m2 = o_m + TILE_M
@@ -343,7 +380,7 @@ def attention_fwd_kernel(
         if HAS_SINK:
             m_i2 = _sink_rows(sink_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_gs, i_b, i_h,
                               k_start, stride_gb, stride_gh, HAS_GATE)
-            l_i2 = tl.where(m_i2 == float("-inf"), 0.0, 1.0)
+            l_i2 = tl.where(m_i2 == float("-inf"), 0.0, P_ONE)
         acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
     seed = 0
     if DROPOUT:
@@ -379,39 +416,43 @@ def attention_fwd_kernel(
                 start_n, end_n = u_hi, mid
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
                 acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks,
-                stride_vs, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, start_n, end_n,
+                stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2,
+                start_n, end_n,
                 S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
                 BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
                 ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-                dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED)
+                dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
+                FP8)
     if SPLIT_M and HAS_RIGHT:
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
             acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, k, v, g_cum, attn_mask, stride_ks,
-            stride_vs, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid, hi,
+            stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid,
+            hi,
             S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
             ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-            dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED)
+            dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
+                FP8)
 
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
-                  DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT)
+                  DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
     if SPLIT_M:
         _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_os,
-                      stride_gs, DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT)
+                      stride_gs, DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
 
 
 @triton.jit
 def _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One query tile of attention_fwd_ws_kernel against one key tile, none of it masked:
     its scores, then _fwd_fold."""
     b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
     if not FOLD_SCALE:
         b_s = b_s * qk_scale
     return _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE, UPCAST,
-                     DOT_PRECISION, 0, False)
+                     DOT_PRECISION, 0, False, FP8)
 
 
 @triton.jit
@@ -421,11 +462,12 @@ def attention_fwd_ws_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, q_descale, k_descale, v_descale, stride_dsb, stride_vd,
     S_q, S_k, G, qk_scale, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_SCALE: tl.constexpr,
     Q_HEAD_MAJOR: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """The plain forward (no modifier, no window or causal bound, dense inputs) with its key
     loop warp-specialized: Triton's Hopper pass gives the tensor-descriptor loads a producer
@@ -439,12 +481,20 @@ def attention_fwd_ws_kernel(
     one 2-D array of rows: ``Q_HEAD_MAJOR``, (batch, head) slices of S_q rows of stride
     stride_qs one after another; else (batch, seq) rows holding the H heads side by side,
     D == BLOCK_D (launch._ws_query_layout). ``seq_bucket`` is not read (the launcher's
-    convention, see attention_fwd_kernel)."""
+    convention, see attention_fwd_kernel). Where ``FP8``, e4m3 inputs with their descales as
+    attention_fwd_kernel's, and v stored keys-last (``stride_vs`` 1, its head dim
+    ``stride_vd`` apart): its descriptor reads [BLOCK_DV, BLOCK_N] tiles, transposed for the
+    P V product."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
+    v_scale = 1.0
+    if FP8:
+        o_ds = i_b * stride_dsb + i_hk
+        qk_scale = qk_scale * (tl.load(q_descale + o_ds) * tl.load(k_descale + o_ds))
+        v_scale = tl.load(v_descale + o_ds)
     k += i_b * stride_kb + i_hk * stride_kh
     v += i_b * stride_vb + i_hk * stride_vh
     o += i_b * stride_ob + i_h * stride_oh
@@ -470,8 +520,12 @@ def attention_fwd_ws_kernel(
         q_col = tl.program_id(1) * D
     k = tl.make_tensor_descriptor(k, shape=[S_k, D], strides=[stride_ks, 1],
                                   block_shape=[BLOCK_N, BLOCK_D])
-    v = tl.make_tensor_descriptor(v, shape=[S_k, DV], strides=[stride_vs, 1],
-                                  block_shape=[BLOCK_N, BLOCK_DV])
+    if FP8:
+        v = tl.make_tensor_descriptor(v, shape=[DV, S_k], strides=[stride_vd, 1],
+                                      block_shape=[BLOCK_DV, BLOCK_N])
+    else:
+        v = tl.make_tensor_descriptor(v, shape=[S_k, DV], strides=[stride_vs, 1],
+                                      block_shape=[BLOCK_N, BLOCK_DV])
     start_m = i_m * BLOCK_M
     b_q = dot_operand(q.load([q_row + start_m, q_col]), UPCAST)
     b_q2 = dot_operand(q.load([q_row + start_m + TILE_M, q_col]), UPCAST)
@@ -483,14 +537,17 @@ def attention_fwd_ws_kernel(
     acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
     for start_n in tl.range(0, S_k, BLOCK_N, warp_specialize=True):
         b_kt = dot_operand(tl.trans(k.load([start_n, 0])), UPCAST)
-        b_v = v.load([start_n, 0])
+        if FP8:
+            b_v = tl.trans(v.load([0, start_n]))
+        else:
+            b_v = v.load([start_n, 0])
         acc, l_i, m_i = _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE,
-                                     UPCAST, DOT_PRECISION)
+                                     UPCAST, DOT_PRECISION, FP8)
         acc2, l_i2, m_i2 = _fwd_ws_fold(acc2, l_i2, m_i2, b_q2, b_kt, b_v, qk_scale,
-                                        FOLD_SCALE, UPCAST, DOT_PRECISION)
+                                        FOLD_SCALE, UPCAST, DOT_PRECISION, FP8)
     o_m = start_m + tl.arange(0, TILE_M)
     _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, lse, o_m, o_m < S_q, S_q, S_k, stride_os,
-                  0, DV, BLOCK_DV, False, 0.0, False)
+                  0, DV, BLOCK_DV, False, 0.0, False, v_scale, FP8)
     o_m2 = o_m + TILE_M
     _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, lse, o_m2, o_m2 < S_q, S_q, S_k,
-                  stride_os, 0, DV, BLOCK_DV, False, 0.0, False)
+                  stride_os, 0, DV, BLOCK_DV, False, 0.0, False, v_scale, FP8)
