@@ -335,3 +335,20 @@ def test_flash_attn_door_takes_the_descales():
                                   num_splits=1, k_descale=kwargs["k_descale"],
                                   v_descale=kwargs["v_descale"])
     assert torch.equal(out, expected) and torch.equal(bits(caches[0]), bits(k_cache))
+
+
+# --- GPU only -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged,page", [(False, 0), (True, 16), (True, 256)])
+@pytest.mark.parametrize("S_q,num_splits", [(1, 0), (1, 1), (4, 0), (16, 3)])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_gpu_fp8_long_caches(paged, page, S_q, num_splits, dtype):
+    """fp8 caches on GPU tiles: lengths up to a full 4096-key cache, auto and forced splits,
+    decode and chunked queries, GQA 4, sinks, one kv head's keys loud."""
+    case = CacheCase((0, 1000, 4093 - S_q, 4096 - S_q), S_q, S_q, 8, 4, 128, 128, dtype,
+                     paged=paged, page=page or 16, capacity=4096, causal=True,
+                     sinks=torch.float32, num_splits=num_splits)
+    check_fp8_case(case, loud_head=True)
