@@ -328,7 +328,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_descale: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v into the caches (in place; the keys rotated where rotary_cos is given;
-    quantized to an fp8 cache's e4m3 with the descales), then attend; returns (out, lse) as kvcache_outputs allocates them. ``num_splits`` 0
+    quantized to an fp8 cache's e4m3 with the descales), then attend; returns (out, lse) as
+    kvcache_outputs allocates them. ``num_splits`` 0
     picks the splits (auto_splits). The launches' arguments but the tensors are planned
     once per signature of eager calls (_plan; traced calls plan each time)."""
     cache_seqlens = cache_seqlens.contiguous()

@@ -56,7 +56,8 @@ MAX_PASSED = 1024
 
 def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
              block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
-             cache_leftpad=None, k_descale=None, v_descale=None, *, causal=False, scale=None, window_size_left=-1,
+             cache_leftpad=None, k_descale=None, v_descale=None, *, causal=False, scale=None,
+             window_size_left=-1,
              window_size_right=-1, softcap=0.0, rotary_interleaved=True, num_splits=0):
     """The call's Modifiers, its inputs checked (check_kvcache_inputs). The checks read
     shapes, strides, dtypes, devices and the options only: an eager call whose signature
