@@ -1,11 +1,14 @@
 """Decoding one token over a key/value cache: flashop.attention_with_kvcache (dense cache,
 and paged with pages of 16 and 256 keys in random physical order) against SDPA on the dense
 cache, compiled FlexAttention with a BlockMask of the lengths, and flashop.attention over
-the dense cache, in the same run.
+the dense cache, in the same run; and flashop over a float8_e4m3fn cache of the same
+shape (``flashop-fp8``: FlashAttention-3's fp8 cache with per-(sequence, kv head) descales,
+bf16 queries), dense and in pages of 16 and 256 keys.
 
 bf16, H = 32 query heads, H_kv = 8, D = 128, one query per sequence, every sequence's cache
 full (L keys). The figure of merit is the K + V bytes read per second (GB/s) and that as a
-fraction of the GPU's measured copy bandwidth (a 2 GiB ``copy_``, read + write); times are
+fraction of the GPU's measured copy bandwidth (a 2 GiB ``copy_``, read + write), counting
+the bytes actually read (an fp8 cache's are half a bf16 one's); times are
 medians of triton.testing.do_bench over CUDA-graph replays (as a serving loop runs a decode
 step: host time left out), in microseconds per call; ``--eager`` times plain calls instead. Points whose
 cache does not fit the GPU's memory are skipped.
@@ -34,8 +37,8 @@ CSV_HEADER = ["gpu", "torch", "triton", "provider", "layout", "page", "B", "L", 
               "D", "us", "gbps", "frac_copy"]
 H, H_KV, D = 32, 8, 128
 BATCHES = (1, 8, 64)
-LENGTHS = (4096, 16384, 65536, 131072)
-QUICK = [(1, 16384), (8, 65536)]
+LENGTHS = (4096, 16384, 32768, 65536, 131072)
+QUICK = [(1, 16384), (8, 32768), (8, 65536)]
 PAGES = (16, 256)
 
 
@@ -77,21 +80,28 @@ def copy_bandwidth() -> float:
     return 2 * 2 * n / (ms * 1e-3) / 1e9
 
 
-def providers(flashop, q, k_cache, v_cache, lengths, flex_fn):
-    """{(provider, layout, page): fn} over one dense cache (B, L, H_kv, D), which the paged
-    layouts view as B * L / page pages in random physical order (no extra memory)."""
+def flashop_layouts(flashop, provider, q, k_cache, v_cache, lengths, **descales):
+    """{(provider, layout, page): fn}: flashop over one dense cache (B, L, H_kv, D) and over
+    the paged layouts that view it as B * L / page pages in random physical order (no extra
+    memory)."""
     B, L = k_cache.shape[:2]
-    fns = {("flashop", "dense", 0): lambda: flashop.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=lengths)}
+    fns = {(provider, "dense", 0): lambda: flashop.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lengths, **descales)}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for page in PAGES:
         pages = B * L // page
         table = torch.randperm(pages, device="cuda", generator=gen).view(B, -1).to(torch.int32)
         kp = k_cache.view(pages, page, H_KV, D)
         vp = v_cache.view(pages, page, H_KV, D)
-        fns["flashop", "paged", page] = (
+        fns[provider, "paged", page] = (
             lambda kp=kp, vp=vp, table=table: flashop.attention_with_kvcache(
-                q, kp, vp, cache_seqlens=lengths, block_table=table))
+                q, kp, vp, cache_seqlens=lengths, block_table=table, **descales))
+    return fns
+
+
+def providers(flashop, q, k_cache, v_cache, lengths, flex_fn):
+    """{(provider, layout, page): fn} over one dense bf16 cache (B, L, H_kv, D)."""
+    fns = flashop_layouts(flashop, "flashop", q, k_cache, v_cache, lengths)
     qt = q.transpose(1, 2)  # (B, H, 1, D)
     kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (B, H_kv, L, D)
     fns["sdpa", "dense", 0] = lambda: F.scaled_dot_product_attention(qt, kt, vt,
@@ -185,6 +195,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"only {QUICK} (about a minute)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
+    p.add_argument("--no-fp8", action="store_true", help="skip the fp8 cache's rows")
     p.add_argument("--eager", action="store_true",
                    help="time plain calls (host time included) instead of CUDA-graph replays")
     p.add_argument("--out", default=None,
@@ -228,8 +239,18 @@ def main(argv=None) -> int:
         v_cache = torch.randn(B, L, H_KV, D, device="cuda", dtype=torch.bfloat16)
         lengths = torch.full((B,), L, device="cuda", dtype=torch.int32)
         flex_fn = None if args.no_flex else make_flex(B, L, lengths)
-        for (provider, layout, page), fn in providers(flashop, q, k_cache, v_cache, lengths,
-                                                      flex_fn).items():
+        fns = providers(flashop, q, k_cache, v_cache, lengths, flex_fn)
+        if not args.no_fp8 and 1.5 * kv_bytes <= 0.35 * total:
+            # an fp8 cache of the same keys (unit normals fit e4m3 unscaled); descales 1/64
+            # and 1/48 as a model's amax / 448 gives them
+            k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+            descales = dict(k_descale=torch.full((B, H_KV), 1 / 64, device="cuda"),
+                            v_descale=torch.full((B, H_KV), 1 / 48, device="cuda"))
+            fns.update(flashop_layouts(flashop, "flashop-fp8", q, k8, v8, lengths,
+                                       **descales))
+        elif not args.no_fp8:
+            print(f"  skip flashop-fp8 B={B} L={L}: no room for a second cache", flush=True)
+        for (provider, layout, page), fn in fns.items():
             try:
                 us = time_us(fn, graph=not args.eager)
             except torch.OutOfMemoryError:
@@ -242,12 +263,13 @@ def main(argv=None) -> int:
                 print(f"  {provider} B={B} L={L} failed: {type(e).__name__}: "
                       f"{str(e).splitlines()[-1][:120]}", flush=True)
                 continue
-            gbps = kv_bytes / (us * 1e-6) / 1e9
+            read = kv_bytes // 2 if provider.endswith("fp8") else kv_bytes  # bytes read
+            gbps = read / (us * 1e-6) / 1e9
             rows.append(dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                              provider=provider, layout=layout, page=page, B=B, L=L, H=H,
                              H_kv=H_KV, D=D, us=round(us, 2), gbps=round(gbps, 1),
                              frac_copy=round(gbps / copy_gbps, 3)))
-        del q, k_cache, v_cache, flex_fn
+        del q, k_cache, v_cache, flex_fn, fns
     write_csv(out, rows, CSV_HEADER)
     print(f"wrote {out}")
     print_table(rows)

@@ -5,6 +5,8 @@ Attention backends:
 - ``flashop``: prefill with ``flashop.attention``, decode with
   ``flashop.attention_with_kvcache`` appending each token to a paged (``page`` > 0) or dense
   cache in place;
+- ``flashop-fp8``: as ``flashop`` over a float8_e4m3fn cache, each (sequence, kv head)
+  scaled by the prefill's amax / 448 (``--fp8-cache`` adds it);
 - ``sdpa``: plain PyTorch, a dense cache written by indexing and
   ``F.scaled_dot_product_attention`` with a mask of each sequence's length;
 - ``flex``: as ``sdpa`` for the prefill; decode steps over the same cache with
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flashop
+from flashop.reference import quantize_e4m3
 
 
 @dataclass(frozen=True)
@@ -62,18 +65,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str, batch: int):
         super().__init__()
         self.cfg, self.backend = cfg, backend
+        self.fp8 = backend == "flashop-fp8"
         H, H_kv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, H * D, bias=False)
         self.wk = nn.Linear(cfg.dim, H_kv * D, bias=False)
         self.wv = nn.Linear(cfg.dim, H_kv * D, bias=False)
         self.wo = nn.Linear(H * D, cfg.dim, bias=False)
-        if backend == "flashop" and cfg.page:
+        if backend.startswith("flashop") and cfg.page:
             blocks = batch * cfg.max_len // cfg.page
             shape = (blocks, cfg.page, H_kv, D)
         else:
             shape = (batch, cfg.max_len, H_kv, D)
         self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        self.k_descale = self.v_descale = None  # fp8: (B, H_kv) fp32, set by the prefill
 
     def forward(self, x, pos, lengths, block_table, prefill: bool):
         B, S, _ = x.shape
@@ -81,14 +86,17 @@ class Attention(nn.Module):
         q = rotary(self.wq(x).view(B, S, cfg.heads, -1), pos, cfg.rope_theta)
         k = rotary(self.wk(x).view(B, S, cfg.kv_heads, -1), pos, cfg.rope_theta)
         v = self.wv(x).view(B, S, cfg.kv_heads, -1)
-        if self.backend == "flashop":
+        if self.backend.startswith("flashop"):
             if prefill:  # all sequences start empty: attend the prompt, then store it
                 o = flashop.attention(q, k, v, causal=True)
+                if self.fp8:
+                    self._fp8_caches(k, v)
                 self._store(k, v, pos, block_table)
             else:
                 o = flashop.attention_with_kvcache(
                     q, self.k_cache, self.v_cache, k, v, cache_seqlens=lengths,
-                    block_table=block_table, causal=True)
+                    block_table=block_table, causal=True, k_descale=self.k_descale,
+                    v_descale=self.v_descale)
         elif self.backend == "flex" and not prefill:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -110,19 +118,33 @@ class Attention(nn.Module):
                 attn_mask=keep[:, None], enable_gqa=True).transpose(1, 2)
         return self.wo(o.reshape(B, S, -1))
 
+    def _fp8_caches(self, k, v):
+        """fp8 caches (the module's dtype casts left aside) and descales of the prompt's
+        keys and values (B, P, H_kv, D): each (sequence, kv head)'s amax / 448."""
+        self.k_cache = torch.zeros_like(self.k_cache, dtype=torch.float8_e4m3fn)
+        self.v_cache = torch.zeros_like(self.v_cache, dtype=torch.float8_e4m3fn)
+        self.k_descale, self.v_descale = (
+            (x.abs().amax(dim=(1, 3)).float() / 448).clamp_min(1e-12) for x in (k, v))
+
     def _store(self, k, v, pos, block_table):
-        """Write k, v (B, S, H_kv, D) at positions pos (B, S) of the cache."""
+        """Write k, v (B, S, H_kv, D) at positions pos (B, S) of the cache (an fp8 cache's
+        bytes: quantized with the descales, as the kernel's append writes them)."""
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if self.fp8:
+            k, v = (quantize_e4m3(x, d).view(torch.uint8)
+                    for x, d in ((k, self.k_descale), (v, self.v_descale)))
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         B, S = pos.shape
         if block_table is None:
             rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)
-            self.k_cache[rows, pos] = k
-            self.v_cache[rows, pos] = v
+            k_cache[rows, pos] = k
+            v_cache[rows, pos] = v
             return
         page = self.cfg.page
         pages = torch.gather(block_table, 1, (pos // page).to(torch.int64))
         slots = (pages * page + pos % page).reshape(-1).to(torch.int64)
-        self.k_cache.view(-1, *k.shape[2:])[slots] = k.reshape(-1, *k.shape[2:])
-        self.v_cache.view(-1, *v.shape[2:])[slots] = v.reshape(-1, *v.shape[2:])
+        k_cache.view(-1, *k.shape[2:])[slots] = k.reshape(-1, *k.shape[2:])
+        v_cache.view(-1, *v.shape[2:])[slots] = v.reshape(-1, *v.shape[2:])
 
 
 class RMSNorm(nn.Module):
@@ -164,7 +186,7 @@ class TinyLlama(nn.Module):
         self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int32),
                              persistent=False)
         table = None
-        if backend == "flashop" and cfg.page:
+        if backend.startswith("flashop") and cfg.page:
             per_seq = cfg.max_len // cfg.page
             order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(0))
             table = order.view(batch, per_seq).to(torch.int32)
@@ -225,8 +247,15 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="eager,reduce-overhead",
                         help="comma-separated: eager, default (torch.compile), reduce-overhead")
     parser.add_argument("--backends", default="flashop,sdpa,flex",
-                        help="comma-separated: flashop, sdpa, flex (compiled modes only)")
+                        help="comma-separated: flashop, flashop-fp8, sdpa, flex (compiled "
+                        "modes only)")
+    parser.add_argument("--fp8-cache", action="store_true",
+                        help="also flashop-fp8: a float8_e4m3fn cache with per-head descales")
     args = parser.parse_args(argv)
+    backends = args.backends.split(",")
+    if args.fp8_cache and "flashop-fp8" not in backends:
+        backends.insert(backends.index("flashop") + 1 if "flashop" in backends else 0,
+                        "flashop-fp8")
     device, dtype = "cuda", torch.bfloat16
     cfg = ModelConfig(vocab=32000, dim=args.dim, layers=args.layers, heads=args.heads,
                       kv_heads=args.kv_heads, hidden=4 * args.dim,
@@ -238,7 +267,7 @@ def main(argv=None) -> int:
           f"heads={cfg.heads}/{cfg.kv_heads} D={cfg.head_dim} layers={cfg.layers} "
           f"page={cfg.page} {torch.cuda.get_device_name()}")
     tokens = {}
-    for backend in args.backends.split(","):
+    for backend in backends:
         model = build(cfg, backend, args.batch, device, dtype)
         for mode in args.modes.split(","):
             if backend == "flex" and mode == "eager":
@@ -253,7 +282,7 @@ def main(argv=None) -> int:
             tokens[backend, mode] = generate(model, prompt, args.steps, step)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            print(f"{backend:8s} {mode:16s} {args.batch * args.steps / seconds:10.0f} tokens/s "
+            print(f"{backend:11s} {mode:16s} {args.batch * args.steps / seconds:10.0f} tokens/s "
                   f"(prefill included, {seconds * 1e3:.1f} ms)")
     if ("flashop", "eager") in tokens and ("sdpa", "eager") in tokens:
         # steps of each sequence equal to SDPA's before its first difference: in bf16 the two

@@ -247,7 +247,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None,
                            sinks: Optional[Tensor] = None, num_splits: int = 0,
-                           return_lse: bool = False):
+                           k_descale: Optional[Tensor] = None,
+                           v_descale: Optional[Tensor] = None, return_lse: bool = False):
     """Attention of new queries over a key/value cache, appending new keys and values to it
     first (FlashAttention's ``flash_attn_with_kvcache``); for inference (no gradient).
 
@@ -257,7 +258,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         k_cache, v_cache: the cache, either dense, (B_cache, S_cache, H_kv, D) and
             (B_cache, S_cache, H_kv, DV), or paged, (num_blocks, page_size, H_kv, D / DV)
             with ``block_table``; page_size a power of two from 16 to 256. Unit stride in
-            the last dim. Written in place where ``k``, ``v`` are given.
+            the last dim. Written in place where ``k``, ``v`` are given. float16, bfloat16 or
+            float32 as q; or ``torch.float8_e4m3fn`` (both) with 16-bit q, an fp8 cache
+            whose real values are ``k_cache * k_descale[b, h]`` and ``v_cache *
+            v_descale[b, h]`` (FlashAttention-3's; docs/decoding.md, "fp8 cache").
         k, v: (B, S_new, H_kv, D / DV) new keys and values, or None. They are written into
             the cache at positions ``cache_seqlens[b] .. cache_seqlens[b] + S_new - 1`` of
             each sequence before attending; nothing else in the caches changes. Positions
@@ -288,6 +292,11 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         sinks: (H,) attention sinks, float32 or q's dtype, as :func:`attention`: head
             ``h``'s logit joins every query's softmax once (however many splits), and lse
             includes it.
+        k_descale, v_descale: (B, H_kv) float32 on q's device, fp8 caches only (None: 1):
+            sequence b's key/value head h of the cache holds its real keys divided by
+            ``k_descale[b, h]`` (values by ``v_descale[b, h]``). New keys and values (q's
+            dtype) are written as ``k / k_descale`` rounded to e4m3 (to nearest, ties to
+            even, saturating at +-448); attention reads the cache times the descales.
         num_splits: how many programs share each sequence's keys (split-KV, "flash
             decoding"); 0 chooses from the GPU's size, the batch, H_kv and the cache's
             capacity (never from the lengths, so a call needs no host synchronization).
@@ -305,13 +314,14 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     """
     check_no_grad("flashop.attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache,
                   k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks, rotary_cos=rotary_cos,
-                  rotary_sin=rotary_sin)
+                  rotary_sin=rotary_sin, k_descale=k_descale, v_descale=v_descale)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
     options = _options("flashop.attention_with_kvcache", causal, scale, window_size, softcap)
     out, lse = eager.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        sinks, rotary_cos, rotary_sin, cache_leftpad, num_splits=num_splits,
+        sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale,
+        num_splits=num_splits,
         rotary_interleaved=rotary_interleaved, **options)
     return (out, lse) if return_lse else out

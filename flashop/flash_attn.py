@@ -157,7 +157,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table: Optional[Tensor] = None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_with_kvcache`` on :func:`flashop.attention_with_kvcache`:
     q (batch, seqlen, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache,
     nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with
@@ -176,6 +176,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``cache_seqlens[b]``; ``rotary_interleaved`` pairs dims (0, 1), ... (GPT-J) or (0,
     rotary_dim / 2), ... (GPT-NeoX). ``cache_leftpad`` (batch,) int32, dense caches only:
     sequence b's keys start at row ``cache_leftpad[b]``.
+
+    ``k_cache``, ``v_cache`` may be ``torch.float8_e4m3fn`` with 16-bit q, k, v, with
+    FlashAttention-3's ``k_descale``, ``v_descale`` (batch, nheads_k) float32 (None: 1): the
+    cache holds the keys divided by ``k_descale[b, h]``; new keys are quantized so as they
+    are appended, and attention reads the cache times the descales.
     """
     name = "flashop.flash_attn.flash_attn_with_kvcache"
     if cache_seqlens is None:
@@ -194,4 +199,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             rotary_interleaved=rotary_interleaved, causal=causal,
             scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
-            alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse)
+            alibi_slopes=alibi_slopes, num_splits=num_splits, k_descale=k_descale,
+            v_descale=v_descale, return_lse=return_softmax_lse)

@@ -175,17 +175,30 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
     return torch.cat((rot, x[..., 2 * half:]), -1)
 
 
+def quantize_e4m3(x: Tensor, descale: Optional[Tensor]) -> Tensor:
+    """``x`` (B, S, H_kv, .) as an fp8 cache holds it: ``x / descale[b, h]`` in fp32
+    (``descale`` (B, H_kv); None: 1) rounded to float8_e4m3fn, to nearest with ties to even,
+    saturating at +-448."""
+    x = x.float()
+    if descale is not None:
+        x = x / descale[:, None, :, None]
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 def kvcache_append_reference(k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
                              v: Optional[Tensor], cache_seqlens: Tensor,
                              cache_batch_idx: Optional[Tensor] = None,
                              block_table: Optional[Tensor] = None,
                              rotary_cos: Optional[Tensor] = None,
                              rotary_sin: Optional[Tensor] = None,
-                             rotary_interleaved: bool = True) -> tuple[Tensor, Tensor]:
+                             rotary_interleaved: bool = True,
+                             k_descale: Optional[Tensor] = None,
+                             v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Copies of the caches with k, v (B, S_new, H_kv, .) written at positions
     ``cache_seqlens[b] + s`` of each sequence's slots (row ``cache_batch_idx[b]`` or ``b`` of a
     dense cache; pages ``block_table[b, pos // page_size]`` of a paged one), k rotated at
-    those positions where ``rotary_cos``, ``rotary_sin`` are given (:func:`rotary`).
+    those positions where ``rotary_cos``, ``rotary_sin`` are given (:func:`rotary`), then,
+    into a float8_e4m3fn cache, quantized with the descales (:func:`quantize_e4m3`).
     Positions at or past the cache's capacity are dropped, as the kernel drops them."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     if k is None:
@@ -193,6 +206,8 @@ def kvcache_append_reference(k_cache: Tensor, v_cache: Tensor, k: Optional[Tenso
     if rotary_cos is not None:
         positions = cache_seqlens[:, None] + torch.arange(k.shape[1], device=k.device)
         k = rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k, v = quantize_e4m3(k, k_descale), quantize_e4m3(v, v_descale)
     B, S_new = k.shape[:2]
     page = k_cache.shape[1]
     capacity = page * block_table.shape[1] if block_table is not None else page
@@ -223,6 +238,15 @@ def gather_kvcache(cache: Tensor, length: int, b: int, cache_batch_idx: Optional
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
+def _dequantize(x: Tensor, descale: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """An fp8 cache's (S, H_kv, .) keys or values times ``descale`` (H_kv,) (exact in
+    fp64), rounded once to ``dtype``."""
+    x = x.double()
+    if descale is not None:
+        x = x * descale.double()[:, None]
+    return x.to(dtype)
+
+
 def attention_with_kvcache_reference(
         q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
         v: Optional[Tensor] = None, *, cache_seqlens, cache_batch_idx: Optional[Tensor] = None,
@@ -231,7 +255,8 @@ def attention_with_kvcache_reference(
         rotary_interleaved: bool = True, causal: bool = False,
         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
         softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+        v_descale: Optional[Tensor] = None,
         compute_dtype: Optional[torch.dtype] = torch.float32) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``flashop.attention_with_kvcache`` in plain PyTorch, leaving the caches
     unchanged: the append is applied to copies (:func:`kvcache_append_reference`), each
@@ -243,13 +268,17 @@ def attention_with_kvcache_reference(
     below the capacity is set, else all at ``cache_seqlens[b]`` (flash-attn's rule;
     :func:`rotary`). out (B, S_q, H, DV) and lse (B, H, S_q) in ``compute_dtype``.
     ``sinks`` (H,) join each query's softmax as in attention_reference (a sequence with no
-    key: out 0, lse = sink). Every sequence must fit its cache (L <= capacity)."""
+    key: out 0, lse = sink). A float8_e4m3fn cache is appended to as the kernel quantizes
+    and each sequence's keys read as ``k_cache * k_descale[b, h]`` (values with
+    ``v_descale``; None: 1), exactly, then rounded once to ``compute_dtype`` (or q's dtype).
+    Every sequence must fit its cache (L <= capacity)."""
     B, S_q, H, D = q.shape
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     k_cache, v_cache = kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens,
                                                 cache_batch_idx, block_table, rotary_cos,
-                                                rotary_sin, rotary_interleaved)
+                                                rotary_sin, rotary_interleaved, k_descale,
+                                                v_descale)
     S_new = 0 if k is None else k.shape[1]
     page = k_cache.shape[1]
     capacity = page * block_table.shape[1] if block_table is not None else page
@@ -267,6 +296,10 @@ def attention_with_kvcache_reference(
             raise ValueError(f"sequence {b}: {L} keys do not fit the cache's {capacity}")
         kb = gather_kvcache(k_cache, L, b, cache_batch_idx, block_table, starts[b])
         vb = gather_kvcache(v_cache, L, b, cache_batch_idx, block_table, starts[b])
+        if k_cache.dtype == torch.float8_e4m3fn:
+            dtype = q.dtype if compute_dtype is None else compute_dtype
+            kb, vb = (_dequantize(x, None if d is None else d[b], dtype)
+                      for x, d in ((kb, k_descale), (vb, v_descale)))
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]

@@ -66,3 +66,13 @@ def test_decode_benchmark_table_needs_no_gpu(capsys):
     assert lines[-2].split()[2:] == ["flashop", "flashop-p16", "sdpa", "flashop/sdpa"]
     assert lines[-1].split() == ["1", "4096", "10.0us", "80%", "11.0us", "70%", "20.0us",
                                  "40%", "2.00x"]
+
+
+def test_fp8_cache_backend_generates():
+    """The benchmark's flashop-fp8 backend (a float8_e4m3fn cache scaled per head from the
+    prefill) runs in bf16 and starts with SDPA's first token (same prefill)."""
+    cfg = ModelConfig(vocab=128, dim=64, layers=1, heads=4, kv_heads=2, hidden=128,
+                      max_len=32, page=16)
+    tokens = _tokens(cfg, "flashop-fp8", steps=3, dtype=torch.bfloat16)
+    assert tokens.shape == (2, 3)
+    assert torch.equal(tokens[:, 0], _tokens(cfg, "sdpa", steps=3, dtype=torch.bfloat16)[:, 0])

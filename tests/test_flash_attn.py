@@ -35,7 +35,9 @@ SIGNATURES = {
                                "softmax_scale")]
         + [("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
            ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
-           ("return_softmax_lse", False)]),
+           ("return_softmax_lse", False)]
+        # FlashAttention-3's descales of an fp8 cache, after flash-attn 2.x's parameters
+        + [("k_descale", None), ("v_descale", None)]),
 }
 
 

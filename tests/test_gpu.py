@@ -272,6 +272,66 @@ def test_cached_decode_launches_equal_tritons_own():
                 assert torch.equal(a, b), (splits, extra.keys())
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8_e4m3fn conversions need sm_89 or newer")
+@pytest.mark.parametrize("page", [0, 16])
+def test_fp8_cache_decode_in_cuda_graphs_equals_eager(page):
+    """A decode step over a float8_e4m3fn cache (bf16 q, k, v; per-(b, h) descales), dense
+    and in pages of 16, captured in a CUDA graph and replayed over growing lengths with new
+    queries and keys, gives eager's out, lse and cache bytes bit for bit; the bytes each
+    step appends are torch's conversion on the GPU, ``(new.float() / descale).clamp(-448,
+    448).to(float8_e4m3fn)``."""
+    torch.manual_seed(0)
+    B, H, H_kv, D, S = 3, 8, 2, 128, 2048
+    dt, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    shape = (B * S // page, page, H_kv, D) if page else (B, S, H_kv, D)
+    caches = [(torch.randn(shape, device="cuda") * 64).clamp(-448, 448).to(fp8)
+              for _ in range(2)]
+    extra = {}
+    if page:
+        extra["block_table"] = torch.randperm(B * S // page, device="cuda").view(
+            B, -1).to(torch.int32)
+    kd, vd = (0.005 + 0.03 * torch.rand(B, H_kv, device="cuda") for _ in range(2))
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
+    k, v = (torch.randn(B, 1, H_kv, D, device="cuda", dtype=dt) for _ in range(2))
+    lens = torch.tensor([5, 700, 1500], device="cuda", dtype=torch.int32)
+
+    def step(caches, lens):
+        return flashop.attention_with_kvcache(q, caches[0], caches[1], k, v,
+                                              cache_seqlens=lens, causal=True, k_descale=kd,
+                                              v_descale=vd, return_lse=True, **extra)
+
+    eager_caches = [c.clone() for c in caches]
+    eager_lens = lens.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step([c.clone() for c in caches], lens)  # compiles the kernels, off the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(caches, lens)
+    for i in range(12):
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, device="cuda", dtype=dt) * (1 + 20 * (i % 3 == 2)))
+        lens.copy_(torch.tensor([5, 700, 1500], dtype=torch.int32) + 37 * i)
+        eager_lens.copy_(lens)
+        graph.replay()
+        expected = step(eager_caches, eager_lens)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected)), i
+        for c, e in zip(caches, eager_caches):
+            assert torch.equal(c.view(torch.uint8), e.view(torch.uint8)), i
+        for new, ds, cache in ((k, kd, caches[0]), (v, vd, caches[1])):
+            want = (new[:, 0].float() / ds[:, :, None]).clamp(-448, 448).to(fp8)
+            for b, pos in enumerate(lens.tolist()):
+                if page:
+                    row = cache[extra["block_table"][b, pos // page], pos % page]
+                else:
+                    row = cache[b, pos]
+                assert torch.equal(row.view(torch.uint8), want[b].view(torch.uint8)), (i, b)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("D", [64, 128])
 def test_inputs_on_another_gpu_than_the_current_one(D):

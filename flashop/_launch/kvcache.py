@@ -190,13 +190,24 @@ def _rotary_args(cos: Optional[TensorMeta], interleaved: bool) -> dict:
                 ROTARY_INTERLEAVED=interleaved)
 
 
+def _fp8_args(k_cache: TensorMeta, k_descale: Optional[TensorMeta],
+              v_descale: Optional[TensorMeta]) -> dict:
+    """The kernels' fp8-cache arguments: FP8_CACHE where the caches are float8_e4m3fn, and
+    each descale's flag and row stride (a descale (B, H_kv) has unit stride along its heads,
+    as the launcher makes it)."""
+    return dict(stride_kdb=0 if k_descale is None else k_descale.stride[0],
+                stride_vdb=0 if v_descale is None else v_descale.stride[0],
+                FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
+                HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None)
+
+
 def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta,
                    block_table: Optional[TensorMeta], batch_idx: bool,
-                   rotary: dict) -> Optional[Planned]:
+                   rotary: dict, fp8: dict) -> Optional[Planned]:
     """The append of k, v (B, S_new, H_kv, .) into the caches at positions
-    cache_seqlens[b] + s, in place (the keys rotated where ``rotary``, _rotary_args, says);
-    positions past the cache's capacity are dropped. None where there is nothing to
-    write."""
+    cache_seqlens[b] + s, in place (the keys rotated where ``rotary``, _rotary_args, says;
+    quantized where ``fp8``, _fp8_args, says); positions past the cache's capacity are
+    dropped. None where there is nothing to write."""
     B, S_new, H_kv, D = k.shape
     DV = v.shape[-1]
     if B == 0 or S_new == 0 or H_kv == 0:
@@ -213,7 +224,7 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
         stride_vcb=v_cache.stride[0], stride_vcs=v_cache.stride[1],
         stride_vch=v_cache.stride[2],
         stride_tb=block_table.stride[0] if paged else 0,
-        S_new=S_new, capacity=capacity, **rotary,
+        S_new=S_new, capacity=capacity, **rotary, **fp8,
         D=D, DV=DV, BLOCK_D=block_dim(D), BLOCK_DV=block_dim(DV), BLOCK_S=block_s,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged, HAS_BATCH_IDX=batch_idx,
         num_warps=4, num_stages=1))
@@ -229,21 +240,23 @@ def rotary_per_query(mods: Modifiers, capacity) -> bool:
 
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
-    block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin) have the
+    block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin, k_descale,
+    v_descale) have the
     (shape, strides, dtype, device) ``metas`` (None for None; fastpath.eager_meta), with
     ``options`` (the call's Modifiers without their tensors, scale, num_splits,
     rotary_interleaved). The outputs' strides are the call's to add."""
     (q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks, leftpad, cos,
-     _) = (None if m is None else TensorMeta(*m) for m in metas)
+     _, k_descale, v_descale) = (None if m is None else TensorMeta(*m) for m in metas)
     mods, scale, num_splits, interleaved = options
     paged = block_table is not None
     rotary = _rotary_args(cos, interleaved)
+    fp8 = _fp8_args(k_cache, k_descale, v_descale)
     append = None
     S_new = 0
     if k is not None:
         S_new = k.shape[1]
         append = _append_launch(k, v, k_cache, v_cache, block_table, batch_idx is not None,
-                                rotary)
+                                rotary, fp8)
     B, S_q, H, D = q.shape
     H_kv, DV = k_cache.shape[2], v_cache.shape[3]
     if B * S_q * H * DV == 0:
@@ -286,7 +299,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
         **score_args(mods, resolve_scale(scale, D), alibi), **sink_args(sinks), **rotary,
-        S_q=S_q, S_new=S_new, capacity=capacity, G=G,
+        **fp8, S_q=S_q, S_new=S_new, capacity=capacity, G=G,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
         TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
@@ -310,10 +323,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cache_leftpad: Optional[torch.Tensor] = None,
                            rotary_cos: Optional[torch.Tensor] = None,
                            rotary_sin: Optional[torch.Tensor] = None,
-                           rotary_interleaved: bool = True
+                           rotary_interleaved: bool = True,
+                           k_descale: Optional[torch.Tensor] = None,
+                           v_descale: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append k, v into the caches (in place; the keys rotated where rotary_cos is given),
-    then attend; returns (out, lse) as kvcache_outputs allocates them. ``num_splits`` 0
+    """Append k, v into the caches (in place; the keys rotated where rotary_cos is given;
+    quantized to an fp8 cache's e4m3 with the descales), then attend; returns (out, lse) as
+    kvcache_outputs allocates them. ``num_splits`` 0
     picks the splits (auto_splits). The launches' arguments but the tensors are planned
     once per signature of eager calls (_plan; traced calls plan each time)."""
     cache_seqlens = cache_seqlens.contiguous()
@@ -327,10 +343,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k, v = unit_stride_last(k), unit_stride_last(v)
     if rotary_cos is not None:
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    if k_descale is not None:
+        k_descale = unit_stride_last(k_descale)
+    if v_descale is not None:
+        v_descale = unit_stride_last(v_descale)
     q = unit_stride_last(q)
     alibi, sinks = mods.alibi_slopes, mods.sinks
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi, sinks,
-               cache_leftpad, rotary_cos, rotary_sin)
+               cache_leftpad, rotary_cos, rotary_sin, k_descale, v_descale)
     # the plan's key holds the modifiers' values; their tensors are the call's
     values = mods if alibi is None and sinks is None else replace(mods, alibi_slopes=None,
                                                                     sinks=None)
@@ -342,7 +362,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
                        v_cache=v_cache, cache_seqlens=cache_seqlens,
                        cache_batch_idx=cache_batch_idx, block_table=block_table,
-                       rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                       rotary_cos=rotary_cos, rotary_sin=rotary_sin, k_descale=k_descale,
+                       v_descale=v_descale)
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
@@ -360,7 +381,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         attention_decode_kernel, plan.decode, q=q, k_cache=k_cache, v_cache=v_cache,
         o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
-        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin, **outputs)
+        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        k_descale=k_descale, v_descale=v_descale, **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)

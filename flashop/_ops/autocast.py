@@ -10,7 +10,8 @@ since fp32 ones are read in fp32 anyway (more accurate than SDPA's cast of its m
 slopes stay fp32, and integers as they are. The key/value caches are written in place, so a
 call that appends keeps them as they are (under autocast they must be in the region's dtype
 then); a call that only reads them (no new keys, as transformers' decoding steps, whose
-caches autocast left in mixed dtypes) reads them cast.
+caches autocast left in mixed dtypes) reads them cast, but an fp8 cache as it is (its
+descales say what it holds).
 
 Registered as the operators' Autocast kernels for CPU and CUDA (traced and dispatched
 calls), and applied by the eager path itself (flashop/_ops/eager.py), which runs the
@@ -60,7 +61,8 @@ def cast_arguments(name: str, arguments: dict, dtype: torch.dtype) -> dict:
     """The operator ``name``'s arguments (by name) cast for an autocast region of
     ``dtype``."""
     inputs, modifiers = _INPUTS[name]
-    if name == "attention_with_kvcache" and arguments.get("k") is None:
+    if (name == "attention_with_kvcache" and arguments.get("k") is None
+            and arguments["k_cache"].dtype != torch.float8_e4m3fn):
         inputs = inputs + ("k_cache", "v_cache")  # read, not written: a cast copy serves
     cast = dict(arguments)
     for arg in inputs:

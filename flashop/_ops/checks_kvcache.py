@@ -18,6 +18,10 @@ from flashop._ops.checks import (
 
 OP = "flashop.attention_with_kvcache"
 MAX_NUM_SPLITS = 128
+FP8_CACHE_DTYPE = torch.float8_e4m3fn  # FlashAttention-3's
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2",
+                                                 "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                 "float8_e8m0fnu") if hasattr(torch, n))
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -27,12 +31,13 @@ def _shape(t: torch.Tensor) -> tuple:
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale: Optional[float], mods, num_splits: int, *,
                          interpreting: bool, op: str = OP, rotary_cos=None, rotary_sin=None,
-                         cache_leftpad=None) -> None:
+                         cache_leftpad=None, k_descale=None, v_descale=None) -> None:
     """Validate q (B, S_q, H, D); a dense cache (B_cache, S_cache, H_kv, D / DV) or a paged
     one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks); k, v
-    (B, S_new, H_kv, D / DV) or neither; int32 cache_seqlens (B,), cache_batch_idx (B,) and
-    cache_leftpad (B,) (dense caches); rotary_cos, rotary_sin (check_rotary); scale, the
-    modifiers and num_splits."""
+    (B, S_new, H_kv, D / DV) or neither; the dtypes (check_dtypes); int32 cache_seqlens
+    (B,), cache_batch_idx (B,) and cache_leftpad (B,) (dense caches); rotary_cos,
+    rotary_sin (check_rotary); fp32 k_descale, v_descale (B, H_kv) with an fp8 cache;
+    scale, the modifiers and num_splits."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError(f"{op}: pass both k and v (the new keys and values to append) or "
@@ -49,19 +54,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             kind = layout[name.replace("v", "k")]
             raise ValueError(f"{op}: {name} must be a 4-D tensor {kind}, got shape "
                              f"{_shape(t)}")
-    dtypes = {name: t.dtype for name, t in tensors.items()}
-    if len(set(dtypes.values())) != 1:
-        got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
-        raise ValueError(f"{op}: q, the caches and k, v must have the same dtype, got {got}; "
-                         f"cast them to one of float16, bfloat16, float32")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 or "
-                         f"float32")
+    check_dtypes(op, tensors, k_descale, v_descale)
     index = {"cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
              "block_table": block_table, "cache_leftpad": cache_leftpad,
              "alibi_slopes": None if mods is None else mods.alibi_slopes,
              "sinks": None if mods is None else mods.sinks, "rotary_cos": rotary_cos,
-             "rotary_sin": rotary_sin}
+             "rotary_sin": rotary_sin, "k_descale": k_descale, "v_descale": v_descale}
     devices = {n: t.device for n, t in {**tensors, **index}.items() if t is not None}
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())
@@ -138,12 +136,64 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                 f"sequence ({new}, {caches}); allocate a larger cache")
 
     check_rotary(op, q, k, rotary_cos, rotary_sin, capacity)
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale is not None and (descale.dtype != torch.float32
+                                    or _shape(descale) != (B, H_kv)):
+            raise ValueError(
+                f"{op}: {name} must be a float32 tensor of shape (batch, kv_heads) = ({B}, "
+                f"{H_kv}), one scale per sequence and key/value head, got {descale.dtype} of "
+                f"shape {_shape(descale)}")
     check_scale(op, scale)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"{op}: num_splits must be 0 (chosen from the GPU and the shapes) "
                          f"or from 1 to {MAX_NUM_SPLITS}, got {num_splits}")
     if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, S_q, capacity, H)
+
+
+def check_dtypes(op: str, tensors: dict, k_descale, v_descale) -> None:
+    """``tensors`` (q, k_cache, v_cache and k, v where given) of one 16-bit or fp32 dtype;
+    or float8_e4m3fn caches (both) with q and k, v of one 16-bit dtype, the only case that
+    takes k_descale / v_descale."""
+    q, k_cache, v_cache = tensors["q"], tensors["k_cache"], tensors["v_cache"]
+    if q.dtype in _FP8_DTYPES:
+        raise ValueError(f"{op}: fp8 queries are not supported over a key/value cache yet, "
+                         f"got q {q.dtype}; use float16 or bfloat16 queries (the cache may be "
+                         f"{FP8_CACHE_DTYPE})")
+    fp8 = [n for n in ("k_cache", "v_cache") if tensors[n].dtype in _FP8_DTYPES]
+    other = [n for n in fp8 if tensors[n].dtype != FP8_CACHE_DTYPE]
+    if other:
+        raise ValueError(f"{op}: an fp8 cache must be {FP8_CACHE_DTYPE} (FlashAttention-3's "
+                         f"format), got {other[0]} {tensors[other[0]].dtype}; quantize the "
+                         f"cache to {FP8_CACHE_DTYPE}")
+    if len(fp8) == 1:
+        raise ValueError(f"{op}: k_cache and v_cache must both be {FP8_CACHE_DTYPE} or "
+                         f"neither, got k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
+    if not fp8:
+        if k_descale is not None or v_descale is not None:
+            given = " and ".join(n for n, d in (("k_descale", k_descale),
+                                                ("v_descale", v_descale)) if d is not None)
+            raise ValueError(f"{op}: {given} scale an fp8 ({FP8_CACHE_DTYPE}) cache, but "
+                             f"the cache is {k_cache.dtype}; drop the descales, or pass "
+                             f"{FP8_CACHE_DTYPE} caches")
+        dtypes = {name: t.dtype for name, t in tensors.items()}
+        if len(set(dtypes.values())) != 1:
+            got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+            raise ValueError(f"{op}: q, the caches and k, v must have the same dtype, got "
+                             f"{got}; cast them to one of float16, bfloat16, float32")
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 "
+                             f"or float32")
+        return
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{op}: an fp8 cache takes float16 or bfloat16 queries, got q "
+                         f"{q.dtype}; cast q (and k, v) to one of them")
+    new = {n: tensors[n].dtype for n in ("k", "v") if n in tensors}
+    if any(d != q.dtype for d in new.values()):
+        got = ", ".join(f"{n} {d}" for n, d in new.items())
+        raise ValueError(f"{op}: with an fp8 cache the new keys and values must have q's dtype "
+                         f"{q.dtype} (they are quantized as they are appended), got {got}; "
+                         f"cast k and v to {q.dtype}")
 
 
 def _check_heads(op: str, H, H_kv, D, DV, caches: str) -> None:

@@ -106,11 +106,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
                            block_table, alibi_slopes, sinks, rotary_cos=None, rotary_sin=None,
-                           cache_leftpad=None, **options):
+                           cache_leftpad=None, k_descale=None, v_descale=None, **options):
     """(out, lse) of attention_with_kvcache: the operator's body itself where the direct
     path applies (a decode step's host time), else the operator."""
     if is_direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                 alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad):
+                 alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
+                 v_descale):
         dtype = autocast.region_dtype(q)
         if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
             q, k_cache, v_cache, k, v, sinks, rotary_cos, rotary_sin = autocast.cast_arguments(
@@ -120,10 +121,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch
         with set_wrap_triton_enabled(False):
             return kvcache.run_attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, **options)
+                alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
+                v_descale, **options)
     return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
                                           cache_batch_idx, block_table, alibi_slopes, sinks,
-                                          rotary_cos, rotary_sin, cache_leftpad, **options)
+                                          rotary_cos, rotary_sin, cache_leftpad, k_descale,
+                                          v_descale, **options)
 
 
 def attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

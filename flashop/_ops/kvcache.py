@@ -2,12 +2,14 @@
 (decoding) and ``attention_varlen_paged`` (paged prefill).
 
 ``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
-cache_batch_idx, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, *,
-causal, scale, window_size_left, window_size_right, softcap, rotary_interleaved,
-num_splits) -> (out, lse)``: appends k, v (when given; the keys rotated where rotary_cos and
-rotary_sin are given, as the queries then are) into the caches in place, then attends over
-each sequence's first ``cache_seqlens[b] + S_new`` keys (from row ``cache_leftpad[b]`` of a
-dense cache where it is given).
+cache_batch_idx, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad,
+k_descale, v_descale, *, causal, scale, window_size_left, window_size_right, softcap,
+rotary_interleaved, num_splits) -> (out, lse)``: appends k, v (when given; the keys rotated
+where rotary_cos and rotary_sin are given, as the queries then are; quantized as
+``k / k_descale[b, h]`` into a float8_e4m3fn cache) into the caches in place, then attends
+over each sequence's first ``cache_seqlens[b] + S_new`` keys (from row ``cache_leftpad[b]``
+of a dense cache where it is given), an fp8 cache's keys and values read as ``k_cache *
+k_descale[b, h]`` and ``v_cache * v_descale[b, h]``.
 The schema declares the caches' mutation (``Tensor(a!) k_cache, Tensor(b!) v_cache``), so
 functionalization, Inductor and CUDA graphs see it. The op always returns lse (B, H, S_q)
 fp32 natural log; ``flashop.attention_with_kvcache`` drops it unless ``return_lse``. No
@@ -54,7 +56,8 @@ MAX_PASSED = 1024
 
 def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
              block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
-             cache_leftpad=None, *, causal=False, scale=None, window_size_left=-1,
+             cache_leftpad=None, k_descale=None, v_descale=None, *, causal=False, scale=None,
+             window_size_left=-1,
              window_size_right=-1, softcap=0.0, rotary_interleaved=True, num_splits=0):
     """The call's Modifiers, its inputs checked (check_kvcache_inputs). The checks read
     shapes, strides, dtypes, devices and the options only: an eager call whose signature
@@ -62,7 +65,8 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
                      softcap, sinks)
     metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                       alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad)
+                       alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
+                       v_descale)
     key = None
     if metas is not None:
         key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
@@ -72,7 +76,7 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale, mods, num_splits, interpreting=INTERPRETING,
                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                         cache_leftpad=cache_leftpad)
+                         cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
     if key is not None:
         if len(_PASSED) >= MAX_PASSED:
             _PASSED.clear()
@@ -89,14 +93,17 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            sinks: Optional[Tensor] = None,
                            rotary_cos: Optional[Tensor] = None,
                            rotary_sin: Optional[Tensor] = None,
-                           cache_leftpad: Optional[Tensor] = None, *, causal: bool = False,
+                           cache_leftpad: Optional[Tensor] = None,
+                           k_descale: Optional[Tensor] = None,
+                           v_descale: Optional[Tensor] = None, *, causal: bool = False,
                            scale: Optional[float] = None, window_size_left: int = -1,
                            window_size_right: int = -1, softcap: float = 0.0,
                            rotary_interleaved: bool = True,
                            num_splits: int = 0) -> tuple[Tensor, Tensor]:
     return run_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        sinks, rotary_cos, rotary_sin, cache_leftpad, causal=causal, scale=scale,
+        sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, causal=causal,
+        scale=scale,
         window_size_left=window_size_left, window_size_right=window_size_right,
         softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)
 
@@ -104,16 +111,18 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
 def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None,
                                cache_batch_idx=None, block_table=None, alibi_slopes=None,
                                sinks=None, rotary_cos=None, rotary_sin=None,
-                               cache_leftpad=None, *, scale=None, num_splits=0,
-                               rotary_interleaved=True, **options):
+                               cache_leftpad=None, k_descale=None, v_descale=None, *,
+                               scale=None, num_splits=0, rotary_interleaved=True, **options):
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
     Also run directly by the eager path (flashop/_ops/eager.py)."""
     mods = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                    alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, scale=scale,
-                    num_splits=num_splits, rotary_interleaved=rotary_interleaved, **options)
+                    alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
+                    v_descale, scale=scale, num_splits=num_splits,
+                    rotary_interleaved=rotary_interleaved, **options)
     return launch.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, mods,
-        num_splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
+        num_splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, k_descale,
+        v_descale)
 
 
 _lib = torch.library.Library("flashop", "FRAGMENT")  # kept: its registrations live with it

@@ -12,6 +12,14 @@ Rotary embeddings (``ROTARY_DIM > 0``, flash-attn's ``rotary_cos``/``rotary_sin`
 (seqlen_ro, ROTARY_DIM / 2)): the append rotates the new keys before writing them, the
 attention kernel rotates the queries as it loads them (rotate_rows).
 
+An fp8 cache (``FP8_CACHE``, float8_e4m3fn, with 16-bit queries and new keys) holds keys
+whose real value is ``k_cache[...] * k_descale[b, h]`` (values likewise with
+``v_descale``; a scale absent (``HAS_K_DESCALE`` / ``HAS_V_DESCALE`` unset) is 1): the append
+writes ``new / descale`` rounded to e4m3 (ties to even, saturating at +-448); the attention
+converts each fp8 tile to q's dtype (exact), folds ``k_descale[b, h]`` into the score scale
+and multiplies each program's normalized output by ``v_descale[b, h]`` (once, before the
+splits' merge, which only averages them).
+
 Scores are in base-2 units inside the kernels; lse is written in natural-log units, except
 the splits' partial lse (base 2), which only the merge reads.
 """
@@ -20,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, load_tile, to_bf16,
+    LN2, LOG2E, attention_scores, dot_operand, load_tile, round_to_e4m3, to_bf16,
 )
 
 
@@ -67,25 +75,46 @@ def rotate_rows(b_x, p_x, m_rows, o_pos, rotary_cos, rotary_sin, stride_rs, seql
 
 
 @triton.jit
+def load_descale(descale, i_b, i_h, stride_db, HAS_DESCALE: tl.constexpr):
+    """The fp32 scale ``descale[i_b, i_h]`` (row stride ``stride_db``, unit head stride),
+    or 1 without one."""
+    if HAS_DESCALE:
+        return tl.load(descale + i_b * stride_db + i_h)
+    return 1.0
+
+
+@triton.jit
+def quantize_e4m3(b_x, ds, HAS_DESCALE: tl.constexpr):
+    """``b_x / ds`` (fp32, correctly rounded) rounded to float8_e4m3fn: ties to even,
+    saturating at +-448 (round_to_e4m3, which the interpreter's conversion needs)."""
+    b_x = b_x.to(tl.float32)
+    if HAS_DESCALE:
+        b_x = tl.math.div_rn(b_x, tl.zeros_like(b_x) + ds)
+    return round_to_e4m3(b_x).to(tl.float8e4nv)
+
+
+@triton.jit
 def kvcache_append_kernel(
     k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
-    rotary_sin,
+    rotary_sin, k_descale, v_descale,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
-    stride_tb, stride_rs,
+    stride_tb, stride_rs, stride_kdb, stride_vdb,
     S_new, capacity, seqlen_ro,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    FP8_CACHE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
 ):
     """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise) for the BLOCK_S
     new tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
     outside the named slots is written. ``slot`` is row ``cache_batch_idx[b]`` (or ``b``)
     of a dense cache, or the page ``block_table[b, pos // PAGE_SIZE]`` of a paged one.
     Where ``ROTARY_DIM > 0`` the keys are written rotated at their positions
-    ``cache_seqlens[b] + s`` (rotate_rows).
+    ``cache_seqlens[b] + s`` (rotate_rows). Where ``FP8_CACHE`` the (rotated) keys and the
+    values are written quantized, ``k / k_descale[b, h]`` (quantize_e4m3).
 
     The cache offsets are computed here, not in a helper: torch < 2.13's mutation analysis
     follows a helper's results to all of its arguments (see common.py)."""
@@ -118,10 +147,16 @@ def kvcache_append_kernel(
     if ROTARY_DIM > 0:
         b_k = rotate_rows(b_k, p_k, m_s, o_pos, rotary_cos, rotary_sin, stride_rs, seqlen_ro,
                           BLOCK_D, ROTARY_DIM, ROTARY_INTERLEAVED)
+    if FP8_CACHE:
+        b_k = quantize_e4m3(b_k, load_descale(k_descale, i_b, i_h, stride_kdb, HAS_K_DESCALE),
+                            HAS_K_DESCALE)
     tl.store(k_cache + i_h * stride_kch + o_kc[:, None] + o_d[None, :], b_k, mask=m_k)
     # [BLOCK_S, BLOCK_DV]
     b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
                   + o_dv[None, :], mask=m_v)
+    if FP8_CACHE:
+        b_v = quantize_e4m3(b_v, load_descale(v_descale, i_b, i_h, stride_vdb, HAS_V_DESCALE),
+                            HAS_V_DESCALE)
     tl.store(v_cache + i_h * stride_vch + o_vc[:, None] + o_dv[None, :], b_v, mask=m_v)
 
 
@@ -133,7 +168,7 @@ def _decode_key_tiles(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
     TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_CACHE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [start, end) (multiples of BLOCK_N from a multiple of BLOCK_N)
     into the running (acc, l_i, m_i) of the query rows. ``k_cache`` / ``v_cache`` point at
@@ -141,7 +176,8 @@ def _decode_key_tiles(
     pages: where ``TILE_PAGE`` (the tiles lie in one page) each tile's one page id is
     loaded, else each key's (a vector, which the pipeliner prefetches). ``EDGE_TILE`` tiles
     may reach past the ``L_read`` readable keys or cross the window / causal bounds; the
-    others are inside for every row and skip that masking."""
+    others are inside for every row and skip that masking. Where ``FP8_CACHE`` each K and V
+    tile is converted to the query tile's dtype (exact; the scales are the caller's)."""
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
@@ -167,6 +203,8 @@ def _decode_key_tiles(
         # K^T tile [BLOCK_D, BLOCK_N]
         b_kt = load_tile(k_cache + o_kn[None, :] + o_d[:, None], m_n[None, :],
                          o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
+        if FP8_CACHE:
+            b_kt = b_kt.to(b_q.dtype)
         # [ROWS, BLOCK_N]
         b_qk = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
         b_s, _ = attention_scores(
@@ -176,6 +214,8 @@ def _decode_key_tiles(
         # V tile [BLOCK_N, BLOCK_DV]
         b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None],
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
+        if FP8_CACHE:
+            b_v = b_v.to(b_q.dtype)
         # online softmax [ROWS]
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         if EDGE_TILE:
@@ -196,7 +236,7 @@ def _decode_key_tiles(
 @triton.jit
 def attention_decode_kernel(
     q, k_cache, v_cache, o, lse, o_part, lse_part, cache_seqlens, cache_batch_idx,
-    block_table, alibi, sinks, cache_leftpad, rotary_cos, rotary_sin,
+    block_table, alibi, sinks, cache_leftpad, rotary_cos, rotary_sin, k_descale, v_descale,
     stride_qb, stride_qs, stride_qh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
@@ -204,7 +244,7 @@ def attention_decode_kernel(
     stride_lb, stride_lh,
     stride_pp, stride_pb, stride_ps, stride_ph,
     stride_lpp, stride_lpb, stride_lph,
-    stride_tb, stride_ab, stride_ah, stride_sh, stride_rs,
+    stride_tb, stride_ab, stride_ah, stride_sh, stride_rs, stride_kdb, stride_vdb,
     S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right, seqlen_ro,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -212,7 +252,8 @@ def attention_decode_kernel(
     HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
     SPLIT: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-    ROTARY_PER_QUERY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROTARY_PER_QUERY: tl.constexpr, FP8_CACHE: tl.constexpr, HAS_K_DESCALE: tl.constexpr,
+    HAS_V_DESCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Attention of q[b, i, h] over the first ``L = cache_seqlens[b] + S_new`` keys of
     sequence b's cache, query i at key position ``i + L - S_q``; grid (splits, H_kv *
@@ -239,6 +280,9 @@ def attention_decode_kernel(
     Where ``ROTARY_DIM > 0`` the queries are rotated as they are loaded (rotate_rows), query
     i at position ``cache_seqlens[b] + i`` where ``ROTARY_PER_QUERY``, else all at
     ``cache_seqlens[b]`` (flash-attn's rule), and rounded to q's dtype before the products.
+    Where ``FP8_CACHE`` the tiles are read as q's dtype, ``k_descale[b, h]`` scales the
+    scores (with qk_scale) and ``v_descale[b, h]`` this program's normalized output, so the
+    merge of the splits sees each output scaled once.
 
     The lengths are read here: the launch depends on shapes only, so it can be captured in a
     CUDA graph and compiled once for all lengths.
@@ -261,6 +305,8 @@ def attention_decode_kernel(
         L -= lp
     L_read = tl.minimum(L, capacity - lp)  # keys past the cache's capacity are never read
     off = L - S_q  # query i sits at key position i + off
+    if HAS_K_DESCALE:
+        qk_scale *= load_descale(k_descale, i_b, i_hk, stride_kdb, True)
 
     o_r = start_r + tl.arange(0, BLOCK_M)
     m_r = o_r < rows
@@ -342,11 +388,13 @@ def attention_decode_kernel(
                 end, L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                 qk_scale, softcap_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                 PAGE_SIZE, IS_PAGED, TILE_PAGE, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_ALIBI, UPCAST, DOT_PRECISION)
+                HAS_ALIBI, FP8_CACHE, UPCAST, DOT_PRECISION)
 
     m_empty = l_i == 0.0
     l_safe = tl.where(m_empty, 1.0, l_i)
     b_o = acc / l_safe[:, None]
+    if HAS_V_DESCALE:
+        b_o *= load_descale(v_descale, i_b, i_hk, stride_vdb, True)
     b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
     o_dv = tl.arange(0, BLOCK_DV)
     m_o = m_r[:, None] & (o_dv[None, :] < DV)
