@@ -41,9 +41,9 @@ def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g
         return False
     refused = [what for what, there in (
         ("attn_mask", attn_mask is not None), ("the gate g", g is not None),
-        (f"dropout_p={dropout_p}", dropout_p != 0), ("block_table", block_table is not None))
-        if there]
+        ("dropout_p", dropout_p != 0), ("block_table", block_table is not None)) if there]
     if refused:
+        refused = [f"dropout_p={dropout_p}" if what == "dropout_p" else what for what in refused]
         raise ValueError(
             f"{op}: {', '.join(refused)} is not supported with float8_e4m3fn inputs (the fp8 "
             f"forward takes causal, window_size, softcap, alibi_slopes, sinks, grouped-query "

@@ -11,6 +11,36 @@ from torch import Tensor
 from flashop._launch.options import round_dropout_p
 
 
+def dequantize(x: Tensor, descale: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """e4m3 ``x`` (B, S, H, D) in ``dtype`` times its descale (B, H_kv) (None: 1), head h
+    taking ``descale[:, h // (H // H_kv)]`` (FlashAttention-3's scaling)."""
+    x = x.to(dtype)
+    if descale is None:
+        return x
+    group = x.shape[2] // descale.shape[1]
+    return x * descale.to(dtype).repeat_interleave(group, dim=1)[:, None, :, None]
+
+
+def fp8_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor] = None,
+                            k_descale: Optional[Tensor] = None,
+                            v_descale: Optional[Tensor] = None, *,
+                            compute_dtype: Optional[torch.dtype] = torch.float64,
+                            out_dtype: torch.dtype = torch.bfloat16,
+                            **options) -> tuple[Tensor, Tensor]:
+    """(out, lse) of e4m3 q, k, v with their descales (as flashop.attention's fp8 call;
+    ``options`` as attention_reference's: alibi_slopes, sinks, causal, scale, window_size,
+    softcap). ``compute_dtype`` float64 (or float32): the exact attention of the dequantized
+    inputs. None: plain PyTorch in fp8, the accuracy rule's baseline: the dequantized inputs
+    in fp32 (their products are exact there), the probabilities rounded to e4m3 for the
+    product with v (p_e4m3), out rounded to ``out_dtype``."""
+    dtype = torch.float32 if compute_dtype is None else compute_dtype
+    out, lse = attention_reference(
+        dequantize(q, q_descale, dtype), dequantize(k, k_descale, dtype),
+        dequantize(v, v_descale, dtype), compute_dtype=dtype, p_e4m3=compute_dtype is None,
+        **options)
+    return (out.to(out_dtype), lse) if compute_dtype is None else (out, lse)
+
+
 def keys_in_bounds(S_q: int, S_k: int, causal: bool, window_size: Sequence[int],
                    device=None) -> Tensor:
     """(S_q, S_k) bool: whether query i may attend key j under the causal and window bounds,
@@ -35,10 +65,13 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
                         softcap: float = 0.0, dropout_p: float = 0.0,
                         dropout_mask: Optional[Tensor] = None,
-                        compute_dtype: Optional[torch.dtype] = torch.float32
-                        ) -> tuple[Tensor, Tensor]:
+                        compute_dtype: Optional[torch.dtype] = torch.float32,
+                        p_e4m3: bool = False) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention with flashop's modifiers, computed in ``compute_dtype``
-    (``None``: the inputs' dtype, as plain PyTorch would).
+    (``None``: the inputs' dtype, as plain PyTorch would). ``p_e4m3``: the probabilities
+    go to the product with v rounded to float8_e4m3fn, each row scaled so that its largest
+    is 448 (e4m3's), as an fp8 P V product takes them (plain PyTorch's fp8 attention: see
+    fp8_attention_reference).
 
     Layout as ``flashop.attention``: q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv,
     DV); out (B, S_q, H, DV) and lse (B, H, S_q), both in ``compute_dtype``. The score of
@@ -101,6 +134,10 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     # so no NaN appears in the forward or the backward
     s = s.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0)
     p = torch.softmax(s, dim=-1).masked_fill(~keep, 0.0)
+    if p_e4m3 and p.numel():
+        top = p.amax(-1, keepdim=True)
+        top = torch.where(top > 0, top, 1.0) / 448
+        p = (p / top).to(torch.float8_e4m3fn).to(dtype) * top
     if dropout_p > 0:
         if dropout_mask is None:
             raise ValueError("attention_reference: dropout_p > 0 needs the dropout_mask")
@@ -241,10 +278,8 @@ def gather_kvcache(cache: Tensor, length: int, b: int, cache_batch_idx: Optional
 def _dequantize(x: Tensor, descale: Optional[Tensor], dtype: torch.dtype) -> Tensor:
     """An fp8 cache's (S, H_kv, .) keys or values times ``descale`` (H_kv,) (exact in
     fp64), rounded once to ``dtype``."""
-    x = x.double()
-    if descale is not None:
-        x = x * descale.double()[:, None]
-    return x.to(dtype)
+    d = None if descale is None else descale[None]
+    return dequantize(x[None], d, torch.float64)[0].to(dtype)
 
 
 def attention_with_kvcache_reference(
