@@ -631,3 +631,43 @@ def test_cached_launches_keep_no_tensor_alive():
         del q, k, v
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 2**20
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
+                    reason="fp8 tensor cores need sm_89 or newer")
+@pytest.mark.parametrize("D, keys_last", [(128, False), (128, True), (256, False)])
+def test_fp8_forward_under_inductor_cuda_graphs_and_export(D, keys_last):
+    """The fp8 operator: Inductor's code launches its Triton kernels, compiled (default and
+    reduce-overhead: CUDA graphs) and exported calls equal the eager call bit for bit, with
+    values in either layout."""
+    from torch._inductor.utils import run_and_get_code
+
+    fp8 = torch.float8_e4m3fn
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v = (torch.randn(2, 4096, h, D, device="cuda", generator=gen).to(fp8)
+               for h in (4, 2, 2))
+    if keys_last:
+        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    qd, kd, vd = (torch.rand(2, 2, device="cuda", generator=gen) + 0.5 for _ in range(3))
+
+    def fn(q, k, v, qd, kd, vd):
+        return flashop.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
+
+    eager = fn(q, k, v, qd, kd, vd)
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(fn, fullgraph=True), q, k, v, qd, kd, vd)
+    assert "attention_fwd" in " ".join(code)
+    assert torch.equal(out, eager)
+    torch._dynamo.reset()
+    graphed = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        assert torch.equal(graphed(q, k, v, qd, kd, vd), eager)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, qd, kd, vd):
+            return fn(q, k, v, qd, kd, vd)
+
+    program = torch.export.export(Attention(), (q, k, v, qd, kd, vd))
+    assert "attention_fp8" in str(program.graph)
+    assert torch.equal(program.module()(q, k, v, qd, kd, vd), eager)

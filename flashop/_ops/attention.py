@@ -347,14 +347,16 @@ def _lengths(cu_seqlens: Tensor, longest: int) -> list:
 def bhsd_shapes(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=None, max_seqlen_k=None):
     """(q, k, v) shapes in SDPA's (B, H, S, D) layout: the batch's, or each packed sequence's
-    (flop_counter's formulas take those)."""
+    (flop_counter's formulas take those), k and v with q's heads (grouped-query heads each
+    do a query head's work; torch<2.13's formulas refuse fewer key/value heads)."""
     if cu_seqlens_q is None:
-        yield tuple(tuple(x.shape[i] for i in (0, 2, 1, 3)) for x in (q, k, v))
+        B, S_q, H, D = q.shape
+        yield (B, H, S_q, D), (B, H, k.shape[1], D), (B, H, v.shape[1], v.shape[3])
         return
+    H = q.shape[1]
     for s_q, s_k in zip(_lengths(cu_seqlens_q, max_seqlen_q),
                         _lengths(cu_seqlens_k, max_seqlen_k)):
-        yield (1, q.shape[1], s_q, q.shape[2]), (1, k.shape[1], s_k, k.shape[2]), \
-            (1, v.shape[1], s_k, v.shape[2])
+        yield (1, H, s_q, q.shape[2]), (1, H, s_k, k.shape[2]), (1, H, s_k, v.shape[2])
 
 
 @register_flop_formula(torch.ops.flashop.attention_forward, get_raw=True)

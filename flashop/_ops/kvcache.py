@@ -143,7 +143,7 @@ def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=N
     ``cache_seqlens[b] + S_new`` up to the cache's capacity, less ``cache_leftpad[b]`` (the
     capacity for each where the lengths have no values: fake or meta tensors)."""
     B, S_q, H, D = q.shape
-    H_kv, DV = k_cache.shape[2], v_cache.shape[3]
+    DV = v_cache.shape[3]  # grouped-query heads counted as query heads (bhsd_shapes)
     capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                 else k_cache.shape[1])
     S_new = 0 if k is None else k.shape[1]
@@ -151,7 +151,7 @@ def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=N
     pads = [0] * B if cache_leftpad is None else values(cache_leftpad)
     lengths = ([capacity] * B if cached is None or pads is None
                else [max(min(n + S_new, capacity) - p, 0) for n, p in zip(cached, pads)])
-    return sum(sdpa_flop_count((1, H, S_q, D), (1, H_kv, L, D), (1, H_kv, L, DV))
+    return sum(sdpa_flop_count((1, H, S_q, D), (1, H, L, D), (1, H, L, DV))
                for L in lengths)
 
 

@@ -35,6 +35,15 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def to_e4m3(x):
+    """``x`` (fp32) as ``float8_e4m3fn``: round_to_e4m3, then converted, keeping the sign of a
+    zero (Hopper's saturating conversion gives -0.0 as +0.0; torch's keeps it)."""
+    b_y = round_to_e4m3(x).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    b_sign = tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0).to(tl.uint8)
+    return (b_y | b_sign).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def dot_operand(x, UPCAST: tl.constexpr):
     """Operand of ``tl.dot``: as loaded, or in fp32 where ``UPCAST``.
 

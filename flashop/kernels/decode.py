@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, load_tile, round_to_e4m3, to_bf16,
+    LN2, LOG2E, attention_scores, dot_operand, load_tile, to_bf16, to_e4m3,
 )
 
 
@@ -86,11 +86,11 @@ def load_descale(descale, i_b, i_h, stride_db, HAS_DESCALE: tl.constexpr):
 @triton.jit
 def quantize_e4m3(b_x, ds, HAS_DESCALE: tl.constexpr):
     """``b_x / ds`` (fp32, correctly rounded) rounded to float8_e4m3fn: ties to even,
-    saturating at +-448 (round_to_e4m3, which the interpreter's conversion needs)."""
+    saturating at +-448, the sign of a zero kept (to_e4m3)."""
     b_x = b_x.to(tl.float32)
     if HAS_DESCALE:
         b_x = tl.math.div_rn(b_x, tl.zeros_like(b_x) + ds)
-    return round_to_e4m3(b_x).to(tl.float8e4nv)
+    return to_e4m3(b_x)
 
 
 @triton.jit
