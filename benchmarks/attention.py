@@ -7,7 +7,8 @@ alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
 
 Providers: flashop (its defaults, eager), flashop-compiled (the same call inside
 ``torch.compile(fullgraph=True)``), flashop-deterministic (``deterministic=True``: the bitwise
-reproducible backward), flashop with switches changed (flashop-atomic,
+reproducible backward), flashop-fp8 (the forward on e4m3 q, k, v, each quantized per
+(batch, head) by its amax, untimed; FLOPs counted as bf16's), flashop with switches changed (flashop-atomic,
 flashop-atomic-no-gluon, flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws,
 flashop-no-gluon: README's Configuration, set with ``flashop.config.override`` while
 timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
@@ -51,8 +52,9 @@ FLASHOP_VARIANTS = {
 # flashop called otherwise: compiled, or with the deterministic backward
 FLASHOP_CALLS = {"flashop-compiled": {"compiled": True},
                  "flashop-deterministic": {"deterministic": True}}
+FORWARD_ONLY = ["flashop-fp8"]
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-mem", "flex"]
-PROVIDERS = [*FLASHOP_VARIANTS, *FLASHOP_CALLS, *PEERS]
+PROVIDERS = [*FLASHOP_VARIANTS, *FLASHOP_CALLS, *FORWARD_ONLY, *PEERS]
 DEFAULT_PROVIDERS = ["flashop", *PEERS]
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -62,7 +64,8 @@ SDPA_BACKENDS = {
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "dtype", "D", "N", "B", "H", "causal",
               "pass", "ms", "tflops"]
 RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex"), ("flashop", "sdpa-cudnn"),
-          ("flashop-compiled", "flashop"), ("flashop-deterministic", "sdpa-cudnn")]
+          ("flashop-compiled", "flashop"), ("flashop-deterministic", "sdpa-cudnn"),
+          ("flashop-fp8", "flashop")]
 
 
 def import_flashop():
@@ -93,6 +96,28 @@ def provider_flashop(N, causal, switches=None, compiled=False, deterministic=Fal
     if compiled:
         fn = _compiled(fn)
     fn.switches = dict(switches or {})
+    return fn, "bnhd"
+
+
+def provider_flashop_fp8(causal):
+    """flashop.attention on e4m3 copies of q, k, v with their (B, H) descales, made on the
+    first call of each input (not timed; v keeps the (B, N, H, D) layout, so the forward's
+    copy of v keys-last is timed)."""
+    flashop = import_flashop()
+    made = {}
+
+    def quantized(x):
+        descale = (x.detach().abs().amax(dim=(1, 3)).float() / 448).clamp(min=1e-12)
+        return (x.detach().float() / descale[:, None, :, None]).to(torch.float8_e4m3fn), descale
+
+    def fn(q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in made:
+            made.clear()
+            made[key] = [quantized(x) for x in (q, k, v)]
+        (q8, qd), (k8, kd), (v8, vd) = made[key]
+        return flashop.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
     return fn, "bnhd"
 
 
@@ -142,6 +167,8 @@ def make_provider(name, N, causal):
         return provider_flashop(N, causal, FLASHOP_VARIANTS[name])
     if name in FLASHOP_CALLS:
         return provider_flashop(N, causal, **FLASHOP_CALLS[name])
+    if name == "flashop-fp8":
+        return provider_flashop_fp8(causal)
     if name in SDPA_BACKENDS:
         return provider_sdpa(SDPA_BACKENDS[name], causal)
     if name == "flex":
@@ -419,15 +446,16 @@ def main(argv=None):
             try:
                 fn, layout = make_provider(name, N, causal)
                 inputs = make_inputs(B, N, H, D, layout)
-                times = bench_one(fn, inputs, args.passes, args.warmup, args.rep,
-                                  args.cuda_graph)
+                passes = [p for p in args.passes if p == "fwd" or name not in FORWARD_ONLY]
+                times = bench_one(fn, inputs, passes, args.warmup, args.rep, args.cuda_graph)
             except Exception as e:  # unsupported shape, OOM, compile failure...
                 bar.write(f"  {name:<16} skipped: {type(e).__name__}: {error_line(e)}")
                 times = {}
             for pass_, ms in times.items():
                 tflops = flops(B, H, N, D, causal, pass_) / (ms * 1e-3) / 1e12
                 rows.append({"gpu": gpu, "torch": torch.__version__,
-                             "triton": triton.__version__, "provider": name, "dtype": "bf16",
+                             "triton": triton.__version__, "provider": name,
+                             "dtype": "fp8" if name == "flashop-fp8" else "bf16",
                              "D": D, "N": N, "B": B, "H": H, "causal": causal, "pass": pass_,
                              "ms": round(ms, 4), "tflops": round(tflops, 1)})
                 bar.write(f"  {name:<16} {pass_}  {ms:8.3f} ms  {tflops:7.1f} TFLOP/s")
