@@ -213,6 +213,18 @@ _register_opaque("attention_backward", run_backward, _attention_backward_fake)
 # --- autograd ---------------------------------------------------------------------------------
 
 
+def register_forward_only(op, message: str) -> None:
+    """Autograd for a forward-only operator: a backward through its outputs raises
+    ``message`` (a RuntimeError); nothing is saved."""
+    def backward(ctx, *grads):
+        raise RuntimeError(message)
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        pass
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
 def save_for_grads(ctx, inputs: tuple, out: Tensor, lse_log2: Tensor, options: dict) -> None:
     """Save on ``ctx`` what attention_grads reads: the forward's inputs (in FORWARD_INPUTS'
     order; trailing ones may be left out), out, lse_log2 and the keyword options."""

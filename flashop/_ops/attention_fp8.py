@@ -27,7 +27,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import attention as launch
 from flashop._launch.options import modifiers, packing
-from flashop._ops.attention import bhsd_shapes
+from flashop._ops.attention import bhsd_shapes, register_forward_only
 from flashop._ops.checks import check_fp8_inputs, check_packing_arguments
 from flashop.kernels import INTERPRETING
 
@@ -86,19 +86,11 @@ def _attention_fp8_fake(q, k, v, *args, out_dtype=None, **options):
     return out, lse
 
 
-def _fp8_backward(ctx, dout, dlse):
-    raise RuntimeError(
-        "flashop.attention: fp8 (float8_e4m3fn) attention is forward-only, as "
-        "FlashAttention-3's: no gradient flows to fp8 q, k, v; for training run the 16-bit "
-        "inputs (bfloat16 or float16), or run the fp8 call under torch.no_grad() / "
-        "torch.inference_mode()")
-
-
-def _fp8_setup_context(ctx, inputs, keyword_only_inputs, output):
-    pass  # the backward saves nothing: it raises
-
-
-attention_fp8.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+register_forward_only(attention_fp8, (
+    "flashop.attention: fp8 (float8_e4m3fn) attention is forward-only, as "
+    "FlashAttention-3's: no gradient flows to fp8 q, k, v; for training run the 16-bit "
+    "inputs (bfloat16 or float16), or run the fp8 call under torch.no_grad() / "
+    "torch.inference_mode()"))
 
 
 @register_flop_formula(torch.ops.flashop.attention_fp8, get_raw=True)

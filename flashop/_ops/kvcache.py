@@ -42,7 +42,7 @@ from flashop._launch import kvcache as launch
 from flashop._launch.fastpath import eager_meta
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
-from flashop._ops.attention import bhsd_shapes, values
+from flashop._ops.attention import bhsd_shapes, register_forward_only, values
 from flashop._ops.checks_kvcache import check_kvcache_inputs, check_paged_varlen_inputs
 from flashop.kernels import INTERPRETING
 
@@ -201,19 +201,11 @@ def _attention_varlen_paged_fake(q, k_cache, v_cache, *args, **options):
     return out, lse
 
 
-def _paged_backward(ctx, dout, dlse):
-    raise RuntimeError(
-        "flashop.attention_varlen: no backward over paged keys and values (block_table): "
-        "paged prefill is forward-only, as in flash-attn; for training pass k and v packed "
-        "(total_k, kv_heads, head_dim) with cu_seqlens_k, or run the paged call under "
-        "torch.no_grad() / torch.inference_mode()")
-
-
-def _paged_setup_context(ctx, inputs, keyword_only_inputs, output):
-    pass  # the backward saves nothing: it raises
-
-
-attention_varlen_paged.register_autograd(_paged_backward, setup_context=_paged_setup_context)
+register_forward_only(attention_varlen_paged, (
+    "flashop.attention_varlen: no backward over paged keys and values (block_table): "
+    "paged prefill is forward-only, as in flash-attn; for training pass k and v packed "
+    "(total_k, kv_heads, head_dim) with cu_seqlens_k, or run the paged call under "
+    "torch.no_grad() / torch.inference_mode()"))
 autocast.register(_lib, "attention_varlen_paged")
 
 
