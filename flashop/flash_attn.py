@@ -45,9 +45,10 @@ def _window(window_size: Sequence[int]) -> tuple:
 
 
 def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-           alibi_slopes, deterministic, return_attn_probs):
+           alibi_slopes, deterministic, return_attn_probs, **descales):
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                   softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic)
+                   softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic,
+                   **descales)
     if return_attn_probs:
         out, lse = api.attention_with_lse(q, k, v, None, alibi_slopes, **options)
         return out, lse, None
@@ -56,10 +57,11 @@ def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
 
 def _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, block_table=None):
+            return_attn_probs, block_table=None, **descales):
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
-                   softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic)
+                   softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic,
+                   **descales)
     if block_table is not None:  # paged prefill: forward only
         options["block_table"] = block_table
     if return_attn_probs:
@@ -77,13 +79,16 @@ def _unstack(name: str, packed: Tensor, dim: int, count: int, layout: str) -> tu
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, q_descale=None, k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_k, headdim), ``nheads % nheads_k == 0``. Returns out
     (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse (batch, nheads, seqlen_q),
-    None)`` with ``return_attn_probs=True``."""
+    None)`` with ``return_attn_probs=True``. float8_e4m3fn q, k, v with FlashAttention-3's
+    ``q_descale``, ``k_descale``, ``v_descale`` (batch, nheads_k) run the fp8 forward
+    (bf16 out; docs/fp8.md)."""
     return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
-                  softcap, alibi_slopes, deterministic, return_attn_probs)
+                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -110,17 +115,20 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None,
+                           q_descale=None, k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, nheads, headdim), k and v
     (total_k, nheads_k, headdim), ``cu_seqlens_q/k`` (batch + 1,) int32, ``max_seqlen_q/k``
     ints. Returns out (total_q, nheads, headdim), or ``(out, softmax_lse (nheads, total_q),
     None)`` with ``return_attn_probs=True``. With ``block_table`` (batch, max_num_blocks)
     int32, k and v are paged caches (num_blocks, page_block_size, nheads_k, headdim) and
     sequence b's keys (as many as cu_seqlens_k counts) are its first keys in its pages:
-    paged prefill, forward only (flashop.attention_varlen)."""
+    paged prefill, forward only (flashop.attention_varlen). float8_e4m3fn inputs with
+    ``q_descale``, ``k_descale``, ``v_descale`` (batch, nheads_k) run the fp8 forward."""
     return _packed("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, deterministic, return_attn_probs, block_table)
+                   alibi_slopes, deterministic, return_attn_probs, block_table,
+                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -15,14 +15,16 @@ _TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
          ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
          ("deterministic", False), ("return_attn_probs", False)]
 _REQUIRED = inspect.Parameter.empty
+# FlashAttention-3's descales of fp8 inputs, after flash-attn 2.x's parameters
+_FP8 = [("q_descale", None), ("k_descale", None), ("v_descale", None)]
 SIGNATURES = {
-    "flash_attn_func": [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _TAIL,
+    "flash_attn_func": [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _TAIL + _FP8,
     "flash_attn_qkvpacked_func": [("qkv", _REQUIRED)] + _TAIL,
     "flash_attn_kvpacked_func": [("q", _REQUIRED), ("kv", _REQUIRED)] + _TAIL,
     "flash_attn_varlen_func": (
         [(n, _REQUIRED) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
                                   "max_seqlen_q", "max_seqlen_k")]
-        + _TAIL + [("block_table", None)]),
+        + _TAIL + [("block_table", None)] + _FP8),
     "flash_attn_varlen_qkvpacked_func": (
         [(n, _REQUIRED) for n in ("qkv", "cu_seqlens", "max_seqlen")] + _TAIL),
     "flash_attn_varlen_kvpacked_func": (

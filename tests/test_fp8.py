@@ -133,6 +133,20 @@ def test_fp8_values_in_either_layout_give_the_same_bits(warp_specialize):
           fp8_attention_reference(q, k, v, qd, kd, vd, compute_dtype=None))
 
 
+def test_fp8_through_the_flash_attn_doors():
+    """flash_attn_func and flash_attn_varlen_func take FlashAttention-3's descales and give
+    the functions' results."""
+    from flashop.flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    q, k, v, qd, kd, vd = fp8_inputs(1, 48, 48, 1, 2, 32, 32, seed=7)
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    expected = flashop.attention(q, k, v, causal=True, **descales)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, **descales), expected)
+    cu = torch.tensor([0, 48], device=DEVICE, dtype=torch.int32)
+    assert torch.equal(flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 48, 48, causal=True,
+                                              **descales), expected[0])
+
+
 def test_fp8_descales_default_to_one():
     q, k, v, _, _, _ = fp8_inputs(1, 40, 40, 1, 1, 32, 32, seed=4)
     ones = torch.ones(1, 1, device=DEVICE)
