@@ -67,11 +67,14 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                         dropout_mask: Optional[Tensor] = None,
                         compute_dtype: Optional[torch.dtype] = torch.float32,
                         p_e4m3: bool = False) -> tuple[Tensor, Tensor]:
-    """(out, lse) of attention with flashop's modifiers, computed in ``compute_dtype``
-    (``None``: the inputs' dtype, as plain PyTorch would). ``p_e4m3``: the probabilities
-    go to the product with v rounded to float8_e4m3fn, each row scaled so that its largest
-    is 448 (e4m3's), as an fp8 P V product takes them (plain PyTorch's fp8 attention: see
-    fp8_attention_reference).
+    """(out, lse) of attention with flashop's modifiers, computed in ``compute_dtype``.
+    ``None``: as plain PyTorch in the inputs' dtype, the baseline of flashop's accuracy rule
+    (flashop.testing): q, k, v, their products and the softmax in q's dtype, the modifiers'
+    terms (ALiBi's distances, the gate's cumulative sum, a float ``attn_mask``, the sinks)
+    in fp32 at least, as users hold them, each row's scores rounded to q's dtype once
+    they are summed. ``p_e4m3``: the probabilities go to the product with v rounded to
+    float8_e4m3fn, each row scaled so that its largest is 448 (e4m3's), as an fp8 P V
+    product takes them (plain PyTorch's fp8 attention: see fp8_attention_reference).
 
     Layout as ``flashop.attention``: q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv,
     DV); out (B, S_q, H, DV) and lse (B, H, S_q), both in ``compute_dtype``. The score of
@@ -94,6 +97,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     Differentiable in q, k, v, g, a float attn_mask and sinks.
     """
     dtype = q.dtype if compute_dtype is None else compute_dtype
+    # the modifiers' terms: fp32 at least (a 16-bit modifier is cast exactly)
+    mdtype = torch.promote_types(dtype, torch.float32)
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
     group = H // H_kv
@@ -104,13 +109,14 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (B, H, S_q, S_k)
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    s = s.to(mdtype)
     i = torch.arange(S_q, device=q.device)[:, None] + (S_k - S_q)  # query positions
     j = torch.arange(S_k, device=q.device)[None, :]
     if alibi_slopes is not None:
-        slopes = alibi_slopes.to(dtype).reshape(-1, H, 1, 1)  # (1 or B, H, 1, 1)
-        s = s - slopes * (i - j).abs().to(dtype)
+        slopes = alibi_slopes.to(mdtype).reshape(-1, H, 1, 1)  # (1 or B, H, 1, 1)
+        s = s - slopes * (i - j).abs().to(mdtype)
     if g is not None:
-        G = torch.cumsum(g.to(dtype), dim=1).transpose(1, 2)  # (B, H, S_k)
+        G = torch.cumsum(g.to(mdtype), dim=1).transpose(1, 2)  # (B, H, S_k)
         # queries before position 0 (S_q > S_k) attend nothing under causal: G_q = 0 there
         pad = max(S_q - S_k, 0)
         G_q = torch.nn.functional.pad(G, (pad, 0))[..., S_k + pad - S_q:]
@@ -120,19 +126,19 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         if attn_mask.dtype == torch.bool:
             keep = keep & attn_mask
         else:
-            bias = attn_mask.to(dtype)
+            bias = attn_mask.to(mdtype)
             s = s + bias
             keep = keep & (bias != float("-inf"))
     if sinks is not None:
         # the sink as one more key, kept in every row, whose value is zero
-        sink = sinks.to(dtype).reshape(1, H, 1, 1).expand(B, H, S_q, 1)
+        sink = sinks.to(mdtype).reshape(1, H, 1, 1).expand(B, H, S_q, 1)
         s = torch.cat([s.expand(B, H, S_q, S_k), sink], dim=-1)
         keep = torch.cat([keep, keep.new_ones(B, H, S_q, 1)], dim=-1)
         vf = torch.cat([vf, vf.new_zeros(B, H, 1, vf.shape[-1])], dim=-2)
     empty = ~keep.any(-1, keepdim=True)  # rows that attend nothing
     # softmax over the row's own keys; empty rows get a softmax of zeros that is then zeroed,
     # so no NaN appears in the forward or the backward
-    s = s.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0)
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0).to(dtype)
     p = torch.softmax(s, dim=-1).masked_fill(~keep, 0.0)
     if p_e4m3 and p.numel():
         top = p.amax(-1, keepdim=True)

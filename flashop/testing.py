@@ -2,7 +2,10 @@
 
 flashop's largest error to a float64 reference must be at most ``factor`` (2 for outputs,
 3 for gradients) times the largest error of plain PyTorch computing in the inputs' dtype,
-plus ``rounding_noise``: FlashAttention's test rule.
+plus ``rounding_noise``: FlashAttention's test rule. Plain PyTorch holds the modifiers (ALiBi
+slopes, the gate's cumulative sum, a float mask, the sinks) in fp32 and rounds each row's
+scores to the inputs' dtype for the softmax (``attention_reference`` with
+``compute_dtype=None``; docs/testing.md).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def check_attention(q, k, v, dout, dlse, out, lse, grads, attn_mask=None, alibi_
                     g=None, sinks=None, **options) -> list[Accuracy]:
     """The rule applied to flashop's ``out``, ``lse`` (2x) and ``grads`` (3x; in the order of
     :func:`differentiable_inputs`), given the cotangents ``dout`` and ``dlse`` they were
-    computed with, against the float64 reference and plain PyTorch in the inputs' dtype.
+    computed with, against the float64 reference and plain PyTorch in the inputs' dtype
+    (its modifiers in fp32).
     ``options`` are the keyword options of ``flashop.attention`` (causal, scale, ...; with
     ``dropout_p``, also the reference's ``dropout_mask``: :func:`dropout_mask`)."""
     return _apply_rule(
