@@ -34,7 +34,7 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     LOG2E, attention_scores, dot_operand, dropout_keep, key_tile_range, load_tile,
-    query_tile_range,
+    query_tile_range, score_dot,
 )
 
 
@@ -115,7 +115,7 @@ def _dkdv_query_tiles(
         else:
             b_lse = _lse_rows(tl.load(lse_log2 + o_m))
         # S^T = K Q^T [BLOCK_N, BLOCK_M]
-        b_st = tl.dot(b_k, dot_operand(b_qt, UPCAST), input_precision=DOT_PRECISION)
+        b_st = score_dot(b_k, dot_operand(b_qt, UPCAST), DOT_PRECISION)
         b_st, b_tt = attention_scores(
             b_st, qk_scale, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left,
             right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
@@ -310,7 +310,7 @@ def _dq_key_tiles(
         b_vt = dot_operand(load_tile(v + o_n[None, :] * stride_vs + o_dv[:, None], m_n[None, :],
                                      o_dv[:, None] < DV, EDGE_TILE, BLOCK_DV != DV), UPCAST)
         # [BLOCK_M, BLOCK_N]
-        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+        b_s = score_dot(b_q, b_kt, DOT_PRECISION)
         # dP = dO V^T [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
         b_gk = 0.0

@@ -56,6 +56,28 @@ def dot_operand(x, UPCAST: tl.constexpr):
     return x
 
 
+# Under Triton's interpreter tl.dot is numpy's matmul, whose fp32 sums run in an order that
+# depends on the operands' shapes and layout: the dK/dV kernel's S^T = K Q^T and the
+# forward's S = Q K^T round a score differently there (on a GPU the FMA chain over the head
+# dim runs in one order in both). P recomputed from the forward's lse is then off by about
+# |score| * 2^-23, which takes fp32 gradients outside the accuracy rule at scores of 100.
+# There (INTERPRETED) the scores are summed in fp64 and rounded to fp32 once: the same in
+# every kernel. The operands go to fp64 through fp32 (exact): triton<=3.9's interpreter
+# cannot convert e4m3 to fp64 directly (a numpy shift of uint64 by int32 raises).
+
+
+@triton.jit
+def score_dot(a, b, DOT_PRECISION: tl.constexpr):
+    """The scores' product ``a @ b`` (Q K^T, or K Q^T transposed), fp32; operands as
+    dot_operand gives them."""
+    if INTERPRETED:
+        s = tl.dot(a.to(tl.float32).to(tl.float64), b.to(tl.float32).to(tl.float64))
+        s = s.to(tl.float32)
+    else:
+        s = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return s
+
+
 @triton.jit
 def to_bf16(x):
     """fp32 ``x`` rounded to the nearest bf16 (ties to even), as a GPU's cast rounds.

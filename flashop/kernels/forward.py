@@ -11,7 +11,7 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep,
-    heaviest_tiles_first, key_tile_range, load_tile, round_to_e4m3,
+    heaviest_tiles_first, key_tile_range, load_tile, round_to_e4m3, score_dot,
 )
 
 # fp8 inputs: P is scaled by 448 (e4m3's largest value, 2^P_SHIFT) before its cast to e4m3
@@ -31,7 +31,7 @@ def _fwd_scores(
 ):
     """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
     ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (_fwd_fold does it)."""
-    b_qk = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
+    b_qk = score_dot(b_q, dot_operand(b_kt, UPCAST), DOT_PRECISION)
     if FOLD_SCALE:
         qk_scale = 1.0
     b_s, _ = attention_scores(
@@ -448,7 +448,7 @@ def _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE: tl.constex
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One query tile of attention_fwd_ws_kernel against one key tile, none of it masked:
     its scores, then _fwd_fold."""
-    b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+    b_s = score_dot(b_q, b_kt, DOT_PRECISION)
     if not FOLD_SCALE:
         b_s = b_s * qk_scale
     return _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE, UPCAST,
