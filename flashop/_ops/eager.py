@@ -129,16 +129,22 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch
                                           v_descale, **options)
 
 
+def _direct_forward_only(*tensors) -> bool:
+    """Whether a forward-only operator's body runs directly: the direct path applies and no
+    input requires grad (one that does goes through the operator, whose autograd refuses a
+    backward)."""
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return not grads and is_direct(*tensors)
+
+
 def attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, block_table, alibi_slopes, sinks, **options):
     """(out, lse) of a paged prefill: the operator's body itself where the direct path
     applies and no input requires grad, else the operator (whose autograd refuses a
     backward)."""
-    tensors = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-               sinks)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes)
-    if is_direct(*tensors) and not grads:
+    if _direct_forward_only(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table,
+                            alibi_slopes, sinks):
         dtype = autocast.region_dtype(q)
         if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
             q, k_cache, v_cache, sinks = autocast.cast_arguments(
@@ -155,10 +161,8 @@ def attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     """(out, lse) of an fp8 call: the operator's body itself where the direct path applies
     and no input requires grad, else the operator (whose autograd refuses a backward).
     Autocast leaves e4m3 inputs as they are."""
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale,
-               alibi_slopes, sinks)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if is_direct(*tensors) and not grads:
+    if _direct_forward_only(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
+                            v_descale, alibi_slopes, sinks):
         with set_wrap_triton_enabled(False):
             return attention_fp8_ops.run_attention_fp8(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
