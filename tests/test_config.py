@@ -3,6 +3,7 @@ flashop.config.override."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,10 +36,12 @@ def test_switches_are_read_from_the_environment_at_import():
     env = {"FLASHOP_AUTOTUNE": "1", "FLASHOP_TMA": "0", "FLASHOP_WS": "1", "FLASHOP_GLUON": "0",
            "FLASHOP_DQ_ATOMICS": "1", "FLASHOP_DIRECT_EAGER": "0", "FLASHOP_CACHED_LAUNCH": "0",
            "TRITON_INTERPRET": "1"}
+    # the child imports flashop from the repository root, wherever pytest was started
+    root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True)
+                          check=True, cwd=root)
     assert done.stdout.split() == ["True", "False", "True", "False", "True", "False", "False"]
     done = subprocess.run([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, cwd=root)
     assert done.stdout.split() == ["False", "None", "None", "None", "None", "True", "True"]
 
