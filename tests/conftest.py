@@ -30,9 +30,53 @@ settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
 
 
+def _patch_the_language_once_per_launch():
+    """Under Triton's interpreter, every call of a ``@triton.jit`` helper from inside a kernel
+    patches triton.language again (``_patch_lang``: ``inspect.getmembers`` of the language
+    modules, about 2 ms a call), although the launch running the kernel patched the same
+    modules already and keeps them patched until it returns. That was 40% of the property
+    tests' time (29,000 helper calls in one test's 150 s). Inside a launch, a helper whose
+    module sees no language module the launch did not patch now skips it; launches and
+    everything else run as Triton wrote them. The kernels compute the same bits
+    (tests/test_config.py checks it)."""
+    try:
+        from triton.runtime import interpreter
+        patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+        scope_type = interpreter._LangPatchScope
+    except (ImportError, AttributeError):  # another Triton: keep its interpreter as it is
+        return
+    import triton.language as tl
+
+    patched = [frozenset()]  # the language modules the running launch has patched
+
+    def languages(fn):
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def patch_once(fn):
+        wanted = languages(fn)
+        if wanted and wanted <= patched[-1]:
+            return scope_type()  # nothing to restore
+        scope = patch_lang(fn)
+        patched[-1] = patched[-1] | wanted
+        return scope
+
+    def launch(self, *args, **kwargs):
+        patched.append(frozenset())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
+    interpreter._flashop_patch_once = (patch_lang, grid_call)  # the originals, for the test
+
+
 def pytest_configure(config):
     if not torch.cuda.is_available() and _SAVED_INTERPRET is None:
         os.environ["TRITON_INTERPRET"] = "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_the_language_once_per_launch()
 
 
 def pytest_unconfigure(config):

@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import flashop
 from flashop import config
 
 
@@ -45,3 +47,33 @@ def test_switches_are_read_from_the_environment_at_import():
                           capture_output=True, text=True, check=True, cwd=root)
     assert done.stdout.split() == ["False", "None", "None", "None", "None", "True", "True"]
 
+
+
+@pytest.mark.skipif(not flashop.INTERPRETING, reason="Triton's interpreter only")
+def test_patching_the_language_once_per_launch_changes_no_bits(monkeypatch):
+    """tests/conftest.py lets a launch patch triton.language once for all the helpers its
+    kernel calls; the kernels give the same bits as with Triton's own patching (a call of
+    every modifier, forward and backward, with dQ by atomics and without)."""
+    from triton.runtime import interpreter
+
+    from helpers import Case, make_inputs, make_modifiers, run_flashop
+
+    assert hasattr(interpreter, "_flashop_patch_once")  # in effect on this Triton
+    case = Case(2, 37, 45, 2, 2, 16, 8, torch.bfloat16, causal=True, window_size=(20, 0), softcap=5.0,
+                alibi=(4,), gate=torch.float32, mask=torch.float32, mask_shape=(1, 4, 37, 45),
+                mask_grad=True, sinks=torch.float32)
+    inputs, dout, dlse = make_inputs(case)
+    mods = make_modifiers(case)
+
+    def results():
+        torch.manual_seed(0)
+        return [t for atomics in (True, False)
+                for out, lse, grads in [run_flashop(case, inputs, dout, dlse, mods, atomics)]
+                for t in (out, lse, *grads)]
+
+    once = results()
+    patch_lang, grid_call = interpreter._flashop_patch_once
+    monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", grid_call)
+    every_call = results()
+    assert all(torch.equal(a, b) for a, b in zip(once, every_call, strict=True))

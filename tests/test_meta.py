@@ -2,8 +2,6 @@
 with meta outputs of the right shapes and dtypes, gradients included, from the operators'
 fakes (the paged prefill's included), and no launcher runs."""
 
-from unittest import mock
-
 import pytest
 import torch
 
