@@ -59,9 +59,9 @@ def test_patching_the_language_once_per_launch_changes_no_bits(monkeypatch):
     from helpers import Case, make_inputs, make_modifiers, run_flashop
 
     assert hasattr(interpreter, "_flashop_patch_once")  # in effect on this Triton
-    case = Case(2, 37, 45, 2, 2, 16, 8, torch.bfloat16, causal=True, window_size=(20, 0), softcap=5.0,
-                alibi=(4,), gate=torch.float32, mask=torch.float32, mask_shape=(1, 4, 37, 45),
-                mask_grad=True, sinks=torch.float32)
+    case = Case(2, 37, 45, 2, 2, 16, 8, torch.bfloat16, causal=True, window_size=(20, 0),
+                softcap=5.0, alibi=(4,), gate=torch.float32, mask=torch.float32,
+                mask_shape=(1, 4, 37, 45), mask_grad=True, sinks=torch.float32)
     inputs, dout, dlse = make_inputs(case)
     mods = make_modifiers(case)
 

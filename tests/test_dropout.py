@@ -440,25 +440,57 @@ def test_cuda_graph_replays_draw_fresh_masks():
     assert all(torch.isfinite(t).all() for t in replays[0])
     for a, b in zip(*replays):
         assert not torch.equal(a, b)
-    # reproducible: the same generator state replays the same masks
+    # reproducible: the same generator state replays the same masks, those of the eager call
+    # at that state (whose values the property tests hold to the reference with its mask)
     torch.cuda.manual_seed(11)
     graph.replay()
-    first = captured[0].clone()
+    first = tuple(t.clone() for t in captured)
     torch.cuda.manual_seed(11)
     graph.replay()
-    assert torch.equal(first, captured[0])
+    assert all(torch.equal(a, b) for a, b in zip(first, captured))
+    torch.cuda.manual_seed(11)
+    eager = step()
+    assert all(torch.equal(a, b) for a, b in zip(first, eager))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 def test_reduce_overhead_compiled_steps_draw_fresh_masks():
-    torch._dynamo.reset()
+    """Each replayed step (forward and backward in CUDA graphs) draws its own mask."""
+    torch.manual_seed(0)
     model = DropoutAttention(dim=128, heads=2).cuda()
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     x = torch.randn(2, 256, 128, device="cuda")
-    outs = [compiled(x).clone() for _ in range(4)]
-    for a, b in zip(outs, outs[1:]):
-        assert not torch.equal(a, b)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    steps = [tuple(t.clone() for t in _step(compiled, x)) for _ in range(4)]
+    for a, b in zip(steps, steps[1:]):
+        assert all(not torch.equal(s, t) for s, t in zip(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.xfail(strict=True, reason=(
+    "measured on an H200 (torch 2.11, triton 3.6): the first compiled step (cudagraph trees' "
+    "warm-up) equals the eager step bit for bit, the recorded and replayed steps from the "
+    "second on do not; plain CUDA graphs do (test_cuda_graph_replays_draw_fresh_masks); the "
+    "cause is not yet found"))
+def test_reduce_overhead_replayed_steps_equal_eager_at_the_same_seed():
+    """With eager's random numbers (Inductor's fallback_random) a replayed step equals the
+    eager step at the same manual_seed, bit for bit."""
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(0)
+    model = DropoutAttention(dim=128, heads=2).cuda()
+    x = torch.randn(2, 256, 128, device="cuda")
+    with inductor_config.patch(fallback_random=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for seed in (1, 2, 3, 2):  # the third and later steps replay the recorded graphs
+            torch.manual_seed(seed)
+            replayed = tuple(t.clone() for t in _step(compiled, x))
+            torch.manual_seed(seed)
+            eager = _step(model, x)
+            assert all(torch.equal(a, b) for a, b in zip(replayed, eager)), seed
 
 
 def _t(*shape, dtype=torch.float16, device=DEVICE):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashop
+from flashop.testing import check_attention, check_attention_varlen
 from helpers import DEVICE, Case, make_inputs
 
 pytestmark = [pytest.mark.gpu,
@@ -76,6 +77,7 @@ def _assert_replay_equals_eager(step):
     torch.cuda.synchronize()
     for a, b in zip(captured, expected):
         assert torch.equal(a, b)
+    return expected
 
 
 def test_cuda_graph_capture_and_replay():
@@ -83,8 +85,8 @@ def test_cuda_graph_capture_and_replay():
     outside PyTorch's allocator."""
     case = Case(B=2, S_q=200, S_k=333, H_kv=2, G=2, D=64, DV=64, dtype=torch.float16,
                 causal=True)
-    (q, k, v), dout, dlse = make_inputs(case)
-    q, k, v = q.detach(), k.detach(), v.detach()
+    inputs, dout, dlse = make_inputs(case)
+    q, k, v = (x.detach() for x in inputs)
 
     def step():
         out, lse, lse_log2 = torch.ops.flashop.attention_forward(q, k, v, causal=True)
@@ -92,7 +94,9 @@ def test_cuda_graph_capture_and_replay():
                                                      causal=True)
         return (out, lse, *grads)
 
-    _assert_replay_equals_eager(step)
+    out, lse, *grads = _assert_replay_equals_eager(step)
+    for result in check_attention(*inputs, dout, dlse, out, lse, grads, causal=True):
+        assert result.ok, str(result)
 
 
 def test_cuda_graph_capture_of_the_python_apis_backward():
@@ -121,6 +125,7 @@ def test_cuda_graph_capture_of_packed_batches_with_modifiers():
 
     args, dout, dlse = make_packed([0, 70, 1, 129], [5, 100, 1, 129], 2, 2, 64, torch.bfloat16,
                                    gate=torch.float32, alibi=(4,))
+    leaves = args
     args = {n: a.detach() if isinstance(a, torch.Tensor) else a for n, a in args.items()}
     options = dict(causal=True, window_size_left=48, window_size_right=0, softcap=10.0)
 
@@ -130,9 +135,14 @@ def test_cuda_graph_capture_of_packed_batches_with_modifiers():
         grads = torch.ops.flashop.attention_backward(
             dout, dlse, *values[:3], out, lse_log2, *values[3:7], None, *values[7:],
             **options)
-        return (out, lse, *grads)
+        return (out, lse, *grads[:4])  # dq, dk, dv, dg (no mask here)
 
-    _assert_replay_equals_eager(step)
+    out, lse, *grads = _assert_replay_equals_eager(step)
+    for result in check_attention_varlen(
+            *(leaves[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")), dout, dlse,
+            out, lse, grads, leaves["alibi_slopes"], leaves["g"], causal=True,
+            window_size=(48, 0), softcap=10.0):
+        assert result.ok, str(result)
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
@@ -491,6 +501,40 @@ for dtype in (torch.bfloat16, torch.float32):
                                            cache_leftpad=pads, rotary_cos=angle.cos().to(dtype),
                                            rotary_sin=angle.sin().to(dtype),
                                            rotary_interleaved=bool(causal), causal=bool(causal))
+    elif part == "fp8":  # the e4m3 forward (dense with v in either layout, packed) and an
+        if dtype == torch.bfloat16:  # fp8 cache: appends and decode, dense and paged
+            e4m3 = torch.float8_e4m3fn
+            q8, k8, v8 = (x.detach().to(e4m3) for x in (q, k, v))
+            qd, kd, vd = (torch.rand(B, H_kv, device="cuda") + 0.5 for _ in range(3))
+            flashop.attention(q8, k8, v8, causal=bool(causal), q_descale=qd, k_descale=kd,
+                              v_descale=vd)
+            v_last = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # keys last
+            flashop.attention(q8, k8, v_last, causal=bool(causal),
+                              window_size=(30, 0 if causal else 9),
+                              sinks=torch.randn(H, device="cuda"))
+            cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
+            cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
+            flashop.attention_varlen(q8.flatten(0, 1), k8.flatten(0, 1), v8.flatten(0, 1),
+                                     cu_q, cu_k, S_q, S_k, causal=True, softcap=5.0)
+            q, k, v = q.detach(), k.detach(), v.detach()
+            new_k = k.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
+            new_v = v.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
+            cap = S_k + S_q + 5
+            lens = torch.randint(0, S_k + 1, (B,), device="cuda", dtype=torch.int32)
+            caches = [torch.randn(B, cap, H_kv, d, device="cuda").to(e4m3) for d in (D, DV)]
+            flashop.attention_with_kvcache(q, *caches, new_k, new_v, cache_seqlens=lens,
+                                           causal=bool(causal), k_descale=kd, v_descale=vd)
+            for page in (16, 256):
+                per_seq = -(-cap // page)
+                table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
+                table = table.view(B, per_seq).to(torch.int32)
+                pages = [torch.randn(B * per_seq + 3, page, H_kv, d, device="cuda").to(e4m3)
+                         for d in (D, DV)]
+                for splits in (0, 1, 3):
+                    flashop.attention_with_kvcache(q, *pages, new_k, new_v, cache_seqlens=lens,
+                                                   block_table=table, causal=bool(causal),
+                                                   num_splits=splits, k_descale=kd,
+                                                   v_descale=vd)
     else:  # the same tokens packed (B sequences of S_q and S_k); a boolean mask dense
         cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_q
         cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S_k
@@ -508,13 +552,14 @@ print("sanitized")
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
 # gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "paged" the paged
-# prefill and the rotary, left-padded append and decode, "gluon" the Gluon
+# prefill and the rotary, left-padded append and decode, "fp8" the e4m3 forward and the fp8
+# cache's appends and decode, "gluon" the Gluon
 # forward at D=128, 64 and 256 (causal and not; with dropout at D=128 and 64) over the
 # shape's batch, lengths and heads, and the Gluon backward at D=128 and 64 (its dQ adds in
 # key-tile order; by atomics with FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
-                   ("paged", "0"), ("gluon", "0"), ("gluon", "1")]
+                   ("paged", "0"), ("gluon", "0"), ("gluon", "1"), ("fp8", "0")]
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
@@ -560,7 +605,6 @@ def test_compiled_graphs_run_the_eager_kernels(compile_options, monkeypatch):
     from torch._inductor.utils import run_and_get_code
 
     from flashop._launch import gluon
-    from flashop.testing import check_attention
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 4096, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
