@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
 settings.register_profile(
-    "ci", max_examples=40, derandomize=True, deadline=None, print_blob=True,
+    "ci", max_examples=30, derandomize=True, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "dev", max_examples=100, deadline=None, print_blob=True,

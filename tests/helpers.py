@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -33,12 +33,64 @@ def error_message(fn, *args, **kwargs) -> str:
     return str(info.value).replace(str(torch.empty(0, device=DEVICE).device), "DEVICE")
 
 
-def slow_property_examples() -> int:
-    """Examples for the slowest property tests (every modifier and its dtype at once): an
-    eighth of the profile's under the interpreter, half on a GPU, at least 5."""
+def slow_property_examples(interpreter_share: float = 1.0) -> int:
+    """Examples for the slowest property tests (every modifier, with sinks or dropout): half
+    the profile's on a GPU, ``interpreter_share`` of them under the interpreter."""
     from hypothesis import settings
 
-    return max(settings.default.max_examples // (2 if DEVICE == "cuda" else 8), 5)
+    share = 0.5 if DEVICE == "cuda" else interpreter_share
+    return max(round(settings.default.max_examples * share), 1)
+
+
+# The interpreter's tiles: the forward and dQ take 16 keys at a time (in programs of 32
+# queries), dK/dV 32 keys a program and 16 queries at a time (flashop/_launch/tiles.py), the
+# decode kernel 16 keys at a time (flashop/_launch/kvcache.py)
+FWD_QUERIES, FWD_KEYS, DKDV_KEYS, DKDV_QUERIES, DECODE_KEYS = 32, 16, 32, 16, 16
+# Lengths past two tiles of every attention kernel, where a property test's draws spend
+# most of their time (a GPU's tiles reach 128). Shorter lengths are drawn too, and
+# @examples pin the edges.
+TWO_QUERY_TILES = DKDV_QUERIES + 1 if DEVICE == "cpu" else 129
+TWO_KEY_TILES = DKDV_KEYS + 1 if DEVICE == "cpu" else 129
+
+# A modifier's dtype drawn as "the inputs' dtype": strategies draw a Case before the test's
+# dtype is known (Case.in_dtype resolves it)
+INPUTS = "the inputs' dtype"
+
+
+def lengths(least: int, most: int, short=None):
+    """Lengths from ``least`` (past the kernels' tiles) to ``most`` in about 31 draws of 32,
+    ``short``'s (default: any from 1) in the others (Hypothesis repeats a draw's choices in
+    the next ones: a short one often makes several)."""
+    short = st.integers(1, most) if short is None else short
+    return st.integers(0, 31).flatmap(lambda i: short if i == 31 else st.integers(least, most))
+
+
+def window_bound(length: int):
+    """One side of a window: -1 (no bound) or a bound past a key tile (up to a little past
+    ``length``) in about 15 draws of 16, any from 0 in the others."""
+    wide = st.one_of(st.just(-1), st.integers(FWD_KEYS, max(FWD_KEYS, length + 4)))
+    return st.integers(0, 15).flatmap(lambda i: st.integers(0, length + 4) if i == 15 else wide)
+
+
+def head_counts(draw, most_heads: int, groups=(1, 2, 3)) -> tuple[int, int, int]:
+    """(B, H_kv, G) with B * H_kv * G <= ``most_heads`` (the interpreter's time grows with
+    the programs, one per batch entry and head): group ratios, then KV heads, then batch."""
+    G = draw(st.sampled_from([g for g in groups if g <= most_heads]))
+    H_kv = draw(st.integers(1, max(1, min(2, most_heads // G))))
+    B = draw(st.integers(1, max(1, min(2, most_heads // (G * H_kv)))))
+    return B, H_kv, G
+
+
+def input_scales(draw, D: int) -> dict:
+    """A call's scale and input magnitudes: unit normals at the usual scales (the scores'
+    standard deviation 0.1 to 2) in three draws of four; in the others, large scores as in
+    real models: a scale up to 1, q and k of standard deviation up to 2 and a few keys 20-50x
+    the others' norm (|score| of tens to thousands)."""
+    if draw(st.integers(0, 3)):
+        return dict(scale=draw(st.one_of(st.none(),
+                                         st.floats(0.1, 2.0).map(lambda f: f / D ** 0.5))))
+    return dict(scale=draw(st.floats(0.05, 1.0)), magnitude=draw(st.sampled_from([1.0, 2.0])),
+                outlier_keys=draw(st.sampled_from([0, 2])))
 
 
 @dataclass(frozen=True)
@@ -66,10 +118,22 @@ class Case:
     mask_keep: float = 0.7  # fraction of pairs a boolean mask keeps
     mask_grad: bool = False  # a float attn_mask requires grad
     sinks: Optional[torch.dtype] = None  # dtype of the attention sinks (H,), learned
+    # inputs like real models' besides unit normals: q and k of a larger standard deviation
+    # (scores of tens to hundreds), and keys 20-50x the others' norm
+    magnitude: float = 1.0  # the standard deviation of q and k
+    outlier_keys: int = 0  # such keys per batch entry and KV head
 
     @property
     def H(self) -> int:
         return self.H_kv * self.G
+
+    def in_dtype(self, dtype: torch.dtype) -> "Case":
+        """The case with inputs of ``dtype``, and its modifiers drawn as INPUTS in it too."""
+        def resolve(d):
+            return dtype if d is INPUTS else d
+
+        return replace(self, dtype=dtype, gate=resolve(self.gate), mask=resolve(self.mask),
+                       sinks=resolve(self.sinks))
 
     def options(self) -> dict:
         """Keyword options of flashop.attention."""
@@ -123,7 +187,21 @@ def make_inputs(case: Case, seed: int = 0):
                        generator=g)
     dlse = torch.randn(case.B, case.H, case.S_q, dtype=torch.float32, device=DEVICE,
                        generator=g)
+    with torch.no_grad():
+        q.mul_(case.magnitude)
+        k.mul_(case.magnitude)
+        if case.outlier_keys and case.S_k:
+            k.copy_(k.float() * key_norms(case, g))
     return [t.requires_grad_() for t in (q, k, v)], dout, dlse
+
+
+def key_norms(case: Case, generator) -> torch.Tensor:
+    """(B, S_k, H_kv, 1) fp32 factors of the keys: 1, and 20-50 for case.outlier_keys
+    random keys of each batch entry and KV head."""
+    B, S_k, H_kv, n = case.B, case.S_k, case.H_kv, min(case.outlier_keys, case.S_k)
+    picked = torch.rand(B, S_k, H_kv, device=DEVICE, generator=generator).argsort(dim=1)[:, :n]
+    factors = 20 + 30 * torch.rand(B, n, H_kv, device=DEVICE, generator=generator)
+    return torch.ones(B, S_k, H_kv, device=DEVICE).scatter(1, picked, factors)[..., None]
 
 
 def make_modifiers(case: Case, seed: int = 0) -> dict:

@@ -10,13 +10,13 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 from torch.library import opcheck
 
 import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
-from helpers import DEVICE, poisoned_outputs
+from helpers import DECODE_KEYS, DEVICE, INPUTS, lengths, poisoned_outputs
 
 
 @pytest.fixture(autouse=True)
@@ -154,40 +154,55 @@ def kwargs_ref(kwargs: dict) -> dict:
 
 @st.composite
 def cache_cases(draw):
+    """A call in the test's dtype: dense and paged caches of two pages or more, most
+    sequences' keys past a page and a key tile (the interpreter's tiles are 16 keys), so
+    that their keys lie in several pages and splits; lengths from empty to full after the
+    append, appends of 0 to 5 keys, 1 to 7 queries, GQA, head dims, the modifiers."""
     paged = draw(st.booleans())
     page = draw(st.sampled_from([16, 32]))
-    capacity = page * draw(st.integers(1, 4)) if paged else draw(st.integers(1, 90))
-    S_new = draw(st.sampled_from([0, 0, 1, 1, 2, 5]))
-    S_new = min(S_new, capacity)
-    B = draw(st.integers(1, 3))
-    # lengths from empty to full (after the append), the ends drawn often
-    length = st.one_of(st.just(0), st.just(capacity - S_new), st.integers(0, capacity - S_new))
-    lengths = tuple(draw(length) for _ in range(B))
+    capacity = page * draw(st.integers(2, 4)) if paged else draw(st.integers(33, 90))
+    S_new = draw(st.sampled_from([0, 1, 1, 2, 5]))
+    H_kv = draw(st.integers(1, 2))
+    B = draw(st.integers(1, 3 // H_kv))  # programs (B * H_kv per split) cost time
+    top = capacity - S_new
+    least = (page if paged else DECODE_KEYS) + 1
+    short = st.one_of(st.just(0), st.just(top), st.integers(0, top))
+    lens = tuple(draw(lengths(least, top, short)) for _ in range(B))
     S_q = draw(st.sampled_from([1, 1, 2, 3, 7]))
     G = draw(st.sampled_from([1, 2, 4]))
-    H_kv = draw(st.integers(1, 2))
     D = draw(st.sampled_from([16, 32, 40, 64]))
     DV = draw(st.sampled_from([D, D, 24]))
-    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
     causal = draw(st.booleans())
-    left = draw(st.sampled_from([-1, -1, 0, 5, 20]))
+    left = draw(st.sampled_from([-1, -1, 20, 40]))  # narrower: an @example
     right = -1 if causal else draw(st.sampled_from([-1, -1, 0, 3]))
     softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
     alibi = draw(st.sampled_from([None, None, (H_kv * G,), (B, H_kv * G)]))
-    sinks = draw(st.sampled_from([None, None, torch.float32, dtype]))
+    sinks = draw(st.sampled_from([None, None, torch.float32, INPUTS]))
     # rotary embeddings of all of D or of part of it (with new keys to rotate), left padding
     rotary_dim = draw(st.sampled_from([0, 0, D, 2 * (D // 4)])) if S_new else 0
-    return CacheCase(lengths, S_q, S_new, H_kv, G, D, DV, dtype, paged=paged, page=page,
+    return CacheCase(lens, S_q, S_new, H_kv, G, D, DV, None, paged=paged, page=page,
                      capacity=capacity, spare=draw(st.integers(0, 2)),
                      batch_idx=not paged and draw(st.booleans()), causal=causal,
                      window_size=(left, right), softcap=softcap, alibi=alibi, sinks=sinks,
-                     num_splits=draw(st.sampled_from([0, 1, 2, 3])), rotary_dim=rotary_dim,
+                     num_splits=draw(st.sampled_from([0, 2, 3, 5])), rotary_dim=rotary_dim,
                      interleaved=draw(st.booleans()),
                      leftpad=not paged and draw(st.booleans()))
 
 
-@given(cache_cases(), st.integers(0, 2**16))
-def test_kvcache_matches_reference(case, seed):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@given(case=cache_cases(), seed=st.integers(0, 2**16))
+@example(case=CacheCase((0, 0), 2, 0, 1, 2, 16, 16, None, paged=True, capacity=32), seed=0)
+@example(case=CacheCase((0, 40), 1, 1, 2, 2, 16, 16, None, capacity=48, sinks=INPUTS), seed=0)
+@example(case=CacheCase((62, 30), 1, 2, 1, 4, 32, 24, None, paged=True, capacity=64,
+                        causal=True, num_splits=3), seed=0)
+@example(case=CacheCase((37, 50), 3, 1, 2, 2, 40, 40, None, capacity=64, causal=True,
+                        window_size=(0, -1), alibi=(2, 4), softcap=5.0, num_splits=1), seed=0)
+@example(case=CacheCase((50, 33), 2, 0, 1, 2, 16, 24, None, paged=True, capacity=64,
+                        sinks=torch.float32, num_splits=1), seed=0)
+def test_kvcache_matches_reference(dtype, case, seed):
+    """Drawn calls, and the edges: no key, one key (appended), a cache full after the
+    append, one key per query, one split."""
+    case = replace(case, dtype=dtype, sinks=dtype if case.sinks is INPUTS else case.sinks)
     check_cache_case(case, seed)
 
 
