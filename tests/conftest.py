@@ -30,6 +30,25 @@ settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
 
 
+def _draw_without_local_constants():
+    """Hypothesis (6.131 on) mixes the literals of every loaded module outside site-packages
+    into its draws, so a derandomized test drew other examples depending on which modules the
+    tests before it in the same process had imported (benchmarks/decode.py's lengths, imported
+    by test_decode_model.py, changed test_decode.py's draws). Under the ci profile they are
+    left out, so that its examples are the same in any order (tests/test_draws.py counts
+    them)."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        none = providers.Constants()
+    except (ImportError, AttributeError):  # a Hypothesis without them
+        return
+    providers._get_local_constants = lambda: none
+
+
+if settings._current_profile == "ci":
+    _draw_without_local_constants()
+
+
 def _patch_the_language_once_per_launch():
     """Under Triton's interpreter, every call of a ``@triton.jit`` helper from inside a kernel
     patches triton.language again (``_patch_lang``: ``inspect.getmembers`` of the language
