@@ -48,7 +48,6 @@ def test_switches_are_read_from_the_environment_at_import():
     assert done.stdout.split() == ["False", "None", "None", "None", "None", "True", "True"]
 
 
-
 @pytest.mark.skipif(not flashop.INTERPRETING, reason="Triton's interpreter only")
 def test_patching_the_language_once_per_launch_changes_no_bits(monkeypatch):
     """tests/conftest.py lets a launch patch triton.language once for all the helpers its

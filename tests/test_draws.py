@@ -82,19 +82,14 @@ def _packed_example(args, dout, dlse, deterministic_backward=True, **options) ->
 def decode_splits(case) -> int:
     """The splits the decode call takes (num_splits, or the launcher's rule)."""
     from flashop._launch import kvcache
-    from flashop._launch.common import block_dim, sm_count
+    from flashop._launch.common import block_dim
 
-    if case.num_splits:
-        return min(case.num_splits, kvcache.MAX_SPLITS)
     rows = case.G * case.S_q
     d, dv = block_dim(case.D), block_dim(case.DV)
-    page = case.page if case.paged else 0
-    t = kvcache.decode_tiles(rows, d, dv, case.dtype, page)
-    slots = sm_count(torch.device("cpu")) * kvcache.programs_per_sm(t, d, dv,
-                                                                   case.dtype.itemsize)
-    programs = case.B * case.H_kv * -(-rows // t.BLOCK_M)
-    return min(kvcache.auto_splits(programs, case.capacity, t.BLOCK_N, slots),
-               kvcache.MAX_SPLITS)
+    t = kvcache.decode_tiles(rows, d, dv, case.dtype, case.page if case.paged else 0)
+    return kvcache.call_splits(case.num_splits, case.B * case.H_kv * -(-rows // t.BLOCK_M),
+                               case.capacity, t, d, dv, case.dtype.itemsize,
+                               torch.device("cpu"))
 
 
 def _cache_example(case, seed=0, *rest) -> Drawn:

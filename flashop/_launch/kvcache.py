@@ -128,6 +128,16 @@ def auto_splits(programs: int, capacity: int, block_n: int, slots: int) -> int:
     return _splits_for_occupancy(programs, capacity, block_n, slots, 1 if INTERPRETING else 2)
 
 
+def call_splits(num_splits: int, programs: int, capacity: int, t: DecodeTiles, block_d: int,
+                block_dv: int, itemsize: int, device: torch.device) -> int:
+    """A call's split count: ``num_splits`` where it asks for some (0: auto_splits' rule for
+    ``programs`` on the device's resident programs of tiles ``t``), at most MAX_SPLITS."""
+    if num_splits == 0:
+        slots = sm_count(device) * programs_per_sm(t, block_d, block_dv, itemsize)
+        num_splits = auto_splits(programs, capacity, t.BLOCK_N, slots)
+    return min(num_splits, MAX_SPLITS)
+
+
 @functools.lru_cache(maxsize=4096)
 def _splits_for_occupancy(programs: int, capacity: int, block_n: int, slots: int,
                           min_tiles: int) -> int:
@@ -273,10 +283,8 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         t = fit_shared_memory(t, block_d, block_dv, itemsize,
                               max_shared_memory(q.device.index))
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
-    if num_splits == 0:
-        slots = sm_count(q.device) * programs_per_sm(t, block_d, block_dv, itemsize)
-        num_splits = auto_splits(int(B * H_kv * row_tiles), int(capacity), t.BLOCK_N, slots)
-    num_splits = min(num_splits, MAX_SPLITS)
+    num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, block_d,
+                             block_dv, itemsize, q.device)
     t = short_run_tiles(t, int(capacity), num_splits, page_size)
     split = num_splits > 1
     parts = merge = None
