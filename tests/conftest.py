@@ -7,6 +7,7 @@ any test module imports flashop, and restored when the run ends.
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -101,6 +102,16 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _SAVED_INTERPRET is None:
         os.environ.pop("TRITON_INTERPRET", None)
+
+
+@pytest.fixture(autouse=True)
+def _no_plans_from_earlier_tests():
+    """Each test starts without the eager path's plans (flashop/_launch/fastpath.py): a test
+    that watches the launchers' choices sees them on its first call of a signature, whatever
+    ran before it in the process."""
+    from flashop._launch import fastpath
+
+    fastpath.clear_plans()
 
 
 def pytest_report_header(config):

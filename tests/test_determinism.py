@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import flashop
-from helpers import DEVICE, Case, make_inputs, make_modifiers
+from helpers import DEVICE, Case, make_inputs, make_modifiers, replayed_launches
 
 
 @pytest.fixture
 def dq_atomic_launches(monkeypatch):
     """The DQ_ATOMIC flag of every kernel launch that passes one, in order (launches by
-    launch_kernel, and autotuned ones by wrap_triton)."""
+    launch_kernel, autotuned ones by wrap_triton, and those that eager plans replay)."""
     flags = []
     launch = flashop._launch.attention
     launch_kernel, wrap = launch.launch_kernel, launch.wrap_triton
@@ -42,7 +42,8 @@ def dq_atomic_launches(monkeypatch):
 
     monkeypatch.setattr(flashop._launch.attention, "launch_kernel", recording_launch)
     monkeypatch.setattr(flashop._launch.attention, "wrap_triton", recording_wrap)
-    return flags
+    with replayed_launches(lambda kernel, kwargs: record(kwargs)):
+        yield flags
 
 
 @pytest.fixture

@@ -677,6 +677,65 @@ def test_cached_launches_keep_no_tensor_alive():
     assert torch.cuda.memory_allocated() - before < 2**20
 
 
+@pytest.mark.skipif(not _gluon_here(), reason="the Gluon kernels need Hopper and triton 3.6")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_gluon_calls_replay_their_plans(deterministic, monkeypatch):
+    """Eager calls that the Gluon forward and backward serve (D=128, 2048 keys, causal,
+    bf16) are planned: the second call of a signature replays the plans (the Gluon
+    launchers do not run again; their descriptors are remade for the call's tensors), its
+    out and lse equal the operator's bit for bit, and its gradients too where deterministic
+    (the default backward, dQ by atomics, passes the accuracy rule); the plans keep no
+    call's tensor alive."""
+    from flashop._launch import fastpath, gluon
+    from flashop._ops import attention as ops
+
+    fastpath.clear_plans()
+    launches = []
+    for name in ("attention_forward", "attention_backward"):
+        def counted(*args, _launch=getattr(gluon, name), _name=name, **kwargs):
+            launches.append(_name)
+            return _launch(*args, **kwargs)
+        monkeypatch.setattr(gluon, name, counted)
+
+    def step(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(2, 2048, 4, 128, device="cuda", dtype=torch.bfloat16,
+                               generator=gen).requires_grad_() for _ in range(3))
+        dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out, lse = flashop.attention_with_lse(q, k, v, causal=True,
+                                              deterministic=deterministic)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        return (q, k, v, dout), [out, lse, *grads]
+
+    def calls():  # (its tensors go with it)
+        step(0)
+        assert launches == ["attention_forward", "attention_backward"]
+        for seed in (1, 2):
+            inputs, got = step(seed)
+            with flashop.config.override(direct_eager=False):
+                _, expected = step(seed)
+            for a, b in zip(got if deterministic else got[:2], expected):
+                assert torch.equal(a, b)
+            if not deterministic:
+                q, k, v, dout = (x.detach().requires_grad_() for x in inputs)
+                dlse = torch.zeros_like(got[1])
+                for r in check_attention(q, k, v, dout, dlse, *got[:2], got[2:], causal=True):
+                    assert r.ok, str(r)
+
+    calls()  # (compiles, and allocates once what the kernels and the rule keep)
+    fastpath.clear_plans()
+    launches.clear()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    calls()
+    # the first call ran the launchers, and so did the operator's calls; the replays did not
+    assert launches.count("attention_forward") == 3 and launches.count("attention_backward") == 3
+    assert [type(p) for p in ops.planned_forward.plans.values()] == [fastpath.Plan]
+    assert [type(p) for p in ops.planned_backward.plans.values()] == [fastpath.Plan]
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 2**20
+
+
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
                     reason="fp8 tensor cores need sm_89 or newer")
 @pytest.mark.parametrize("D, keys_last", [(128, False), (128, True), (256, False)])

@@ -9,7 +9,7 @@ import torch
 
 import flashop
 from flashop._launch import attention as launch_attention, kvcache as launch_kvcache
-from helpers import DEVICE, Case, make_inputs, make_modifiers
+from helpers import DEVICE, Case, make_inputs, make_modifiers, replayed_launches
 
 # each optional tensor argument of the tl kernels and the flag that says it is there
 GUARDS = {"alibi": "HAS_ALIBI", "g_cum": "HAS_GATE", "attn_mask": "ATTN_MASK_KIND",
@@ -44,7 +44,8 @@ def _record(calls):
         return launch_planned(kernel, planned, **per_call)
 
     with mock.patch.object(launch_attention, "launch_kernel", kernel_launch), \
-            mock.patch.object(launch_kvcache, "launch_planned", planned_launch):
+            mock.patch.object(launch_kvcache, "launch_planned", planned_launch), \
+            replayed_launches(lambda kernel, kwargs: launches.append((_name(kernel), kwargs))):
         calls()
     return launches
 

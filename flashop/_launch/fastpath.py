@@ -1,17 +1,29 @@
 """The eager fast path, in one place: which calls are eager (``is_direct``, ``is_traced``,
-``eager_meta``) and the kernels' launches (``launch_kernel``; ``launch_now`` and
-``launch_planned`` launch Triton's compiled kernels directly under CACHED_LAUNCH_TRITON).
+``eager_meta``), the kernels' launches (``launch_kernel``; ``launch_now`` and
+``launch_planned`` launch Triton's compiled kernels directly under CACHED_LAUNCH_TRITON),
+and plans: an operator body's tensor operations (allocations, fills, copies, views) and
+launches for one signature of eager calls,
+recorded on the signature's first call, which runs the body and its checks, and replayed on
+later calls without them (``PlannedBody``).
+
+A short eager call's host time is mostly Python: checks, the kernel's choice and its
+arguments, and Triton's binding of them. A plan keeps what depends on the signature alone
+(everything but the tensors' data), so a repeated call allocates its outputs and launches
+(a Gluon kernel's host-made descriptors remade for its tensors).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from typing import Callable, Optional
+import threading
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
+from torch._library.triton import set_wrap_triton_enabled
 from torch.library import wrap_triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashop import config
 from flashop.kernels import INTERPRETING
@@ -59,6 +71,72 @@ def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
     return tuple(metas)
 
 
+def signature(args: tuple) -> tuple:
+    """What a plan's key holds of a call's positional arguments: each tensor's shape,
+    strides, dtype, device and whether its address is 16-byte aligned (what the kernels'
+    choice reads of it; Triton specialises on it too); None; every other argument by type
+    and value; and, where one tensor is passed as two arguments, which (a plan binds the
+    kernels' tensors to argument positions)."""
+    key, ids = [], []
+    for a in args:
+        if a is None:
+            key.append(None)
+        elif isinstance(a, _Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, not a.data_ptr() & 15))
+            ids.append(id(a))
+        else:
+            key.append((a.__class__, a))
+    if len(set(ids)) < len(ids):
+        key.append(tuple([ids.index(i) for i in ids]))
+    return tuple(key)
+
+
+def aliasing(args: tuple) -> Optional[tuple]:
+    """Where one tensor is passed as several of ``args``, as signature() tells it: for each
+    tensor argument, the index of its first occurrence among them; else None."""
+    ids = [id(a) for a in args if isinstance(a, _Tensor)]
+    if len(set(ids)) == len(ids):
+        return None
+    return tuple([ids.index(i) for i in ids])
+
+
+class Key:
+    """A plan's key (a tuple) whose hash is computed once: a key that holds another (a
+    backward's holds its forward's) hashes it again for free."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (other.__class__ is Key and self._hash == other._hash
+                                 and self.parts == other.parts)
+
+
+def make_key(parts: tuple) -> Optional[Key]:
+    """The Key of ``parts``; None where a part cannot be hashed (no plan then)."""
+    try:
+        return Key(parts)
+    except TypeError:
+        return None
+
+
+def environment() -> tuple:
+    """What the kernels' choice reads besides the call: flashop's switches
+    (config.settings), the tiles forced for tuning (tiles.force), and
+    torch.use_deterministic_algorithms' mode."""
+    from flashop._launch import tiles  # (tiles imports common, which imports this module)
+
+    return (tuple(vars(config.settings).values()), tiles.forced(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
+
+
 # --- launches ---------------------------------------------------------------------------------
 
 # triton==3.6: JITFunction.run returns the CompiledKernel it launched, and CompiledKernel.run
@@ -88,6 +166,19 @@ class _Launches:
         self.names = tuple(p.name for p in params)
         self.defaults = tuple(p.default for p in params)
         self.compiled: dict = {}
+
+
+class _Compiled(NamedTuple):
+    """A compiled kernel and where its signature's arguments come from: ``order[i]`` indexes
+    (the call's values by keyword, then the kernel's defaults)."""
+
+    kernel: object
+    order: tuple
+    arguments: Callable
+
+    def run(self, grid: tuple, stream, args) -> None:
+        self.kernel.run(grid[0], grid[1], grid[2], stream, self.kernel.function,
+                        self.kernel.packed_metadata, None, None, None, *args)
 
 
 _LAUNCHES: dict = {}  # id(kernel) -> _Launches; the kernels are module-level functions
@@ -140,12 +231,18 @@ def launch_kernel(kernel, grid: tuple, **kwargs) -> None:
         launcher[grid](**kwargs)
 
 
-def _cached_launches_allowed(kernel) -> bool:
-    """Whether launch_now may launch ``kernel``'s compiled kernels itself (see there)."""
+def _launches_kept() -> bool:
+    """Whether launch_now may launch compiled kernels itself (see there), as far as the
+    switch, the Triton release and its launch hooks go."""
     runtime = triton.knobs.runtime
     return (config.settings.cached_launch and _triton_allows_cached_launches()
             and not _hooked(runtime.launch_enter_hook)
-            and not _hooked(runtime.launch_exit_hook) and not kernel.pre_run_hooks)
+            and not _hooked(runtime.launch_exit_hook))
+
+
+def _cached_launches_allowed(kernel) -> bool:
+    """Whether launch_now may launch ``kernel``'s compiled kernels itself (see there)."""
+    return _launches_kept() and not kernel.pre_run_hooks
 
 
 def launch_now(kernel, grid: tuple, **kwargs) -> None:
@@ -156,14 +253,24 @@ def launch_now(kernel, grid: tuple, **kwargs) -> None:
     path serves the first call of each key, the interpreter, calls while a launch hook is
     set, Triton releases other than CACHED_LAUNCH_TRITON, and every call with
     ``FLASHOP_CACHED_LAUNCH=0``. (Triton's compile-time knobs, such as TRITON_DEBUG, are
-    those in force at a key's first call.)"""
+    those in force at a key's first call.) A launch while a plan is recorded is also
+    recorded (_Recording)."""
+    recording = _active.recording
+    if recording is not None:
+        recording.launch(kernel, grid, kwargs)
+    else:
+        _launch_now(kernel, grid, kwargs)
+
+
+def _launch_now(kernel, grid: tuple, kwargs: dict) -> Optional[_Compiled]:
+    """launch_now's launch; the compiled kernel it launched, where it keeps one."""
     if not _cached_launches_allowed(kernel):
         kernel[grid](**kwargs)
-        return
+        return None
     values = tuple(kwargs.values())
     device = triton.runtime.driver.active.get_current_device()
-    _launch_keyed(kernel, grid, kwargs, values,
-                  lambda: (device, tuple(kwargs), _call_key(values)), device)
+    return _launch_keyed(kernel, grid, kwargs, values,
+                         lambda: (device, tuple(kwargs), _call_key(values)), device)
 
 
 class Planned:
@@ -202,7 +309,8 @@ def launch_planned(kernel, planned: Planned, **per_call) -> None:
     call's key (launch_now's) is ``planned`` with the per-call arguments' alone: a plan's
     fixed arguments are not looked at again on each call."""
     kwargs = {**per_call, **planned.static}
-    if wrap_triton(kernel) is not kernel or not _cached_launches_allowed(kernel):
+    if (wrap_triton(kernel) is not kernel or not _cached_launches_allowed(kernel)
+            or _active.recording is not None):
         launch_kernel(kernel, planned.grid, **kwargs)
         return
     values = tuple(kwargs.values())
@@ -224,35 +332,374 @@ def _kept(key):
     return key if launch_key is None else launch_key()
 
 
-def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callable,
-                  device) -> None:
-    """launch_now's cache: the compiled kernel kept under ``key()`` (a call's
-    specialisation, equal keys for equal specialisations), launched directly; Triton's
-    path (which compiles or finds it) for a key's first call."""
+def _launches(kernel) -> _Launches:
     launches = _LAUNCHES.get(id(kernel))  # (JITFunction's hash hashes its source)
     if launches is None:
         launches = _LAUNCHES[id(kernel)] = _Launches(kernel)
+    return launches
+
+
+def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callable,
+                  device) -> Optional[_Compiled]:
+    """launch_now's cache: the compiled kernel kept under ``key()`` (a call's
+    specialisation, equal keys for equal specialisations), launched directly; Triton's
+    path (which compiles or finds it) for a key's first call. Returns the compiled kernel
+    (None where Triton's path kept none)."""
+    launches = _launches(kernel)
     try:
         key = key()
         entry = launches.compiled.get(key)
     except TypeError:  # an argument that cannot be hashed: Triton's path
         kernel[grid](**kwargs)
-        return
+        return None
     if entry is None:
         compiled = kernel[grid](**kwargs)
-        if hasattr(compiled, "packed_metadata"):  # not a pending compilation
-            if len(launches.compiled) >= CACHED_LAUNCHES_PER_KERNEL:
-                launches.compiled.clear()
-            # the signature's arguments from (the call's values + the defaults)
-            given = {name: i for i, name in enumerate(kwargs)}
-            order = [given.get(name, len(values) + i) for i, name in enumerate(launches.names)]
-            arguments = (operator.itemgetter(*order) if len(order) > 1
-                         else lambda all_values: (all_values[order[0]],))
-            launches.compiled[_kept(key)] = (compiled, arguments)
-        return
-    compiled, arguments = entry
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    driver = triton.runtime.driver.active
-    compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None,
-                 *arguments(values + launches.defaults))
+        if not hasattr(compiled, "packed_metadata"):  # a pending compilation
+            return None
+        if len(launches.compiled) >= CACHED_LAUNCHES_PER_KERNEL:
+            launches.compiled.clear()
+        # the signature's arguments from (the call's values + the defaults)
+        given = {name: i for i, name in enumerate(kwargs)}
+        order = tuple(given.get(name, len(values) + i) for i, name in enumerate(launches.names))
+        arguments = (operator.itemgetter(*order) if len(order) > 1
+                     else lambda all_values: (all_values[order[0]],))
+        entry = launches.compiled[_kept(key)] = _Compiled(compiled, order, arguments)
+        return entry
+    entry.run(tuple(grid) + (1,) * (3 - len(grid)),
+              triton.runtime.driver.active.get_current_stream(device),
+              entry.arguments(values + launches.defaults))
+    return entry
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+# the tensor operations a plan replays (each a function of its tensors' signatures and its
+# other arguments alone, never of the tensors' values on the host's side): allocations,
+# fills and copies, and views. Any other (a cumulative sum, a value read on the host, an
+# output whose shape follows the data) leaves the body to run on every call.
+_REPLAYABLE = {
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+    _aten.empty_strided.default, _aten.new_empty_strided.default, _aten.zeros.default,
+    _aten.zeros_like.default, _aten.new_zeros.default, _aten.full.default,
+    _aten.new_full.default, _aten.zero_.default, _aten.fill_.Scalar, _aten.copy_.default,
+    _aten.detach.default, _aten.alias.default, _aten.view.default, _aten.view.dtype,
+    _aten._unsafe_view.default, _aten.slice.Tensor, _aten.select.int, _aten.expand.default,
+    _aten.as_strided.default, _aten.transpose.int, _aten.permute.default, _aten.t.default,
+    _aten.unsqueeze.default, _aten.squeeze.dim,
+}
+# the types of the arguments a plan fixes (a Gluon descriptor is remade for each call's
+# tensor: _PlannedLaunch)
+_STATIC_TYPES = (int, float, str, type(None))
+# the types of a replayed tensor operation's other arguments (lists of them too)
+_OPERATION_STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device,
+                           torch.layout, torch.memory_format)
+MAX_PLANS = 1024
+
+
+class _Active(threading.local):
+    recording: Optional["_Recording"] = None
+
+
+_active = _Active()
+
+
+def _static(value) -> bool:
+    """Whether a replayed operation may keep ``value`` as it is (no tensor in it)."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _OPERATION_STATIC_TYPES) for v in value)
+    return isinstance(value, _OPERATION_STATIC_TYPES)
+
+
+class _Recording(TorchDispatchMode):
+    """What an operator body does on its first call of a signature: its tensor operations
+    (each with its arguments; whether any is outside _REPLAYABLE, which leaves the body
+    unreplayable) and its launches (through launch_now / launch_planned), each with the
+    compiled kernel it ran where one was kept, in order. The operations and launches run
+    as usual, unwatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list = []  # ("op", func, args, kwargs, out) or ("launch", ...), in order
+        self.kept: list = []  # every tensor seen (their ids stay theirs while recording)
+        self.other_operations = False
+        self.launching = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.launching:
+            if func in _REPLAYABLE and isinstance(out, _Tensor):
+                self.steps.append(("op", func, args, kwargs, out))
+                self.kept.append(out)
+            else:
+                self.other_operations = True
+        return out
+
+    def launch(self, kernel, grid: tuple, kwargs: dict) -> None:
+        self.launching = True
+        try:
+            compiled = _launch_now(kernel, grid, kwargs)
+        finally:
+            self.launching = False
+        self.steps.append(("launch", kernel, tuple(grid), kwargs, compiled))
+
+    def plan(self, args: tuple, result) -> Optional["Plan"]:
+        """The plan that replays the body's call of ``args`` that returned ``result``, or
+        None where it cannot be replayed."""
+        if self.other_operations or not isinstance(result, tuple):
+            return None
+        slots = {}  # id -> the slot of a replay's tensors: args, then the operations' outputs
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                slots.setdefault(id(a), i)
+        n_slots = len(args)
+        steps = []
+        for step in self.steps:
+            if step[0] == "op":
+                _, func, op_args, op_kwargs, out = step
+                planned = _PlannedOperation.make(func, op_args, op_kwargs, slots)
+                if planned is None:
+                    return None
+                if id(out) not in slots:  # (an in-place operation returns its input)
+                    slots[id(out)] = n_slots
+                    n_slots += 1
+                    planned.keeps = True
+                steps.append(planned)
+            else:
+                _, kernel, grid, kwargs, compiled = step
+                launch = _PlannedLaunch.make(kernel, grid, kwargs, compiled, slots)
+                if launch is None:
+                    return None
+                steps.append(launch)
+        if any(not isinstance(t, _Tensor) or id(t) not in slots for t in result):
+            return None
+        first = next((a for a in args if isinstance(a, _Tensor)), None)
+        device = first.device.index if first is not None and first.is_cuda else None
+        return Plan(tuple(steps), tuple(slots[id(t)] for t in result), device)
+
+
+def _getter(slots: tuple) -> Callable:
+    """A function of a list that returns a tuple of its items at ``slots``."""
+    if len(slots) == 1:
+        return lambda items, i=slots[0]: (items[i],)
+    return operator.itemgetter(*slots) if slots else (lambda items: ())
+
+
+class _PlannedOperation:
+    """One tensor operation of a plan: ``func`` with its recorded arguments, those that are
+    tensors taken from the replay's slots; its output appended to them (``keeps``) unless
+    the operation works in place."""
+
+    __slots__ = ("func", "template", "positions", "kwargs", "keeps")
+
+    @classmethod
+    def make(cls, func, args: tuple, kwargs: dict, slots: dict):
+        template, positions = list(args), []
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                if id(a) not in slots:
+                    return None
+                positions.append((i, slots[id(a)]))
+                template[i] = None  # (a plan keeps no call's tensor alive)
+            elif not _static(a):
+                return None
+        if not all(_static(v) for v in kwargs.values()):
+            return None
+        planned = object.__new__(cls)
+        planned.func, planned.template, planned.kwargs = func, template, dict(kwargs)
+        planned.positions, planned.keeps = tuple(positions), False
+        return planned
+
+    def __call__(self, pool: list, stream=None) -> None:
+        args = self.template.copy()
+        for i, slot in self.positions:
+            args[i] = pool[slot]
+        out = self.func(*args, **self.kwargs)
+        if self.keeps:
+            pool.append(out)
+
+
+def _rebases(value) -> bool:
+    """Whether ``value`` is a host-made tensor descriptor that a plan can remake for another
+    tensor of the same signature (``rebased``)."""
+    return hasattr(value, "rebased") and isinstance(getattr(value, "base", None), _Tensor)
+
+
+class _PlannedLaunch:
+    """One launch of a plan: the kernel, its grid and fixed arguments, and the slots of its
+    tensors (and of the tensors its descriptors describe, remade for each call); the kernels
+    Triton compiled for it, by whether each tensor is 16-byte aligned (what Triton
+    specialises a tensor on beside its dtype, which the plan fixes)."""
+
+    __slots__ = ("kernel", "grid", "names", "tensor_names", "take", "static", "compiled",
+                 "template", "positions", "descriptors")
+
+    @classmethod
+    def make(cls, kernel, grid: tuple, kwargs: dict, compiled: Optional[_Compiled],
+             slots: dict):
+        names, tensor_slots, static, descriptors = [], [], {}, []
+        for name, value in kwargs.items():
+            tensor = value.base if _rebases(value) else value
+            if isinstance(tensor, _Tensor):
+                if id(tensor) not in slots:
+                    return None
+                if tensor is not value:  # (its template holds no tensor)
+                    descriptors.append((len(names), value.rebased(None)))
+                names.append(name)
+                tensor_slots.append(slots[id(tensor)])
+            elif isinstance(value, _STATIC_TYPES):
+                static[name] = value
+            else:
+                return None
+        alignment = tuple([isinstance(kwargs[name], _Tensor) and not kwargs[name].data_ptr() & 15
+                           for name in names])
+        planned = object.__new__(cls)
+        planned._init(kernel, tuple(grid), tuple(kwargs), tuple(names), tuple(tensor_slots),
+                      static, tuple(descriptors), compiled, alignment)
+        return planned
+
+    def _init(self, kernel, grid: tuple, names: tuple, tensor_names: tuple, slots: tuple,
+              static: dict, descriptors: tuple, compiled: Optional[_Compiled],
+              alignment: tuple) -> None:
+        self.kernel, self.grid = kernel, grid + (1,) * (3 - len(grid))
+        self.names, self.tensor_names, self.static = names, tensor_names, static
+        self.take, self.descriptors = _getter(slots), descriptors
+        self.compiled: dict = {}
+        self.template = self.positions = None
+        if compiled is not None:
+            self._keep(compiled, alignment)
+
+    def _keep(self, compiled: _Compiled, alignment: tuple) -> None:
+        """Keep ``compiled`` for calls whose tensors have this ``alignment``; the arguments'
+        template (every argument in the signature's order, the tensors' places left for
+        each call) is made from the first kept."""
+        if self.template is None:
+            n = len(self.names)
+            values = [self.static.get(name) for name in self.names]
+            values += _launches(self.kernel).defaults
+            self.template = [values[i] for i in compiled.order]
+            where = {name: i for i, name in enumerate(self.names)}
+            place = {i: p for p, i in enumerate(compiled.order) if i < n}
+            self.positions = tuple(place[where[name]] for name in self.tensor_names)
+        self.compiled[alignment] = compiled
+
+    def _values(self, pool: list) -> tuple:
+        """This call's tensors and descriptors, in tensor_names' order, and the tensors'
+        alignment (False for a descriptor's place)."""
+        values = self.take(pool)
+        if self.descriptors:
+            values = list(values)
+            for i, descriptor in self.descriptors:
+                values[i] = descriptor.rebased(values[i])
+        alignment = tuple([isinstance(t, _Tensor) and not t.data_ptr() & 15 for t in values])
+        return values, alignment
+
+    def arguments(self, values) -> dict:
+        """The launch's arguments by keyword, in the recorded order, with these values."""
+        given = dict(zip(self.tensor_names, values), **self.static)
+        return {name: given[name] for name in self.names}
+
+    def __call__(self, pool: list, stream=None) -> None:
+        """Launch with the tensors of ``pool``: where ``stream`` is given (launch_now's
+        cached launches allowed), the compiled kernel kept for their alignment directly on
+        it; else (or where none is kept yet) launch_now's way."""
+        values, alignment = self._values(pool)
+        if stream is not None:
+            compiled = self.compiled.get(alignment)
+            if compiled is not None and not self.kernel.pre_run_hooks:
+                args = self.template.copy()
+                for p, t in zip(self.positions, values):
+                    args[p] = t
+                compiled.run(self.grid, stream, args)
+                return
+        compiled = _launch_now(self.kernel, self.grid, self.arguments(values))
+        if compiled is not None:
+            self._keep(compiled, alignment)
+
+
+class Plan:
+    """An operator body's call of one signature as a replay: its tensor operations and
+    launches (``steps``) run in order on this call's tensors (the arguments, then the
+    operations' outputs, by slot); returns the tensors at the slots of its outputs; on
+    ``device`` (a CUDA index; None off CUDA), as the launchers' common.on_inputs_device."""
+
+    __slots__ = ("steps", "outputs", "device")
+
+    def __init__(self, steps: tuple, outputs: tuple, device: Optional[int]):
+        self.steps, self.outputs, self.device = steps, _getter(outputs), device
+
+    def replay(self, args: tuple) -> tuple:
+        device = self.device
+        if device is not None and torch.cuda.current_device() != device:
+            with torch.cuda.device(device):
+                return self._replay(args, device)
+        return self._replay(args, device)
+
+    def _replay(self, args: tuple, device) -> tuple:
+        pool = list(args)
+        stream = (triton.runtime.driver.active.get_current_stream(device)
+                  if device is not None and _launches_kept() else None)
+        for step in self.steps:
+            step(pool, stream)
+        return self.outputs(pool)
+
+
+_MISSING = object()
+_BODIES: list = []  # every PlannedBody
+
+
+def clear_plans() -> None:
+    """Forget every plan (the next call of each signature records its plan again)."""
+    for body in _BODIES:
+        body.plans.clear()
+
+
+class PlannedBody:
+    """An operator's body (``body(*args, **options)``: its checks, then a launcher) for the
+    direct eager path, by plans: the first call of a signature (``key``: the arguments'
+    signature(), the options by name, type and value, and the environment()) runs the body,
+    its checks included, and records its plan; later calls of that signature replay the plan
+    (no checks: they read the signature alone, which passed them). A body that computes
+    anything besides allocations, fills, copies, views and launches (a gate's cumulative
+    sum, a value read on the host), and every call while autotuning (its launches bypass
+    launch_now), run the body each time. The body runs with wrap_triton off (the kernels
+    launched as they are, as a triton_op's eager call does)."""
+
+    def __init__(self, body: Callable):
+        self.body = body
+        self.plans: dict = {}
+        functools.update_wrapper(self, body)
+        _BODIES.append(self)
+
+    def __call__(self, *args, **options):
+        return self.run(self.key(args, options), args, options)
+
+    @staticmethod
+    def key(args: tuple, options: dict) -> Optional[Key]:
+        return make_key((signature(args), tuple(options.items()),
+                         tuple([v.__class__ for v in options.values()]), environment()))
+
+    def run(self, key: Optional[Key], args: tuple, options: dict):
+        """The body's call of ``args`` and ``options``, whose key (or one that tells apart
+        at least as much) is ``key``; None (no key): the body."""
+        plan = self.plans.get(key, _MISSING) if key is not None else None
+        if plan is None or config.settings.autotune:
+            return self._run(args, options)
+        if plan is not _MISSING:
+            return plan.replay(args)
+        recording, outer = _Recording(), _active.recording
+        _active.recording = recording
+        try:
+            with recording:
+                result = self._run(args, options)
+        finally:
+            _active.recording = outer
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.clear()
+        self.plans[key] = recording.plan(args, result)
+        return result
+
+    def _run(self, args: tuple, options: dict):
+        with set_wrap_triton_enabled(False):
+            return self.body(*args, **options)

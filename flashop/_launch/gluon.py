@@ -14,6 +14,7 @@ compiles with the rest of the graph.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Optional
 
@@ -215,6 +216,14 @@ def _descriptor_type():
 
         def __hash__(self):
             return hash(self.spec)
+
+        def rebased(self, x: torch.Tensor) -> "Descriptor":
+            """This descriptor of ``x``, a tensor of its base's shape, strides and dtype (a
+            plan's replay: fastpath._PlannedLaunch); of None, a template that keeps no
+            tensor alive."""
+            d = copy.copy(self)
+            d.base = x
+            return d
 
         def launch_key(self) -> "Descriptor":
             """An equal descriptor that holds no tensor, as a launch cache keeps it (a

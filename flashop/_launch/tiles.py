@@ -132,6 +132,11 @@ def force(kind: str, tiles: Tiles):
             _FORCED[kind] = saved
 
 
+def forced() -> tuple:
+    """The tiles force() sets, by kind (a plan's key holds them: flashop/_launch/fastpath.py)."""
+    return tuple(_FORCED.items())
+
+
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
               mask_grad: bool = False, causal: bool = False, short: bool = False) -> Tiles:
     """The tiles of ``kind`` (see _gpu_tiles for ``causal`` and ``short``)."""

@@ -35,16 +35,16 @@ be traced (its kernels would run on fake tensors), so they are registered as opa
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
-from torch._library.triton import set_wrap_triton_enabled
 from torch.utils.flop_counter import (
     register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count,
 )
 
 from flashop._launch import attention as launch
+from flashop._launch.fastpath import PlannedBody
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
 from flashop._ops import autocast
 from flashop._ops.checks import (
@@ -189,25 +189,29 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse_log2, *args, attn_mas
 _lib = torch.library.Library("flashop", "FRAGMENT")
 
 
+# the forward's and backward's bodies as eager calls run them: by plans made once per
+# signature of calls (fastpath.PlannedBody), for the direct eager path (flashop/_ops/eager.py)
+# and the opaque operators
+planned_forward = PlannedBody(run_forward)
+planned_backward = PlannedBody(run_backward)
+
+
 def _register_opaque(name: str, body, fake) -> None:
     """``flashop::<name>_opaque``: the operator ``name``'s schema, its body run as an eager
-    call runs it (the kernels launched directly, not through wrap_triton), and its fake.
+    call runs it (by its plans, the kernels launched directly, not through wrap_triton), and
+    its fake.
     Opaque to Inductor, which calls it as it is: a compiled graph reaches the kernels that
     Inductor cannot trace (the Gluon ones) through it, and keeps fullgraph, dynamic shapes
     and CUDA graphs. Exported graphs never hold it (gluon.compiled_here)."""
     schema = str(getattr(torch.ops.flashop, name).default._schema)
     _lib.define(f"{name}_opaque{schema[schema.index('('):]}")
 
-    def run(*args, **kwargs):
-        with set_wrap_triton_enabled(False):
-            return body(*args, **kwargs)
-
-    _lib.impl(f"{name}_opaque", run, "CompositeExplicitAutograd")
+    _lib.impl(f"{name}_opaque", body, "CompositeExplicitAutograd")
     torch.library.register_fake(f"flashop::{name}_opaque", fake, lib=_lib)
 
 
-_register_opaque("attention_forward", run_forward, _attention_forward_fake)
-_register_opaque("attention_backward", run_backward, _attention_backward_fake)
+_register_opaque("attention_forward", planned_forward, _attention_forward_fake)
+_register_opaque("attention_backward", planned_backward, _attention_backward_fake)
 
 
 # --- autograd ---------------------------------------------------------------------------------
@@ -235,12 +239,12 @@ def save_for_grads(ctx, inputs: tuple, out: Tensor, lse_log2: Tensor, options: d
 
 
 def attention_grads(ctx, saved: tuple, dout: Tensor, dlse: Tensor,
-                    direct: bool = False) -> tuple:
+                    backward: Optional[Callable] = None) -> tuple:
     """The gradients of the forward's inputs (in FORWARD_INPUTS' order, None where none is
     needed) through attention_backward and the sinks' formula (launch.sink_grad), from what
     save_for_grads saved on ``ctx`` (``saved``: its saved tensors) and its
     ``needs_input_grad``. Shared with the eager path (flashop/_ops/eager.py), which passes
-    ``direct``: the backward operator's body is run without the dispatcher."""
+    the ``backward`` to run instead of the operator: its body, without the dispatcher."""
     saved = dict(zip(_SAVED, saved))
     needs = dict(zip(FORWARD_INPUTS, ctx.needs_input_grad))
     dense = saved["cu_seqlens_q"] is None
@@ -250,7 +254,7 @@ def attention_grads(ctx, saved: tuple, dout: Tensor, dlse: Tensor,
         raise RuntimeError(
             f"flashop.attention{'' if dense else '_varlen'}: alibi_slopes get no gradient (as "
             f"in FlashAttention); detach them{hint}")
-    backward = run_backward if direct else torch.ops.flashop.attention_backward
+    backward = backward or torch.ops.flashop.attention_backward
     mask_grad = bool(needs.get("attn_mask"))
     dq, dk, dv, dg, dmask = backward(
         dout, dlse, saved["q"], saved["k"], saved["v"], saved["out"], saved["lse_log2"],

@@ -2,24 +2,32 @@
 torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform; see
 fastpath.is_direct) runs the operators' bodies directly, skipping the dispatcher's layers
 and the registered operator's generated autograd function, a large part of a short call's
-host time. The attention forward runs in an autograd function whose backward runs the
-backward operator's body the same way. Results, checks and messages are the operators';
-``FLASHOP_DIRECT_EAGER=0`` (``flashop.config``) sends every call through them. Every other
-call goes through the operators (their composites' Python bodies, which trace the same).
+host time. The bodies run by plans (fastpath.PlannedBody): a signature's first call runs
+the body, its checks included, and later calls replay its allocations and launches. The
+attention forward runs in an autograd function (where a gradient is wanted) whose backward
+runs the backward operator's body the same way. Results, checks and messages are the
+operators'; ``FLASHOP_DIRECT_EAGER=0`` (``flashop.config``) sends every call through them.
+Every other call goes through the operators (their composites' Python bodies, which trace
+the same).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 from torch._library.triton import set_wrap_triton_enabled
 
-from flashop._launch.fastpath import is_direct
+from flashop._launch.fastpath import (
+    aliasing, environment, is_direct, make_key, signature,
+)
 from flashop._ops import attention as ops
 from flashop._ops import attention_fp8 as attention_fp8_ops
 from flashop._ops import autocast, kvcache
+
+# the attention operators' bodies as the direct path runs them
+_forward, _backward = ops.planned_forward, ops.planned_backward
 
 
 # one fp32 zero per device, never written: the gradient of an lse that no loss reads
@@ -39,24 +47,38 @@ def _zero_rows(lse: Tensor) -> Tensor:
     return zero.expand(lse.shape)
 
 
-_N_INPUTS = len(ops.FORWARD_INPUTS)
-# the forward's keyword options, in the order _DirectAttention takes their values
+# the forward's keyword options, in the order its plans' keys take them
 _OPTIONS = ("causal", "scale", "window_size_left", "window_size_right", "softcap",
             "dropout_p", "deterministic")
+# the forward's inputs that may take a gradient, as _DirectAttention takes them, and their
+# places in FORWARD_INPUTS
+_DIFFERENTIABLE = ("q", "k", "v", "attn_mask", "alibi_slopes", "g", "sinks")
+_PLACES = tuple(ops.FORWARD_INPUTS.index(name) for name in _DIFFERENTIABLE)
+_NOT_NEEDED = (False,) * len(ops.FORWARD_INPUTS)
+
+
+class _Context(NamedTuple):
+    """What ops.attention_grads reads of an autograd context: needs_input_grad in
+    FORWARD_INPUTS' order, and what save_for_grads set."""
+
+    needs_input_grad: tuple
+    max_seqlens: tuple
+    options: dict
 
 
 class _DirectAttention(torch.autograd.Function):
-    """The forward operator's body with autograd through the backward operator, as the
+    """The forward operator's body with autograd through the backward operator's, as the
     operator's registered autograd does it (flashop/_ops/attention.py); returns (out, lse).
-    Takes the forward's inputs (FORWARD_INPUTS) then its options' values (_OPTIONS)."""
+    Takes the call (the forward's inputs in FORWARD_INPUTS' order, its options and its
+    plan's key), then, for autograd, the inputs that may take a gradient
+    (_DIFFERENTIABLE)."""
 
     @staticmethod
-    def forward(ctx, *args):
-        inputs, options = args[:_N_INPUTS], dict(zip(_OPTIONS, args[_N_INPUTS:]))
-        # wrap_triton launches the kernels as they are (as in a triton_op's eager call)
-        with set_wrap_triton_enabled(False):
-            out, lse, lse_log2 = ops.run_forward(*inputs, **options)
+    def forward(ctx, call, *differentiable):
+        inputs, options, key = call
+        out, lse, lse_log2 = _forward.run(key, inputs, options)
         ops.save_for_grads(ctx, inputs, out, lse_log2, options)
+        ctx.key = key
         # an output that no loss reads gets no gradient (None) rather than a zeroed tensor
         # made and filled on every backward: see _zero_rows
         ctx.set_materialize_grads(False)
@@ -70,14 +92,26 @@ class _DirectAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if dlse is None:
             dlse = _zero_rows(lse_log2)  # the lse's shape, fp32
+        needs = list(_NOT_NEEDED)
+        for place, need in zip(_PLACES, ctx.needs_input_grad[1:]):
+            needs[place] = need
+        context = _Context(tuple(needs), ctx.max_seqlens, ctx.options)
         if is_direct(dout, dlse) and not torch.is_grad_enabled():
             # the backward operator's body, as the forward's (a backward that builds a graph,
-            # create_graph=True, goes through the operator, which has no derivative)
-            with set_wrap_triton_enabled(False):
-                grads = ops.attention_grads(ctx, saved, dout, dlse, direct=True)
+            # create_graph=True, goes through the operator, which has no derivative); its
+            # plans' key: the forward's, which holds every saved tensor's signature
+            forward_key = ctx.key
+
+            def backward(*args, **options):
+                key = forward_key and make_key((
+                    forward_key, signature(args[:2]), aliasing(args),
+                    options["attn_mask_grad"], environment()))
+                return _backward.run(key, args, options)
+
+            grads = ops.attention_grads(context, saved, dout, dlse, backward=backward)
         else:
-            grads = ops.attention_grads(ctx, saved, dout, dlse)
-        return (*grads, *(None,) * len(_OPTIONS))
+            grads = ops.attention_grads(context, saved, dout, dlse)
+        return (None, *[grads[place] for place in _PLACES])
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -86,18 +120,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
               alibi_slopes: Optional[Tensor], g: Optional[Tensor], sinks: Optional[Tensor],
               **options) -> tuple[Tensor, Tensor]:
     """(out, lse) of a dense call (the packing arguments None) or a packed one, through the
-    direct path where it applies, else the composite operator's body; ``options`` the
-    operators' keyword options."""
+    direct path where it applies (an autograd function where a gradient is wanted, else the
+    forward's body alone), else the composite operator's body; ``options`` the operators'
+    keyword options."""
     if is_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, attn_mask, alibi_slopes, g, sinks):
         dtype = autocast.region_dtype(q)
         if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
             q, k, v, attn_mask, g, sinks = autocast.cast_arguments(
                 "attention_forward", dict(q=q, k=k, v=v, attn_mask=attn_mask, g=g,
                                           sinks=sinks), dtype).values()
-        seed = ops.dropout_seed(q, options.get("dropout_p", 0.0))
-        return _DirectAttention.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
-            alibi_slopes, g, sinks, seed, *[options[name] for name in _OPTIONS])
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
+                  alibi_slopes, g, sinks, ops.dropout_seed(q, options.get("dropout_p", 0.0)))
+        options = {name: options[name] for name in _OPTIONS}
+        key = _forward.key(inputs, options)
+        differentiable = (q, k, v, attn_mask, alibi_slopes, g, sinks)
+        if torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in differentiable):
+            return _DirectAttention.apply((inputs, options, key), *differentiable)
+        out, lse, _ = _forward.run(key, inputs, options)
+        return out, lse
     if cu_seqlens_q is None:
         return ops.attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, **options)
     return ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
