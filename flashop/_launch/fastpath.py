@@ -458,7 +458,7 @@ class _Recording(TorchDispatchMode):
         for step in self.steps:
             if step[0] == "op":
                 _, func, op_args, op_kwargs, out = step
-                planned = _PlannedOperation.make(func, op_args, op_kwargs, slots)
+                planned = _PlannedOperation.make(func, op_args, op_kwargs, out, slots)
                 if planned is None:
                     return None
                 if id(out) not in slots:  # (an in-place operation returns its input)
@@ -486,15 +486,28 @@ def _getter(slots: tuple) -> Callable:
     return operator.itemgetter(*slots) if slots else (lambda items: ())
 
 
+# replayed by the fastest call that gives the same result (an OpOverload's Python call costs
+# several times a tensor method's): allocations by their outputs' shape, strides, dtype and
+# device; views by the output's shape, strides and offset from its base's
+_ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+                _aten.empty_strided.default, _aten.new_empty_strided.default}
+_ZEROED = {_aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default}
+_VIEWS = {_aten.detach.default, _aten.alias.default, _aten.view.default,
+          _aten._unsafe_view.default, _aten.slice.Tensor, _aten.select.int,
+          _aten.expand.default, _aten.as_strided.default, _aten.transpose.int,
+          _aten.permute.default, _aten.t.default, _aten.unsqueeze.default, _aten.squeeze.dim}
+
+
 class _PlannedOperation:
     """One tensor operation of a plan: ``func`` with its recorded arguments, those that are
-    tensors taken from the replay's slots; its output appended to them (``keeps``) unless
-    the operation works in place."""
+    tensors taken from the replay's slots (or, for allocations, fills, copies and views,
+    the call that gives the same result fastest: ``fast``); its output appended to them
+    (``keeps``) unless the operation works in place."""
 
-    __slots__ = ("func", "template", "positions", "kwargs", "keeps")
+    __slots__ = ("func", "template", "positions", "kwargs", "keeps", "fast")
 
     @classmethod
-    def make(cls, func, args: tuple, kwargs: dict, slots: dict):
+    def make(cls, func, args: tuple, kwargs: dict, out: _Tensor, slots: dict):
         template, positions = list(args), []
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
@@ -509,15 +522,49 @@ class _PlannedOperation:
         planned = object.__new__(cls)
         planned.func, planned.template, planned.kwargs = func, template, dict(kwargs)
         planned.positions, planned.keeps = tuple(positions), False
+        planned.fast = _fast(func, args, kwargs, out, dict(positions))
         return planned
 
     def __call__(self, pool: list, stream=None) -> None:
-        args = self.template.copy()
-        for i, slot in self.positions:
-            args[i] = pool[slot]
-        out = self.func(*args, **self.kwargs)
+        if self.fast is not None:
+            out = self.fast(pool)
+        else:
+            args = self.template.copy()
+            for i, slot in self.positions:
+                args[i] = pool[slot]
+            out = self.func(*args, **self.kwargs)
         if self.keeps:
             pool.append(out)
+
+
+def _fast(func, args: tuple, kwargs: dict, out: _Tensor, slot_of: dict) -> Optional[Callable]:
+    """A function of the replay's slots that gives what ``func(*args, **kwargs)`` gave
+    (``out``) for tensors of the recorded signatures, by a faster call; None where there is
+    none (the operation itself then)."""
+    shape, stride, dtype, device = tuple(out.shape), out.stride(), out.dtype, out.device
+    if func in _ALLOCATIONS:
+        return lambda pool: torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if func in _ZEROED:
+        if out.is_contiguous():
+            return lambda pool: torch.zeros(shape, dtype=dtype, device=device)
+        return lambda pool: torch.empty_strided(shape, stride, dtype=dtype,
+                                                device=device).zero_()
+    first = slot_of.get(0)
+    if first is None:
+        return None
+    if func is _aten.zero_.default and len(args) == 1 and not kwargs:
+        return lambda pool: pool[first].zero_()
+    if func is _aten.fill_.Scalar and len(args) == 2 and not kwargs:
+        value = args[1]
+        return lambda pool: pool[first].fill_(value)
+    if func is _aten.copy_.default and len(args) == 2 and not kwargs and 1 in slot_of:
+        source = slot_of[1]
+        return lambda pool: pool[first].copy_(pool[source])
+    if func in _VIEWS and out.dtype == args[0].dtype:
+        offset = out.storage_offset() - args[0].storage_offset()
+        return lambda pool: pool[first].as_strided(shape, stride,
+                                                   pool[first].storage_offset() + offset)
+    return None
 
 
 def _rebases(value) -> bool:
