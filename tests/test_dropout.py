@@ -101,7 +101,9 @@ P09_CALLS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+# (on an H200, torch 2.11 and triton 3.6, both calls pass the rule: the expected failure is
+# the interpreter's, whose output rounds otherwise)
+@pytest.mark.xfail(DEVICE != "cuda", strict=True, raises=AssertionError, reason=(
     "delta (rowsum(dO * O) - dlse) comes from the stored output, rounded to bf16 after the "
     "scaling by 1 / (1 - dropout_p) = 10; where a row's probability sits on a few kept keys "
     "dS = P (dP - delta) keeps that rounding"))

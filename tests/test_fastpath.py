@@ -264,3 +264,20 @@ def test_a_plan_remakes_descriptors_for_the_calls_tensors(monkeypatch):
     launched.clear()
     gc.collect()
     assert watched() is None
+
+
+def test_replayed_views_follow_the_calls_own_tensors():
+    """A view replayed on a call's own tensor starts where that tensor starts: two calls of
+    one signature whose inputs sit at other offsets of their storage (a slice of a larger
+    buffer, then a tensor of its own) each read their own values."""
+
+    def body(x):
+        return (torch.empty(4, device=x.device).copy_(x.view(-1)[2:6]),)
+
+    planned = fastpath.PlannedBody(body)
+    base = torch.arange(40.0, device=DEVICE)
+    first = base[8:16].view(2, 4)  # storage offset 8
+    assert torch.equal(planned(first)[0], base[10:14])
+    assert isinstance(next(iter(planned.plans.values())), fastpath.Plan)
+    for x in (base[24:32].view(2, 4), torch.arange(100.0, 108.0, device=DEVICE).view(2, 4)):
+        assert torch.equal(planned(x)[0], x.reshape(-1)[2:6])
