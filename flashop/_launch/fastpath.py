@@ -77,17 +77,17 @@ def signature(args: tuple) -> tuple:
     choice reads of it; Triton specialises on it too); None; every other argument by type
     and value; and, where one tensor is passed as two arguments, which (a plan binds the
     kernels' tensors to argument positions)."""
-    key, ids = [], []
+    key = []
     for a in args:
         if a is None:
             key.append(None)
         elif isinstance(a, _Tensor):
             key.append((a.shape, a.stride(), a.dtype, a.device, not a.data_ptr() & 15))
-            ids.append(id(a))
         else:
             key.append((a.__class__, a))
-    if len(set(ids)) < len(ids):
-        key.append(tuple([ids.index(i) for i in ids]))
+    shared = aliasing(args)
+    if shared is not None:
+        key.append(shared)
     return tuple(key)
 
 
@@ -376,18 +376,21 @@ def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callabl
 _aten = torch.ops.aten
 # the tensor operations a plan replays (each a function of its tensors' signatures and its
 # other arguments alone, never of the tensors' values on the host's side): allocations,
-# fills and copies, and views. Any other (a cumulative sum, a value read on the host, an
+# zeroed ones, fills and copies, and views, the first and the last replayed by their
+# outputs' shape, strides, dtype and device (views: offset from their base's) by the
+# fastest call that gives them (an OpOverload's Python call costs several times a tensor
+# method's: _fast). Any other operation (a cumulative sum, a value read on the host, an
 # output whose shape follows the data) leaves the body to run on every call.
-_REPLAYABLE = {
-    _aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
-    _aten.empty_strided.default, _aten.new_empty_strided.default, _aten.zeros.default,
-    _aten.zeros_like.default, _aten.new_zeros.default, _aten.full.default,
-    _aten.new_full.default, _aten.zero_.default, _aten.fill_.Scalar, _aten.copy_.default,
-    _aten.detach.default, _aten.alias.default, _aten.view.default, _aten.view.dtype,
-    _aten._unsafe_view.default, _aten.slice.Tensor, _aten.select.int, _aten.expand.default,
-    _aten.as_strided.default, _aten.transpose.int, _aten.permute.default, _aten.t.default,
-    _aten.unsqueeze.default, _aten.squeeze.dim,
-}
+_ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+                _aten.empty_strided.default, _aten.new_empty_strided.default}
+_ZEROED = {_aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default}
+_VIEWS = {_aten.detach.default, _aten.alias.default, _aten.view.default,
+          _aten._unsafe_view.default, _aten.slice.Tensor, _aten.select.int,
+          _aten.expand.default, _aten.as_strided.default, _aten.transpose.int,
+          _aten.permute.default, _aten.t.default, _aten.unsqueeze.default, _aten.squeeze.dim}
+_REPLAYABLE = _ALLOCATIONS | _ZEROED | _VIEWS | {
+    _aten.full.default, _aten.new_full.default, _aten.zero_.default, _aten.fill_.Scalar,
+    _aten.copy_.default, _aten.view.dtype}
 # the types of the arguments a plan fixes (a Gluon descriptor is remade for each call's
 # tensor: _PlannedLaunch)
 _STATIC_TYPES = (int, float, str, type(None))
@@ -420,8 +423,9 @@ class _Recording(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.steps: list = []  # ("op", func, args, kwargs, out) or ("launch", ...), in order
-        self.kept: list = []  # every tensor seen (their ids stay theirs while recording)
+        # ("op", func, args, kwargs, out) or ("launch", ...), in order (holding every tensor
+        # seen, whose ids then stay theirs while recording)
+        self.steps: list = []
         self.other_operations = False
         self.launching = False
 
@@ -431,7 +435,6 @@ class _Recording(TorchDispatchMode):
         if not self.launching:
             if func in _REPLAYABLE and isinstance(out, _Tensor):
                 self.steps.append(("op", func, args, kwargs, out))
-                self.kept.append(out)
             else:
                 self.other_operations = True
         return out
@@ -484,18 +487,6 @@ def _getter(slots: tuple) -> Callable:
     if len(slots) == 1:
         return lambda items, i=slots[0]: (items[i],)
     return operator.itemgetter(*slots) if slots else (lambda items: ())
-
-
-# replayed by the fastest call that gives the same result (an OpOverload's Python call costs
-# several times a tensor method's): allocations by their outputs' shape, strides, dtype and
-# device; views by the output's shape, strides and offset from its base's
-_ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
-                _aten.empty_strided.default, _aten.new_empty_strided.default}
-_ZEROED = {_aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default}
-_VIEWS = {_aten.detach.default, _aten.alias.default, _aten.view.default,
-          _aten._unsafe_view.default, _aten.slice.Tensor, _aten.select.int,
-          _aten.expand.default, _aten.as_strided.default, _aten.transpose.int,
-          _aten.permute.default, _aten.t.default, _aten.unsqueeze.default, _aten.squeeze.dim}
 
 
 class _PlannedOperation:
@@ -567,6 +558,11 @@ def _fast(func, args: tuple, kwargs: dict, out: _Tensor, slot_of: dict) -> Optio
     return None
 
 
+def _alignment(values) -> tuple:
+    """Whether each of a launch's tensors is 16-byte aligned (False for a descriptor)."""
+    return tuple([isinstance(t, _Tensor) and not t.data_ptr() & 15 for t in values])
+
+
 def _rebases(value) -> bool:
     """Whether ``value`` is a host-made tensor descriptor that a plan can remake for another
     tensor of the same signature (``rebased``)."""
@@ -599,8 +595,7 @@ class _PlannedLaunch:
                 static[name] = value
             else:
                 return None
-        alignment = tuple([isinstance(kwargs[name], _Tensor) and not kwargs[name].data_ptr() & 15
-                           for name in names])
+        alignment = _alignment([kwargs[name] for name in names])
         planned = object.__new__(cls)
         planned._init(kernel, tuple(grid), tuple(kwargs), tuple(names), tuple(tensor_slots),
                       static, tuple(descriptors), compiled, alignment)
@@ -639,8 +634,7 @@ class _PlannedLaunch:
             values = list(values)
             for i, descriptor in self.descriptors:
                 values[i] = descriptor.rebased(values[i])
-        alignment = tuple([isinstance(t, _Tensor) and not t.data_ptr() & 15 for t in values])
-        return values, alignment
+        return values, _alignment(values)
 
     def arguments(self, values) -> dict:
         """The launch's arguments by keyword, in the recorded order, with these values."""
