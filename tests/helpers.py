@@ -171,7 +171,7 @@ def gluon_cases(draw, dtype, head_dims=(128,)):
     S_k = draw(st.integers(1, 700))
     D = draw(st.sampled_from(head_dims))
     return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
-                S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3])),
+                S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3, 4])),
                 D=D, DV=D, dtype=dtype, causal=causal,
                 scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D**0.5))),
                 layout=draw(st.sampled_from(["contiguous", "bhsd"])))

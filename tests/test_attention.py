@@ -260,14 +260,19 @@ def test_gluon_backward_matches_reference(dtype, data, seed):
     and 128, causal and not, any lengths (tail tiles of queries and keys), GQA, two
     layouts, any positive scale, after whichever forward the default rule picks."""
     case = data.draw(gluon_cases(dtype, launch_gluon.BWD_HEAD_DIMS))
+    # each group's query heads in one program, or split between several (dK and dV summed
+    # by atomics), whatever the rule would pick for the grid
+    split = data.draw(st.sampled_from([s for s in range(1, case.G + 1) if case.G % s == 0]))
     with mock.patch.object(launch_gluon, "attention_backward",
                            wraps=launch_gluon.attention_backward) as launched, \
+            mock.patch.object(launch_gluon, "backward_split", return_value=split), \
             flashop.config.override(dq_atomics=True):
         assert _takes_gluon_backward(case)
         fastpath.clear_plans()  # (a replayed plan would not call the launcher watched)
         check_case(case, seed, deterministic_backward=False)
     assert launched.called  # the Gluon kernel computed the gradients checked
-    assert all(call.args[7] is None for call in launched.call_args_list)  # no counters
+    assert all(call.args[7] is None and call.kwargs["split"] == split  # no counters
+               for call in launched.call_args_list)
 
 
 @pytest.mark.skipif(not GLUON, reason="the Gluon backward needs a Hopper GPU and triton 3.6 "
@@ -291,6 +296,39 @@ def test_gluon_deterministic_backward_matches_reference(dtype, data, seed):
     assert launched.called and all(call.args[7] is not None  # the counters
                                    for call in launched.call_args_list)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_the_gluon_backward_splits_query_heads_on_small_grids(monkeypatch):
+    """dQ by atomics, a grouped-query call splits each group's query heads between
+    programs (a divisor of G): where causal, the fewest that bring the grid (key tiles x
+    batch x KV heads) to BWD_SPLIT_PROGRAMS per SM, or G; where not, the most that keep it
+    within one program per SM. In key-tile order, or with one query head per KV head,
+    never; never past the grid's bound."""
+    monkeypatch.setattr(launch_gluon, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch_gluon, "BWD_SPLIT_PROGRAMS", 16)  # 2112 programs
+
+    def split(B, S, H, H_kv, causal=True, deterministic=False):
+        q = torch.empty(B, S, H, 128, device="meta")
+        k = torch.empty(B, S, H_kv, 128, device="meta")
+        return launch_gluon.backward_split(q, k, causal, deterministic)
+
+    assert split(1, 4096, 16, 4) == 4  # 128 programs; 512 with each head alone
+    assert split(8, 4096, 16, 4) == 4  # 1024 -> 2048, 4096
+    assert split(16, 4096, 16, 4) == 2  # 2048 -> 4096
+    assert split(32, 4096, 16, 4) == 1  # 4096
+    assert split(1, 4096, 24, 4) == 6  # 128 -> 256, 384, 768
+    assert split(5, 6400, 24, 4) == 3  # 1000 -> 2000, 3000
+    assert split(1, 4000, 16, 4) == 4  # a tail tile counts: 128 programs
+    assert split(1, 4096, 16, 4, causal=False) == 1  # 128 programs: 256 > 132
+    assert split(1, 2048, 16, 4, causal=False) == 2  # 64 -> 128
+    assert split(1, 1024, 16, 4, causal=False) == 4  # 32 -> 64, 128
+    assert split(1, 4096, 16, 16) == 1  # no group to split
+    assert split(1, 4096, 16, 4, deterministic=True) == 1
+    assert split(1, 1024, 16, 4, causal=False, deterministic=True) == 1
+    assert split(1, 128, 10, 1) == 10
+    monkeypatch.setattr(launch_gluon, "MAX_GRID_Y", 6)  # the grid's bound on B * H_kv * split
+    assert split(1, 128, 10, 1) == 5
+    assert split(7, 128, 14, 7) == 1
 
 
 def test_where_the_gluon_backward_runs(monkeypatch):

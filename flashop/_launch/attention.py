@@ -516,7 +516,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
     if use_gluon:  # zeroed first: the memset runs while the host prepares the next launches
-        dq_acc, dq_sem = gluon.backward_buffer(q, ordered)
+        split = gluon.backward_split(q, k, causal, ordered)
+        dq_acc, dq_sem, dk_acc, dv_acc = gluon.backward_buffer(q, k, ordered, split)
     if dq_atomic or use_gluon:
         # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
         # rows here, delta being row-wise
@@ -528,9 +529,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
             BLOCK_M=pre_block)
     if use_gluon:
-        gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal,
-                                 p.sm_scale, p.modifier_args["qk_scale"], **_dropout_args(mods))
+        gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem,
+                                 dk if split == 1 else dk_acc, dv if split == 1 else dv_acc,
+                                 causal, p.sm_scale, p.modifier_args["qk_scale"],
+                                 **_dropout_args(mods), split=split)
         dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
+        if split > 1:
+            dk.copy_(dk_acc)
+            dv.copy_(dv_acc)
         return dq, dk, dv, dg, dmask
     # what the dK/dV and dQ kernels share
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),

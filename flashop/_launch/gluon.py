@@ -43,7 +43,7 @@ FWD_O_TMA = {128, 256}
 # warp, within the 65536 of an SM (three groups measured fastest at 160)
 CONSUMER_REGS = {2: 232, 3: 160}
 LOAD_REGS = 24
-MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv (dQ by atomics)
+MAX_GRID_Y = 65535  # the backward grid's second dimension: B * H_kv * split (dQ by atomics)
 MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 # The default rule (config.settings.gluon unset), where it measured faster than the tl
 # kernels: calls of at least GLUON_MIN_QUERIES queries (no shorter call was measured) over at
@@ -63,6 +63,11 @@ BWD_STAGES = 2
 BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
 # where deterministic, the key tiles of one (batch, KV head) that run side by side
 BWD_KEY_GROUP = 4
+# dQ by atomics: a causal grouped-query call of fewer programs (key tiles x batch x KV heads)
+# than BWD_SPLIT_PROGRAMS per SM splits each group's query heads between programs
+# (backward_split; measured faster up to 2048 programs: four batches of 16 query heads over 4
+# KV heads at 4k keys, 512 programs unsplit, took 1.71 ms, 1.66 split by 2, 1.57 by 4)
+BWD_SPLIT_PROGRAMS = 16
 BWD_HEAD_DIMS = (64, 128)
 # The deterministic backward's default rule (its dQ adds in key-tile order), where it
 # measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
@@ -286,23 +291,60 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
         num_warps=4)
 
 
-def backward_buffer(q: torch.Tensor, deterministic: bool):
-    """The zeroed fp32 buffer the Gluon backward adds dQ into, laid out as q (contiguous),
-    and where ``deterministic`` its int32 counters (one per query tile),
-    zeroed with it: (dq_acc, dq_sem or None)."""
+def backward_split(q: torch.Tensor, k: torch.Tensor, causal: bool,
+                   deterministic: bool) -> int:
+    """Between how many programs (a divisor of G) the Gluon backward splits each (batch,
+    KV head, key tile)'s G query heads, for a grid of key tiles x batch x KV heads programs
+    and more where split: 1 where deterministic (dK and dV are then each summed in one
+    program). Where causal (key tiles of unequal work), the fewest that bring the grid to
+    BWD_SPLIT_PROGRAMS per SM, or the most allowed; where not, the most that keep the
+    grid within one program per SM (one wave of equal programs: more waves cost more
+    than the atomics save), or 1. Never a grid past MAX_GRID_Y."""
+    B, S_k, H_kv = k.shape[0], k.shape[1], k.shape[2]
+    G = q.shape[2] // H_kv
+    programs = B * H_kv * cdiv(S_k, BWD_BLOCK_N)
+    sms = sm_count(q.device)
+    if deterministic:
+        return 1
+    split = 1
+    for s in range(2, G + 1):
+        if G % s or B * H_kv * s > MAX_GRID_Y:
+            continue
+        if causal:
+            if programs * split >= BWD_SPLIT_PROGRAMS * sms:
+                break
+        elif programs * s > sms:
+            break
+        split = s
+    return split
+
+
+def backward_buffer(q: torch.Tensor, k: torch.Tensor, deterministic: bool, split: int):
+    """The zeroed fp32 buffers of the Gluon backward, from one allocation: dQ's, laid out as
+    q (contiguous); where ``deterministic``, its int32 counters (one per query tile); where
+    ``split`` > 1 (backward_split), dK's and dV's, laid out as k (contiguous):
+    (dq_acc, dq_sem or None, dk_acc or None, dv_acc or None)."""
     B, S_q, H, D = q.shape
+    n_q = q.numel()
+    n_kv = k.numel() if split > 1 else 0
     n_sem = B * H * cdiv(S_q, BWD_BLOCK_M) if deterministic else 0
-    buf = torch.zeros(q.numel() + n_sem, device=q.device, dtype=torch.float32)
-    dq_acc = buf[:q.numel()].view(q.shape)
-    return dq_acc, (buf[q.numel():].view(torch.int32) if deterministic else None)
+    buf = torch.zeros(n_q + 2 * n_kv + n_sem, device=q.device, dtype=torch.float32)
+    dq_acc = buf[:n_q].view(q.shape)
+    dk_acc = dv_acc = None
+    if split > 1:
+        dk_acc = buf[n_q:n_q + n_kv].view(k.shape)
+        dv_acc = buf[n_q + n_kv:n_q + 2 * n_kv].view(k.shape)
+    dq_sem = buf[n_q + 2 * n_kv:].view(torch.int32) if deterministic else None
+    return dq_acc, dq_sem, dk_acc, dv_acc
 
 
 def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal: bool,
                        sm_scale: float, qk_scale: float, dropout_seed: torch.Tensor,
-                       dropout_p: float, DROPOUT: bool) -> None:
+                       dropout_p: float, DROPOUT: bool, split: int = 1) -> None:
     """Launch the Gluon backward where serves_backward() said it takes the call: dK and dV
-    into ``dk``, ``dv`` (B, S_k, H_kv, D), dQ added into ``dq_acc`` in key-tile order where
-    ``dq_sem`` is given, by atomics where it is None (backward_buffer() makes both);
+    into ``dk``, ``dv`` (B, S_k, H_kv, D), where ``split`` > 1 (backward_split) added into
+    the zeroed fp32 buffers that backward_buffer() made; dQ added into ``dq_acc`` in
+    key-tile order where ``dq_sem`` is given, by atomics where it is None;
     ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it; the dropout
     arguments as the ``tl`` kernels take them (attention._dropout_args)."""
     B, S_q, H, D = q.shape
@@ -310,7 +352,8 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
     deterministic = dq_sem is not None
     n_tiles = cdiv(S_k, BWD_BLOCK_N)
     launch_now(
-        _bwd_kernel(), (B * H_kv * n_tiles,) if deterministic else (n_tiles, B * H_kv),
+        _bwd_kernel(),
+        (B * H_kv * n_tiles,) if deterministic else (n_tiles, B * H_kv * split),
         q_desc=_descriptor(q, BWD_BLOCK_M), k_desc=_descriptor(k, BWD_BLOCK_N),
         v_desc=_descriptor(v, BWD_BLOCK_N), do_desc=_descriptor(dout, BWD_BLOCK_M),
         dq_desc=_descriptor(dq_acc, BWD_BLOCK_M, D // 2),
@@ -321,5 +364,5 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         dropout_seed=dropout_seed, dropout_p=dropout_p,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
-        KEY_GROUP=BWD_KEY_GROUP, DROPOUT=DROPOUT,
+        KEY_GROUP=BWD_KEY_GROUP, SPLIT=split, DROPOUT=DROPOUT,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

@@ -19,8 +19,9 @@ only for it to have read their shared tile.
 
 One program takes BLOCK_N keys of one (batch, KV head) and runs four partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
-  group, in turn) through tensor descriptors, and the tile's rows of lse_log2 and delta by
-  loads, into STAGES shared buffers;
+  group, in turn; or of its share of them, where the grid splits each group's heads
+  between programs that add dK and dV into fp32 sums) through tensor descriptors, and
+  the tile's rows of lse_log2 and delta by loads, into STAGES shared buffers;
 - two consumer warp groups, group w owning keys [w * BLOCK_N / 2, (w + 1) * BLOCK_N / 2) of
   the tile. Per query tile, group w computes S^T and dP^T of its keys by wgmma, P^T and
   dS^T, then dV += P^T dO and dK += dS^T Q; both groups' dS^T meet in shared memory, and
@@ -86,13 +87,13 @@ def _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
-    """Step t's query head and first row: the group's heads in turn, each over query tiles
-    m_lo, ..., m_lo + n_qt - 1, or from the last down where DESCENDING."""
+def _query_tile(t, h0, m_lo, n_qt, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
+    """Step t's query head and first row: the program's heads from h0 in turn, each over
+    query tiles m_lo, ..., m_lo + n_qt - 1, or from the last down where DESCENDING."""
     i_m = t % n_qt
     if DESCENDING:
         i_m = n_qt - 1 - i_m
-    return i_hk * G + t // n_qt, (m_lo + i_m) * BLOCK_M
+    return h0 + t // n_qt, (m_lo + i_m) * BLOCK_M
 
 
 @gluon.jit
@@ -112,7 +113,7 @@ def _load_row_values(lse_log2, delta, lse_smem, delta_smem, stride_lb, stride_lh
 @gluon.jit
 def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                         lse_smem, delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q,
-                        kv_bar, full, empty, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps,
+                        kv_bar, full, empty, i_b, i_hk, h0, start_n, m_lo, n_qt, n_steps,
                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
     """The load warp: K and V once, then Q and dO of step t (by TMA) and its rows' lse and
     delta (by loads) into buffer t % STAGES, once both consumer groups released that
@@ -126,7 +127,7 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
         s = t % STAGES
         if t >= STAGES:
             mbarrier.wait(empty.index(s), ((t // STAGES) - 1) & 1)
-        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M, DESCENDING)
+        i_h, start_m = _query_tile(t, h0, m_lo, n_qt, BLOCK_M, DESCENDING)
         mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_h, 0], full.index(s),
                                         q_smem.index(s).reshape(q_desc.block_type.shape))
@@ -141,18 +142,20 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
 def _bwd_consumer_partition(
     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, full,
     empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
-    stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+    stride_dvd, i_b, h0, start_n, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
     dropout_seed, dropout_p,
     WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
     DETERMINISTIC: gl.constexpr, DESCENDING: gl.constexpr, DROPOUT: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     """Consumer group WG: dK and dV of keys [start_n + WG * KEYS, + KEYS) (``dk``, ``dv``
     point at the (batch, KV head)'s first key), and dQ's columns [WG * D / 2, + D / 2) of
     every query tile over the program's 2 * KEYS keys (where DETERMINISTIC, left in dq_smem
     to the dQ warp: dq_full once stored, dq_empty once read). Where DROPOUT, each step's keep
     mask is drawn (dropout_gluon.keep_keys) while its S^T and dP^T run, and P^T and dP^T
-    take only the kept pairs, scaled by 1 / (1 - dropout_p)."""
+    take only the kept pairs, scaled by 1 / (1 - dropout_p). Where SPLIT > 1, dK and dV
+    are fp32 sums that the programs of one key tile's query heads add into by atomics."""
     # S^T, dP^T [KEYS, BLOCK_M]; dK, dV [KEYS, D]; dQ's half [BLOCK_M, D / 2]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
@@ -183,7 +186,7 @@ def _bwd_consumer_partition(
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):
         s = t % STAGES
-        i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M, DESCENDING)
+        i_h, start_m = _query_tile(t, h0, m_lo, n_qt, BLOCK_M, DESCENDING)
         mbarrier.wait(full.index(s), (t // STAGES) & 1)
         b_lse = lse_smem.index(s).load(query_layout)
         b_delta = delta_smem.index(s).load(query_layout)
@@ -255,17 +258,25 @@ def _bwd_consumer_partition(
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, dk_layout))
     p_dk = dk + (gl.expand_dims(o_nk.to(gl.int64) * stride_dks, 1)
                  + gl.expand_dims(o_d * stride_dkd, 0))
-    gl.store(p_dk, (b_dk * sm_scale).to(dtype), mask=gl.expand_dims(o_nk < S_k, 1))
+    m_dk = gl.expand_dims(o_nk < S_k, 1)
+    if SPLIT > 1:  # fp32 sums of the programs that share the key tile
+        gl.atomic_add(p_dk, b_dk * sm_scale, mask=m_dk, sem="relaxed")
+    else:
+        gl.store(p_dk, (b_dk * sm_scale).to(dtype), mask=m_dk)
     o_nv = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dv_layout))
     o_dv = gl.arange(0, DV, layout=gl.SliceLayout(0, dv_layout))
     p_dv = dv + (gl.expand_dims(o_nv.to(gl.int64) * stride_dvs, 1)
                  + gl.expand_dims(o_dv * stride_dvd, 0))
-    gl.store(p_dv, b_dv.to(dtype), mask=gl.expand_dims(o_nv < S_k, 1))
+    m_dv = gl.expand_dims(o_nv < S_k, 1)
+    if SPLIT > 1:
+        gl.atomic_add(p_dv, b_dv, mask=m_dv, sem="relaxed")
+    else:
+        gl.store(p_dv, b_dv.to(dtype), mask=m_dv)
 
 
 @gluon.jit
-def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, i_hk, i_n,
-                      G, H_kv, m_lo, n_qt, n_m, n_steps, D: gl.constexpr,
+def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, h0, i_n,
+                      H, m_lo, n_qt, n_m, n_steps, D: gl.constexpr,
                       BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr,
                       DESCENDING: gl.constexpr):
     """The dQ warp (where DETERMINISTIC; otherwise idle): per step, once the key tile
@@ -274,8 +285,8 @@ def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_
     groups may store the next; once they are complete, the counter is raised."""
     if DETERMINISTIC:
         for t in range(n_steps):
-            i_h, start_m = _query_tile(t, i_hk, G, m_lo, n_qt, BLOCK_M, DESCENDING)
-            sem = _dq_counter(dq_sem, i_b, i_h, H_kv * G, start_m, n_m, BLOCK_M)
+            i_h, start_m = _query_tile(t, h0, m_lo, n_qt, BLOCK_M, DESCENDING)
+            sem = _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, BLOCK_M)
             _dq_wait_turn(sem, i_n)
             mbarrier.wait(dq_full.index(0), t & 1)
             _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, 0],
@@ -297,15 +308,19 @@ def attention_bwd_gluon_kernel(
     S_q, S_k, H_kv, G, sm_scale, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, SPLIT: gl.constexpr,
+    DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """dK, dV (B, S_k, H_kv, D / DV) of one key tile, and its share of dQ added into the
     fp32 (B, S_q, H, D) buffer behind ``dq_desc`` (zeroed by the caller); the
     module's docstring has the partitions. lse_log2 and delta are the forward's base-2 lse
     and rowsum(dO * O) - dlse, (B, H, S_q) with a unit stride over rows; qk_scale = scale *
     log2(e). Where CAUSAL, S_q == S_k. MASK_KEYS: S_k not a multiple of BLOCK_N. Grid:
-    (cdiv(S_k, BLOCK_N), B * H_kv), key tiles in order (where causal, the heaviest first);
+    (cdiv(S_k, BLOCK_N), B * H_kv * SPLIT), key tiles in order (where causal, the heaviest
+    first), each program taking G / SPLIT of the (batch, KV head)'s G query heads: where
+    SPLIT > 1 (never where DETERMINISTIC), ``dk`` and ``dv`` are zeroed fp32 buffers that
+    the SPLIT programs of a key tile add their shares into (a grid of a few programs per SM
+    at most, as a short sequence of few heads gives, then still fills the SMs);
     where DETERMINISTIC, (B * H_kv * cdiv(S_k, BLOCK_N),): bands of KEY_GROUP key tiles in
     order, within a band each (batch, KV head)'s tiles in turn, so that a program waits only
     on programs before it, and the programs resident at once share Q, dO and dQ's tiles in
@@ -323,8 +338,11 @@ def attention_bwd_gluon_kernel(
     else:
         i_n = gl.program_id(0)
         i_bh = gl.program_id(1)
-    i_b = i_bh // H_kv
-    i_hk = i_bh % H_kv
+    # where SPLIT > 1, each (batch, KV head)'s G query heads are split between SPLIT programs
+    i_b = i_bh // (H_kv * SPLIT)
+    i_hk = i_bh % (H_kv * SPLIT) // SPLIT
+    heads = G // SPLIT
+    h0 = i_hk * G + i_bh % SPLIT * heads
     start_n = i_n * BLOCK_N
     dtype: gl.constexpr = q_desc.dtype
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
@@ -370,27 +388,27 @@ def attention_bwd_gluon_kernel(
         m_lo = 0
     n_m = gl.cdiv(S_q, BLOCK_M)
     n_qt = n_m - m_lo
-    n_steps = G * n_qt
+    n_steps = heads * n_qt
     dk += i_b.to(gl.int64) * stride_dkb + i_hk.to(gl.int64) * stride_dkh
     dv += i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
     gl.warp_specialize([
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(0), dq_empty.index(0), dq_desc, dk, dv,
-            stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
+            stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, h0, start_n, m_lo, n_qt,
             n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 0, KEYS, BLOCK_M, D,
-            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT)),
+            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT, SPLIT)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(1), dq_empty.index(1), dq_desc, dk, dv,
-            stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, i_hk, start_n, G, m_lo, n_qt,
+            stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, h0, start_n, m_lo, n_qt,
             n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 1, KEYS, BLOCK_M, D,
-            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT)),
+            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT, SPLIT)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
-            i_hk, start_n, G, m_lo, n_qt, n_steps, STAGES, BLOCK_M, DESCENDING)),
+            i_hk, h0, start_n, m_lo, n_qt, n_steps, STAGES, BLOCK_M, DESCENDING)),
         (_bwd_dq_partition, (
-            dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, i_hk, i_n, G, H_kv,
+            dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, h0, i_n, H_kv * G,
             m_lo, n_qt, n_m, n_steps, D, BLOCK_M, DETERMINISTIC, DESCENDING)),
     ], [4, 1, 1], [CONSUMER_REGS, LOAD_REGS, LOAD_REGS])
