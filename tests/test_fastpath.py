@@ -281,3 +281,34 @@ def test_replayed_views_follow_the_calls_own_tensors():
     assert isinstance(next(iter(planned.plans.values())), fastpath.Plan)
     for x in (base[24:32].view(2, 4), torch.arange(100.0, 108.0, device=DEVICE).view(2, 4)):
         assert torch.equal(planned(x)[0], x.reshape(-1)[2:6])
+
+
+def test_a_chain_of_views_replays_as_one():
+    """A view of a view replays as one view of the chain's first tensor, and a view that no
+    later step and no output reads is not replayed: a buffer's slices (as the Gluon
+    backward's buffers are cut from one allocation) still land where the body put them."""
+
+    def body(x):
+        buf = torch.zeros(24, device=x.device)
+        head = buf[:8].view(2, 4)  # slice, then view
+        tail = buf[8:].view(4, 4)[1:3].view(8)  # three views, each read by the next alone
+        head.copy_(x)
+        tail.fill_(5.0)
+        return buf, head, tail
+
+    planned = fastpath.PlannedBody(body)
+    planned(torch.ones(2, 4, device=DEVICE))
+    plan = next(iter(planned.plans.values()))
+    assert isinstance(plan, fastpath.Plan)
+    # zeros (and the alias of them that the body holds), the two views read (each taken
+    # from the zeros), the copy and the fill; each chain's slices are not replayed
+    assert len(plan.steps) == 6
+    for _ in range(2):
+        x = torch.arange(8.0, device=DEVICE).view(2, 4)
+        buf, head, tail = planned(x)
+        expected = torch.zeros(24, device=DEVICE)
+        expected[:8] = x.view(-1)
+        expected[12:20] = 5.0
+        assert torch.equal(buf, expected)
+        assert head.data_ptr() == buf.data_ptr() and torch.equal(head, x)
+        assert tail.data_ptr() == buf[12:].data_ptr() and tail.shape == (8,)

@@ -447,6 +447,33 @@ class _Recording(TorchDispatchMode):
             self.launching = False
         self.steps.append(("launch", kernel, tuple(grid), kwargs, compiled))
 
+    def _folded(self, result) -> list:
+        """The recorded steps, each view taken from the first tensor of its chain of views
+        (a replayed view is that tensor's as_strided, whatever the views between), and the
+        views that no later step and no output reads left out."""
+        first = {}  # id(a view's output) -> the first tensor of its chain
+        steps = []
+        for step in self.steps:
+            if step[0] == "op" and step[1] in _VIEWS:
+                _, func, op_args, op_kwargs, out = step
+                source = op_args[0]
+                if isinstance(source, _Tensor) and out.dtype == source.dtype:
+                    base = first.get(id(source), source)
+                    if out is not base:
+                        first[id(out)] = base
+                    if base is not source:
+                        step = ("op", func, (base, *op_args[1:]), op_kwargs, out)
+            steps.append(step)
+        read = {id(t) for t in result if isinstance(t, _Tensor)}
+        for step in steps:
+            values = step[2] if step[0] == "op" else step[3].values()
+            for value in values:
+                tensor = value.base if _rebases(value) else value
+                if isinstance(tensor, _Tensor):
+                    read.add(id(tensor))
+        return [step for step in steps
+                if not (step[0] == "op" and id(step[4]) in first and id(step[4]) not in read)]
+
     def plan(self, args: tuple, result) -> Optional["Plan"]:
         """The plan that replays the body's call of ``args`` that returned ``result``, or
         None where it cannot be replayed."""
@@ -458,7 +485,7 @@ class _Recording(TorchDispatchMode):
                 slots.setdefault(id(a), i)
         n_slots = len(args)
         steps = []
-        for step in self.steps:
+        for step in self._folded(result):
             if step[0] == "op":
                 _, func, op_args, op_kwargs, out = step
                 planned = _PlannedOperation.make(func, op_args, op_kwargs, out, slots)

@@ -30,21 +30,26 @@ from flashop._ops import autocast, kvcache
 _forward, _backward = ops.planned_forward, ops.planned_backward
 
 
-# one fp32 zero per device, never written: the gradient of an lse that no loss reads
+# fp32 zeros by (device, shape), each a view of one zero element, never written: the
+# gradient of an lse that no loss reads
 _ZEROS: dict = {}
+_MAX_ZEROS = 256
 
 
 def _zero_rows(lse: Tensor) -> Tensor:
     """Zeros of ``lse``'s shape in fp32, as a view of one zero element (strides 0, which the
-    backward kernels index like any strides): no allocation or fill per backward. Made
-    afresh while a CUDA graph is captured (a tensor made then belongs to the graph's
-    memory)."""
+    backward kernels index like any strides): no allocation or fill per backward, and the
+    view itself made once per shape. Made afresh while a CUDA graph is captured (a tensor
+    made then belongs to the graph's memory)."""
     if lse.is_cuda and torch.cuda.is_current_stream_capturing():
         return lse.new_zeros(()).expand(lse.shape)
-    zero = _ZEROS.get(lse.device)
+    key = (lse.device, lse.shape)
+    zero = _ZEROS.get(key)
     if zero is None:
-        zero = _ZEROS[lse.device] = lse.new_zeros(())
-    return zero.expand(lse.shape)
+        if len(_ZEROS) >= _MAX_ZEROS:
+            _ZEROS.clear()
+        zero = _ZEROS[key] = lse.new_zeros(()).expand(lse.shape)
+    return zero
 
 
 # the forward's keyword options, in the order its plans' keys take them
