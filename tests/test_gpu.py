@@ -591,6 +591,21 @@ def _gluon_here() -> bool:
     return DEVICE == "cuda" and flashop._launch.gluon.available(torch.device("cuda"))
 
 
+def _count_gluon_launches(monkeypatch) -> list:
+    """The names of the Gluon launchers (attention_forward, attention_backward) as they run,
+    in order, for the rest of the test (a counter, not a mock: a mock would keep the calls'
+    tensors, which CUDA graphs' memory pool refuses to see outlive a capture)."""
+    from flashop._launch import gluon
+
+    launches = []
+    for name in ("attention_forward", "attention_backward"):
+        def counted(*args, _launch=getattr(gluon, name), _name=name, **kwargs):
+            launches.append(_name)
+            return _launch(*args, **kwargs)
+        monkeypatch.setattr(gluon, name, counted)
+    return launches
+
+
 @pytest.mark.skipif(not _gluon_here(), reason="the Gluon kernels need Hopper and triton 3.6")
 @pytest.mark.parametrize("compile_options", [dict(), dict(dynamic=True),
                                              dict(mode="reduce-overhead")],
@@ -603,8 +618,6 @@ def test_compiled_graphs_run_the_eager_kernels(compile_options, monkeypatch):
     backward's gradients equal the eager call's bit for bit; the default backward (dQ by
     atomics) passes the accuracy rule."""
     from torch._inductor.utils import run_and_get_code
-
-    from flashop._launch import gluon
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 4096, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -624,12 +637,7 @@ def test_compiled_graphs_run_the_eager_kernels(compile_options, monkeypatch):
     expected = step(attention, True)
     torch._dynamo.reset()
     compiled = torch.compile(attention, fullgraph=True, **compile_options)
-    launches = []  # (a mock would keep the call's tensors, which CUDA graphs' pool refuses)
-    for name in ("attention_forward", "attention_backward"):
-        def counted(*args, _launch=getattr(gluon, name), _name=name, **kwargs):
-            launches.append(_name)
-            return _launch(*args, **kwargs)
-        monkeypatch.setattr(gluon, name, counted)
+    launches = _count_gluon_launches(monkeypatch)
     _, code = run_and_get_code(lambda: step(compiled, True))
     for _ in range(2):  # (CUDA graphs: recorded, then replayed)
         result = step(compiled, True)
@@ -686,16 +694,11 @@ def test_gluon_calls_replay_their_plans(deterministic, monkeypatch):
     out and lse equal the operator's bit for bit, and its gradients too where deterministic
     (the default backward, dQ by atomics, passes the accuracy rule); the plans keep no
     call's tensor alive."""
-    from flashop._launch import fastpath, gluon
+    from flashop._launch import fastpath
     from flashop._ops import attention as ops
 
     fastpath.clear_plans()
-    launches = []
-    for name in ("attention_forward", "attention_backward"):
-        def counted(*args, _launch=getattr(gluon, name), _name=name, **kwargs):
-            launches.append(_name)
-            return _launch(*args, **kwargs)
-        monkeypatch.setattr(gluon, name, counted)
+    launches = _count_gluon_launches(monkeypatch)
 
     def step(seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)
