@@ -294,9 +294,9 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
 def backward_split(q: torch.Tensor, k: torch.Tensor, causal: bool,
                    deterministic: bool) -> int:
     """Between how many programs (a divisor of G) the Gluon backward splits each (batch,
-    KV head, key tile)'s G query heads, for a grid of key tiles x batch x KV heads programs
-    and more where split: 1 where deterministic (dK and dV are then each summed in one
-    program). Where causal (key tiles of unequal work), the fewest that bring the grid to
+    KV head, key tile)'s G query heads; its grid then holds key tiles x batch x KV heads x
+    split programs. 1 where deterministic (dK and dV are then each summed in one program).
+    Where causal (key tiles of unequal work), the fewest that bring the grid to
     BWD_SPLIT_PROGRAMS per SM, or the most allowed; where not, the most that keep the
     grid within one program per SM (one wave of equal programs: more waves cost more
     than the atomics save), or 1. Never a grid past MAX_GRID_Y."""
