@@ -293,17 +293,23 @@ def _uses_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: dict, hea
             and _ws_query_layout(q) is not None)
 
 
-def _folds_scale(qk_scale: float, flags: dict, t: tiles.Tiles, head_dim: int) -> bool:
-    """Whether the forward folds ``qk_scale`` into its exponent (FOLD_SCALE, see
-    flashop/kernels/forward.py's _fwd_fold): the scale is positive, so that the row max of
-    the unscaled scores scales to the scaled scores' max, and no modifier adds to the scores
-    between the product and the softmax (softcap, ALiBi, gate, a float attn_mask). Only
-    where it measured faster: head dims up to 128, and not with two query tiles under a
-    causal-like bound. ``t``: the table's tiles (the autotuner's choice may differ, which
-    changes speed, not results)."""
-    return (qk_scale > 0 and head_dim <= 128
+def folds_scale(qk_scale: float, flags: dict, dtype: torch.dtype) -> bool:
+    """Whether the kernels fold ``qk_scale`` into their exponent's FMA (FOLD_SCALE): P =
+    exp2(fma(q.k, qk_scale, -shift)), one instruction per score (see
+    flashop/kernels/forward.py's _fwd_fold), where the scale is positive (the row max of the
+    unscaled scores then scales to the scaled scores' max), no modifier comes between the
+    product and the softmax (softcap, ALiBi, gate, a float attn_mask) and the inputs are
+    16-bit or fp8. The forward and both backward kernels take the same rule, as the Gluon
+    kernels (16-bit) always fold: the backward recomputes P against the forward's lse.
+
+    fp32 inputs never fold: their scaled products are rounded on their own (common.py's
+    rounded_product), in every kernel. With scores in the thousands the fold's exact
+    product is not on the fp32 grid of the stored lse: a row whose probability sits on one
+    key recomputed it as exp2(s * qk_scale - lse) = 1 - 2e-5, and fp32's dQ left the
+    accuracy rule (1.1e-2 against 2.7e-3); rounded, that key's P is exactly 1."""
+    return (qk_scale > 0 and dtype != torch.float32
             and not (flags["HAS_SOFTCAP"] or flags["HAS_ALIBI"] or flags["HAS_GATE"]
-                     or flags["ATTN_MASK_KIND"] == 1 or (t.split_m and flags["HAS_RIGHT"])))
+                     or flags["ATTN_MASK_KIND"] == 1))
 
 
 def forward_takes_gluon(q, k, v, scale: Optional[float], mods: Modifiers,
@@ -396,7 +402,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         _launch(attention_fwd_ws_kernel, "fwd_ws",
                 tiles.tiles_for("fwd_ws", p.head_dim, q.dtype, q.device), grid, lengths=(),
                 **io, S_q=p.S_q, S_k=p.S_k, G=p.H // p.H_kv, qk_scale=qk_scale,
-                **p.constexprs(), FOLD_SCALE=qk_scale > 0, Q_HEAD_MAJOR=_ws_query_layout(q),
+                **p.constexprs(), FOLD_SCALE=folds_scale(qk_scale, p.flags, q.dtype),
+                Q_HEAD_MAJOR=_ws_query_layout(q),
                 **fp8, stride_vd=stride_vd)
         return out, lse, lse_log2
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k)
@@ -404,8 +411,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
             autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **paging,
             **p.modifier_args, **_sinks(mods), **_dropout_args(mods), **fp8,
             stride_vd=stride_vd,
-            **p.constexprs(), **p.flags, FOLD_SCALE=_folds_scale(qk_scale, p.flags, t,
-                                                                 p.head_dim), TMA=tma)
+            **p.constexprs(), **p.flags, FOLD_SCALE=folds_scale(qk_scale, p.flags, q.dtype),
+            TMA=tma)
     return out, lse, lse_log2
 
 
@@ -542,7 +549,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
                   **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
-                  **p.modifier_args, **_dropout_args(mods), **p.constexprs(), **p.flags)
+                  **p.modifier_args, **_dropout_args(mods), **p.constexprs(), **p.flags,
+                  FOLD_SCALE=folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype))
     if not dq_atomic:
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LOG2E, attention_scores, dot_operand, dropout_keep, key_tile_range, load_tile,
-    query_tile_range, score_dot,
+    INTERPRETED, LOG2E, attention_scores, dot_operand, dropout_keep, key_tile_range, load_tile,
+    query_tile_range, round_to, score_dot,
 )
 
 
@@ -80,6 +80,23 @@ def _lse_rows(lse_log2):
 
 
 @triton.jit
+def _probabilities(b_s, qk_scale, b_lse, FOLD_SCALE: tl.constexpr):
+    """P = exp2(s - lse), rounded as the forward rounds it (launch.folds_scale): where
+    ``FOLD_SCALE``, ``b_s`` is not yet scaled and the scale goes into one FMA, as in the
+    forward's _fwd_fold and the Gluon kernels."""
+    if FOLD_SCALE:
+        # one FMA: on a GPU the compiler fuses the expression (as in the forward); the
+        # interpreter rounds each operation, so it is told
+        if INTERPRETED:
+            b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -b_lse))
+        else:
+            b_p = tl.math.exp2(b_s * qk_scale - b_lse)
+    else:
+        b_p = tl.math.exp2(b_s - b_lse)
+    return b_p
+
+
+@triton.jit
 def _dkdv_query_tiles(
     b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, attn_mask, dq_acc,
     stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, start_n, o_n, m_n, lo, hi,
@@ -90,6 +107,7 @@ def _dkdv_query_tiles(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head;
     where ``DQ_ATOMIC``, also add dS K into the fp32 ``dq_acc`` (rows of stride
@@ -117,10 +135,11 @@ def _dkdv_query_tiles(
         # S^T = K Q^T [BLOCK_N, BLOCK_M]
         b_st = score_dot(b_k, dot_operand(b_qt, UPCAST), DOT_PRECISION)
         b_st, b_tt = attention_scores(
-            b_st, qk_scale, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k, left,
-            right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
-        b_pt = tl.math.exp2(b_st - b_lse[None, :])
+            b_st, qk_scale, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k,
+            left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
+            EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+            not FOLD_SCALE)
+        b_pt = _probabilities(b_st, qk_scale, b_lse[None, :], FOLD_SCALE)
         # dO tile [BLOCK_M, BLOCK_DV]
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                          o_dv[None, :] < DV, CHECK_ROWS, BLOCK_DV != DV)
@@ -134,7 +153,7 @@ def _dkdv_query_tiles(
         else:
             b_zpt = b_pt
         # dV += P^T dO [BLOCK_N, BLOCK_DV]
-        b_dv = tl.dot(dot_operand(b_zpt.to(do.dtype.element_ty), UPCAST), b_do, b_dv,
+        b_dv = tl.dot(dot_operand(round_to(b_zpt, do.dtype.element_ty), UPCAST), b_do, b_dv,
                       input_precision=DOT_PRECISION)
         if CHECK_ROWS:
             b_delta = tl.load(delta + o_m, mask=m_m, other=0.0)
@@ -146,7 +165,7 @@ def _dkdv_query_tiles(
             b_dgk -= tl.sum(b_dst, 1)
         if HAS_SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
-        b_dst = dot_operand(b_dst.to(q.dtype.element_ty), UPCAST)
+        b_dst = dot_operand(round_to(b_dst, q.dtype.element_ty), UPCAST)
         # dK += dS^T Q [BLOCK_N, BLOCK_D]
         b_dk = tl.dot(b_dst, tl.trans(dot_operand(b_qt, UPCAST)), b_dk,
                       input_precision=DOT_PRECISION)
@@ -182,7 +201,7 @@ def attention_bwd_dkdv_kernel(
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
     gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads. Where ``DQ_ATOMIC``,
@@ -273,15 +292,16 @@ def attention_bwd_dkdv_kernel(
                     alibi_log2, left, right,
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
-                    DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
+                    DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
+                    FOLD_SCALE)
         if HAS_GATE:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)
 
     b_dk = b_dk * sm_scale
-    tl.store(dk + o_n[:, None] * stride_dks + o_d[None, :], b_dk.to(dk.dtype.element_ty),
+    tl.store(dk + o_n[:, None] * stride_dks + o_d[None, :], round_to(b_dk, dk.dtype.element_ty),
              mask=m_n[:, None] & (o_d[None, :] < D))
-    tl.store(dv + o_n[:, None] * stride_dvs + o_dv[None, :], b_dv.to(dv.dtype.element_ty),
+    tl.store(dv + o_n[:, None] * stride_dvs + o_dv[None, :], round_to(b_dv, dv.dtype.element_ty),
              mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
@@ -295,9 +315,12 @@ def _dq_key_tiles(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
 ):
     """Accumulate into (b_dq, b_dgq) the key tiles in [lo, hi); ``EDGE_TILE`` as in the forward.
-    Where ``ATTN_MASK_GRAD``, write dS into ``dattn_mask`` (rows of stride ``stride_damq``)."""
+    Where ``ATTN_MASK_GRAD``, write dS into ``dattn_mask`` (rows of stride ``stride_damq``).
+    Where ``DELTA_PASS``, only add rowsum(Z * dP) (= rowsum(dO * O) of the unrounded output)
+    into ``b_dgq``."""
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for i_t in range(0, tl.cdiv(hi - lo, BLOCK_N)):  # counted from 0, as in _dkdv_query_tiles
@@ -317,25 +340,68 @@ def _dq_key_tiles(
         if HAS_GATE:
             b_gk = tl.load(g_cum + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         b_s, b_t = attention_scores(
-            b_s, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k, left,
-            right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
-        b_p = tl.math.exp2(b_s - b_lse[:, None])
+            b_s, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
+            left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
+            EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+            not FOLD_SCALE)
+        b_p = _probabilities(b_s, qk_scale, b_lse[:, None], FOLD_SCALE)
         if DROPOUT:
             b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, False)
             b_dp = tl.where(b_keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        if ATTN_MASK_GRAD:
-            tl.store(dattn_mask + o_m[:, None] * stride_damq + o_n[None, :], b_ds,
-                     mask=m_m[:, None] & m_n[None, :])
-        if HAS_GATE:
-            # [BLOCK_M]
-            b_dgq += tl.sum(b_ds, 1)
-        if HAS_SOFTCAP:
-            b_ds = b_ds * (1.0 - b_t * b_t)
-        # dQ += dS K [BLOCK_M, BLOCK_D]
-        b_dq = tl.dot(dot_operand(b_ds.to(k.dtype.element_ty), UPCAST), tl.trans(b_kt), b_dq,
-                      input_precision=DOT_PRECISION)
+        if DELTA_PASS:
+            b_dgq += tl.sum(b_p * b_dp, 1)
+        else:
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            if ATTN_MASK_GRAD:
+                tl.store(dattn_mask + o_m[:, None] * stride_damq + o_n[None, :], b_ds,
+                         mask=m_m[:, None] & m_n[None, :])
+            if HAS_GATE:
+                # [BLOCK_M]
+                b_dgq += tl.sum(b_ds, 1)
+            if HAS_SOFTCAP:
+                b_ds = b_ds * (1.0 - b_t * b_t)
+            # dQ += dS K [BLOCK_M, BLOCK_D]
+            b_dq = tl.dot(dot_operand(round_to(b_ds, k.dtype.element_ty), UPCAST), tl.trans(b_kt),
+                          b_dq, input_precision=DOT_PRECISION)
+    return b_dq, b_dgq
+
+
+@triton.jit
+def _dq_key_ranges(
+    b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks, stride_vs,
+    stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, u_lo, u_hi, hi, S_q, S_k,
+    qk_scale, softcap_log2, alibi_log2, left, right,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p,
+    DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
+):
+    """_dq_key_tiles over a query tile's key ranges (key_tile_range): the left edge tiles, the
+    tiles every row attends, the right edge tiles; returns (dQ unscaled, b_dgq)."""
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_LEFT:
+        b_dq, b_dgq = _dq_key_tiles(
+            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+            stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, u_lo, S_q,
+            S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+            ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
+            FOLD_SCALE, DELTA_PASS)
+    b_dq, b_dgq = _dq_key_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+        stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, u_lo, u_hi, S_q,
+        S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+        False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+        ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE,
+        DELTA_PASS)
+    b_dq, b_dgq = _dq_key_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+        stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, u_hi, hi, S_q, S_k,
+        qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+        UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE, DELTA_PASS)
     return b_dq, b_dgq
 
 
@@ -361,7 +427,7 @@ def attention_bwd_dq_kernel(
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """dQ of one query tile of query head i_h, and the tile's rows of delta (stored for the
     dK/dV kernel, launched after this one); with a gate, also dgq[b, h, i] = sum_j dS[i, j];
@@ -414,7 +480,6 @@ def attention_bwd_dq_kernel(
     b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + (q_start + o_m) * stride_dls,
                      mask=m_m, other=0.0)
     b_delta = _delta_rows(b_o, b_do, b_dlse)
-    tl.store(delta + row, b_delta, mask=m_m)
 
     alibi_log2 = 0.0
     if HAS_ALIBI:
@@ -426,32 +491,32 @@ def attention_bwd_dq_kernel(
     if ATTN_MASK_GRAD:
         dattn_mask += (i_b * H + i_h) * S_q * S_k
 
-    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    b_dgq = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
                                         BLOCK_M, BLOCK_N)
-    if HAS_LEFT:
-        b_dq, b_dgq = _dq_key_tiles(
-            b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-            stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, lo, u_lo, S_q, S_k,
-            qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-            True,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-            UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
-    b_dq, b_dgq = _dq_key_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-        stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, u_lo, u_hi, S_q, S_k,
-        qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-        UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
-    b_dq, b_dgq = _dq_key_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-        stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, u_hi, hi, S_q, S_k,
-        qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-        UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT)
+    if ATTN_MASK_GRAD:
+        # a broadcast mask's gradient sums dS over keys and rows; a row's dS sums to its lse
+        # cotangent, so delta's rounding (from the output stored in q's dtype) is what such a
+        # sum adds up: delta from Z dP instead, one pass more over the keys (the gate's row
+        # sums take delta as it is: a pass more cost a gated D = 128 call 23%)
+        b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        _, b_sum = _dq_key_ranges(
+            b_sum, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+            stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, lo, u_lo, u_hi, hi,
+            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+            ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p,
+            DROPOUT, FOLD_SCALE, True)
+        b_delta = b_sum - b_dlse
+    tl.store(delta + row, b_delta, mask=m_m)
+    b_dq, b_dgq = _dq_key_ranges(
+        tl.zeros([BLOCK_M], dtype=tl.float32), b_q, b_do, b_lse, b_delta, k, v, g_cum,
+        attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m,
+        m_m, lo, u_lo, u_hi, hi, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D,
+        DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h,
+        dropout_p, DROPOUT, FOLD_SCALE, False)
     b_dq = b_dq * sm_scale
-    tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], b_dq.to(dq.dtype.element_ty),
+    tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], round_to(b_dq, dq.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))
     if HAS_GATE:
         tl.store(dgq + row, b_dgq, mask=m_m)

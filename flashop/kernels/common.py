@@ -8,6 +8,7 @@ prefixes ``i_`` program ids, ``o_`` offsets, ``m_`` masks, ``p_`` pointers, ``b_
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Triton reads module-level globals in kernels only when they are tl.constexpr
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural-log units -> base-2 units
@@ -88,6 +89,24 @@ def to_bf16(x):
         bits += 0x7FFF + ((bits >> 16) & 1)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 ``x`` in ``dtype`` (a matmul's operand: P or dS), rounded to nearest as a GPU's
+    cast rounds. triton<=3.9: the interpreter's cast to bf16 truncates (to_bf16)."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        return to_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def rounded_product(a, b):
+    """``a * b`` rounded to fp32 before whatever follows: on a GPU a multiply with an explicit
+    rounding (mul.rn), which the compiler does not fuse into an FMA with the next add."""
+    if INTERPRETED:
+        return a * b
+    return libdevice.mul_rn(a, b)
 
 
 @triton.jit
@@ -207,7 +226,7 @@ def attention_scores(
     p_attn_mask, stride_amq, stride_amk,
     EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
-    ATTN_MASK_KIND: tl.constexpr,
+    ATTN_MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Scores in base-2 units of one tile of ``q . k`` products ``b_qk``, -inf where masked;
     also ``t = tanh(...)`` for the softcap's derivative (``b_qk`` where there is no softcap).
@@ -228,7 +247,10 @@ def attention_scores(
     fused one product or another into an FMA depending on how many of a thread's scores
     shared it, which differs between kernels of different tiles; the backward's score then
     missed the forward's in its last bit, and with one key at an ALiBi distance of 130
-    (base-2 scores near -190) P missed 1 by 1e-5.
+    (base-2 scores near -190) P missed 1 by 1e-5. With no additive term the scaled product
+    is rounded on its own (rounded_product), unless not ``SCALED``: then the scores are
+    returned unscaled, for a caller that folds the scale into its exponent's FMA
+    (launch.folds_scale).
     """
     t = b_qk
     if HAS_SOFTCAP:
@@ -247,8 +269,10 @@ def attention_scores(
                              other=0.0)
             b_add = tl.fma(b_bias.to(tl.float32), LOG2E, b_add)
         b_s = tl.fma(f1, f2, b_add)
+    elif SCALED:
+        b_s = rounded_product(f1, f2)
     else:
-        b_s = f1 * f2
+        b_s = f1
     if ATTN_MASK_KIND == 2:
         # a boolean mask is read as bytes (int8): triton<=3.6 could not lower its pipelined
         # 1-bit loads. triton<=3.6: no ``other`` either: with it, triton pipelined this 1-byte

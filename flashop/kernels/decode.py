@@ -210,7 +210,7 @@ def _decode_key_tiles(
         b_s, _ = attention_scores(
             b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
             left, right, softcap_log2, alibi2[:, None], 0.0, k_cache, 0, 0, EDGE_TILE,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, 0)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, 0, True)
         # V tile [BLOCK_N, BLOCK_DV]
         b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None],
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)

@@ -11,7 +11,8 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep,
-    heaviest_tiles_first, key_tile_range, load_tile, round_to_e4m3, score_dot,
+    heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, rounded_product,
+    score_dot,
 )
 
 # fp8 inputs: P is scaled by 448 (e4m3's largest value, 2^P_SHIFT) before its cast to e4m3
@@ -32,12 +33,10 @@ def _fwd_scores(
     """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
     ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (_fwd_fold does it)."""
     b_qk = score_dot(b_q, dot_operand(b_kt, UPCAST), DOT_PRECISION)
-    if FOLD_SCALE:
-        qk_scale = 1.0
     b_s, _ = attention_scores(
         b_qk, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
         left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND)
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, not FOLD_SCALE)
     return b_s
 
 
@@ -67,7 +66,13 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
     if FP8:
         m_exp = m_sub - P_SHIFT
     if FOLD_SCALE:
-        b_p = tl.math.exp2(b_s * qk_scale - m_exp[:, None])
+        # one FMA, as the backward kernels compute P (launch.folds_scale). On a GPU the
+        # compiler fuses this expression (an explicit tl.fma compiled 3-5% slower at D = 64
+        # and 128); the interpreter rounds each operation, so it is told
+        if INTERPRETED:
+            b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -m_exp[:, None]))
+        else:
+            b_p = tl.math.exp2(b_s * qk_scale - m_exp[:, None])
     else:
         b_p = tl.math.exp2(b_s - m_exp[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
@@ -77,7 +82,7 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
     if FP8 and INTERPRETED:
         b_p = round_to_e4m3(b_p)  # triton interpreter: its own cast does not round to even
     # [rows, BLOCK_DV]
-    acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
+    acc = tl.dot(dot_operand(round_to(b_p, b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                  acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -207,7 +212,7 @@ def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, st
         b_o = acc * (v_scale / l_safe)[:, None]
     else:
         b_o = acc / l_safe[:, None]
-    tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], b_o.to(o.dtype.element_ty),
+    tl.store(o + o_m[:, None] * stride_os + o_dv[None, :], round_to(b_o, o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
     b_log2_l = tl.math.log2(l_safe)
     if FP8:
@@ -267,8 +272,8 @@ def attention_fwd_kernel(
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
     right bound, the key tiles past the first tile's last key run for the second alone.
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
-    (see _fwd_fold; the launcher's rule is launch._folds_scale: a positive scale, no
-    additive modifier, where it measured faster).
+    (see _fwd_fold; the launcher's rule is launch.folds_scale: a positive scale and no
+    modifier between the product and the softmax; the backward kernels fold alike).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
     descriptors' alignment (16-byte base and row strides) and ``stride_vd`` is 1. Other
@@ -450,7 +455,7 @@ def _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE: tl.constex
     its scores, then _fwd_fold."""
     b_s = score_dot(b_q, b_kt, DOT_PRECISION)
     if not FOLD_SCALE:
-        b_s = b_s * qk_scale
+        b_s = rounded_product(b_s, qk_scale)
     return _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE, UPCAST,
                      DOT_PRECISION, 0, False, FP8)
 
