@@ -272,8 +272,9 @@ def attention_fwd_kernel(
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
     right bound, the key tiles past the first tile's last key run for the second alone.
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
-    (see _fwd_fold; the launcher's rule is launch.folds_scale: a positive scale and no
-    modifier between the product and the softmax; the backward kernels fold alike).
+    (see _fwd_fold; the launcher's rule is launch.folds_scale: 16-bit or fp8 inputs, a
+    positive scale and no modifier between the product and the softmax; the backward
+    kernels fold alike).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
     copy engine) made per program; the launcher sets it only where k and v meet the
     descriptors' alignment (16-byte base and row strides) and ``stride_vd`` is 1. Other
