@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    INTERPRETED, LOG2E, attention_scores, dot_operand, dropout_keep, key_tile_range, load_tile,
-    query_tile_range, round_to, score_dot,
+    LOG2E, attention_scores, dot_operand, dropout_keep, exp2_folded, key_tile_range,
+    load_tile, query_tile_range, round_to, score_dot,
 )
 
 
@@ -85,12 +85,7 @@ def _probabilities(b_s, qk_scale, b_lse, FOLD_SCALE: tl.constexpr):
     ``FOLD_SCALE``, ``b_s`` is not yet scaled and the scale goes into one FMA, as in the
     forward's _fwd_fold and the Gluon kernels."""
     if FOLD_SCALE:
-        # one FMA: on a GPU the compiler fuses the expression (as in the forward); the
-        # interpreter rounds each operation, so it is told
-        if INTERPRETED:
-            b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -b_lse))
-        else:
-            b_p = tl.math.exp2(b_s * qk_scale - b_lse)
+        b_p = exp2_folded(b_s, qk_scale, b_lse)
     else:
         b_p = tl.math.exp2(b_s - b_lse)
     return b_p

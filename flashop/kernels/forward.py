@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep,
+    INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep, exp2_folded,
     heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, rounded_product,
     score_dot,
 )
@@ -66,13 +66,7 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
     if FP8:
         m_exp = m_sub - P_SHIFT
     if FOLD_SCALE:
-        # one FMA, as the backward kernels compute P (launch.folds_scale). On a GPU the
-        # compiler fuses this expression (an explicit tl.fma compiled 3-5% slower at D = 64
-        # and 128); the interpreter rounds each operation, so it is told
-        if INTERPRETED:
-            b_p = tl.math.exp2(tl.fma(b_s, qk_scale, -m_exp[:, None]))
-        else:
-            b_p = tl.math.exp2(b_s * qk_scale - m_exp[:, None])
+        b_p = exp2_folded(b_s, qk_scale, m_exp[:, None])
     else:
         b_p = tl.math.exp2(b_s - m_exp[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
