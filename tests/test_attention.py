@@ -634,6 +634,25 @@ def test_atomic_dq_backward_matches_reference(causal):
                     causal=causal, window_size=(20, -1)), deterministic_backward=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_cast_of_the_added_gradients(dtype):
+    """attention_bwd_cast_kernel (after the Gluon backward and the atomic dQ): dQ times its
+    scale, then dK and dV from their places in the fp32 buffer, each rounded as torch's
+    cast rounds, past the blocks' ends too; where only dQ is given, only dQ is written."""
+    q_shape, kv_shape = (2, 37, 3, 16), (2, 29, 1, 16)
+    n_q, n_kv = 2 * 37 * 3 * 16, 2 * 29 * 16
+    acc = torch.randn(n_q + 2 * n_kv + 5, device=DEVICE) * 100
+    dq, dk, dv = (torch.full(s, 7.0, device=DEVICE, dtype=dtype)
+                  for s in (q_shape, kv_shape, kv_shape))
+    launch._cast_grads(acc, dq, 0.3, dk, dv)
+    assert torch.equal(dq, (acc[:n_q] * 0.3).to(dtype).view(q_shape))
+    assert torch.equal(dk, acc[n_q:n_q + n_kv].to(dtype).view(kv_shape))
+    assert torch.equal(dv, acc[n_q + n_kv:n_q + 2 * n_kv].to(dtype).view(kv_shape))
+    dq_only = torch.full(q_shape, 7.0, device=DEVICE, dtype=dtype)
+    launch._cast_grads(acc, dq_only, 1.0)
+    assert torch.equal(dq_only, acc[:n_q].to(dtype).view(q_shape))
+
+
 def test_the_backward_is_deterministic_where_asked_and_fastest_by_default():
     """PyTorch's convention: the fastest backward by default; bitwise reproducible where the
     call asks (deterministic=True), under torch.use_deterministic_algorithms (also

@@ -49,7 +49,8 @@ def test_inductor_sees_the_triton_kernels():
     assert "attention_bwd_preprocess_kernel" not in code
     assert q.grad is not None and torch.isfinite(q.grad).all()
     # dQ by atomics in the tl kernels (forced, the Gluon kernels off): the dK/dV kernel adds
-    # dQ, no dQ kernel runs, delta comes from the preprocess kernel
+    # dQ, no dQ kernel runs, delta comes from the preprocess kernel, which zeroes dQ's fp32
+    # buffer too, and the cast kernel writes dQ out
     dq = q.grad
     q.grad = None
     torch._dynamo.reset()
@@ -58,6 +59,7 @@ def test_inductor_sees_the_triton_kernels():
     code = "\n".join(code)
     assert "attention_bwd_dq_kernel" not in code
     assert "attention_bwd_preprocess_kernel" in code
+    assert "attention_bwd_cast_kernel" in code
     torch.testing.assert_close(q.grad, dq)
 
 

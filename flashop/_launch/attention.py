@@ -25,7 +25,8 @@ from flashop._launch.options import PLAIN, Modifiers, Packing
 from flashop._launch.scores import LOG2E, LOG2E_FP32, score_args, sink_args
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import (
-    attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel,
+    attention_bwd_cast_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
+    attention_bwd_preprocess_kernel,
 )
 from flashop.kernels.dropout import dropout_mask_kernel
 from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
@@ -516,34 +517,36 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     use_gluon = ordered is not None
     dq_atomic = (config.settings.dq_atomics is True and not deterministic
                  and not (has_gate or attn_mask_grad or use_gluon))
-    # zeroed fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else None
+    # fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
+    acc = dq_acc = (torch.empty(q.shape, device=q.device, dtype=torch.float32) if dq_atomic
+                    else None)
     short = tiles.is_short(p.S_k)
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
-    if use_gluon:  # zeroed first: the memset runs while the host prepares the next launches
+    if use_gluon:
         split = gluon.backward_split(q, k, causal, ordered)
-        dq_acc, dq_sem, dk_acc, dv_acc = gluon.backward_buffer(q, k, ordered, split)
+        acc, dq_acc, dq_sem, dk_acc, dv_acc = gluon.backward_buffer(q, k, ordered, split)
     if dq_atomic or use_gluon:
-        # delta alone (no dQ kernel computes it); a packed batch is one sequence of total_q
-        # rows here, delta being row-wise
+        # delta alone (no dQ kernel computes it), and the buffer that the kernels add into
+        # zeroed; a packed batch is one sequence of total_q rows here, delta being row-wise
         B_pre, rows_pre = (p.B, p.S_q) if packing is None else (1, q.shape[0])
         pre_block = 64 if not INTERPRETING else 32
+        pre_grid = (cdiv(rows_pre, pre_block), p.H, B_pre)
         launch_kernel(
-            attention_bwd_preprocess_kernel, (cdiv(rows_pre, pre_block), p.H, B_pre),
+            attention_bwd_preprocess_kernel, pre_grid,
             o=out, do=dout, dlse=dlse, delta=delta, **o_strides, **p.strides("do", dout),
-            **dlse_strides, S_q=rows_pre, H=p.H, DV=p.DV, BLOCK_DV=block_dim(p.DV),
-            BLOCK_M=pre_block)
+            **dlse_strides, S_q=rows_pre, H=p.H, zero=acc, zero_n=acc.numel(),
+            zero_chunk=cdiv(acc.numel(), pre_grid[0] * pre_grid[1] * pre_grid[2]),
+            DV=p.DV, BLOCK_DV=block_dim(p.DV), BLOCK_M=pre_block,
+            ZERO_BLOCK=1024 if not INTERPRETING else 64)
     if use_gluon:
         gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem,
                                  dk if split == 1 else dk_acc, dv if split == 1 else dv_acc,
                                  causal, p.sm_scale, p.modifier_args["qk_scale"],
                                  **_dropout_args(mods), split=split)
-        dq.copy_(dq_acc)  # the kernel adds dQ itself, scaled
-        if split > 1:
-            dk.copy_(dk_acc)
-            dv.copy_(dv_acc)
+        # the kernel adds dQ itself, scaled
+        _cast_grads(acc, dq, 1.0, *((dk, dv) if split > 1 else ()))
         return dq, dk, dv, dg, dmask
     # what the dK/dV and dQ kernels share
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
@@ -573,7 +576,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
                                                              stride_dqah=0)),
         DQ_ATOMIC=dq_atomic)
     if dq_atomic:
-        dq.copy_(dq_acc.mul_(p.sm_scale))
+        _cast_grads(acc, dq, p.sm_scale)
         return dq, dk, dv, dg, dmask
     # into the tensors attention_backward_outputs allocated (the fake's strides)
     if has_gate:
@@ -581,6 +584,18 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     if attn_mask_grad:
         dmask.copy_(dS.sum_to_size(mods.attn_mask.shape))
     return dq, dk, dv, dg, dmask
+
+
+def _cast_grads(acc: torch.Tensor, dq: torch.Tensor, dq_scale: float,
+                dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None) -> None:
+    """Write the gradients that the kernels added into the fp32 buffer ``acc`` (dQ, then dK
+    and dV where given, each laid out as its contiguous output) into ``dq`` (times
+    ``dq_scale``), ``dk`` and ``dv``, in one launch."""
+    n_q, n_kv = dq.numel(), 0 if dk is None else dk.numel()
+    block = 1024 if not INTERPRETING else 256
+    grid = (cdiv(max(n_q, n_kv), block), 1 if dk is None else 3)
+    launch_kernel(attention_bwd_cast_kernel, grid, acc=acc, dq=dq, dk=dk, dv=dv, n_q=n_q,
+                  n_kv=n_kv, dq_scale=dq_scale, KV=dk is not None, BLOCK=block)
 
 
 # --- dropout's mask, for tests ----------------------------------------------------------------

@@ -14,7 +14,6 @@ compiles with the rest of the graph.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Optional
 
@@ -226,7 +225,8 @@ def _descriptor_type():
             """This descriptor of ``x``, a tensor of its base's shape, strides and dtype (a
             plan's replay: fastpath._PlannedLaunch); of None, a template that keeps no
             tensor alive."""
-            d = copy.copy(self)
+            d = object.__new__(Descriptor)  # (copy.copy's protocol costs several µs)
+            d.__dict__.update(self.__dict__)
             d.base = x
             return d
 
@@ -320,22 +320,23 @@ def backward_split(q: torch.Tensor, k: torch.Tensor, causal: bool,
 
 
 def backward_buffer(q: torch.Tensor, k: torch.Tensor, deterministic: bool, split: int):
-    """The zeroed fp32 buffers of the Gluon backward, from one allocation: dQ's, laid out as
-    q (contiguous); where ``deterministic``, its int32 counters (one per query tile); where
-    ``split`` > 1 (backward_split), dK's and dV's, laid out as k (contiguous):
-    (dq_acc, dq_sem or None, dk_acc or None, dv_acc or None)."""
+    """The fp32 buffers of the Gluon backward, from one allocation that the preprocess kernel
+    zeroes (attention.attention_backward): dQ's, laid out as q (contiguous); where
+    ``split`` > 1 (backward_split), dK's and dV's, laid out as k (contiguous), after it;
+    where ``deterministic``, dQ's int32 counters (one per query tile), last:
+    (buf, dq_acc, dq_sem or None, dk_acc or None, dv_acc or None)."""
     B, S_q, H, D = q.shape
     n_q = q.numel()
     n_kv = k.numel() if split > 1 else 0
     n_sem = B * H * cdiv(S_q, BWD_BLOCK_M) if deterministic else 0
-    buf = torch.zeros(n_q + 2 * n_kv + n_sem, device=q.device, dtype=torch.float32)
+    buf = torch.empty(n_q + 2 * n_kv + n_sem, device=q.device, dtype=torch.float32)
     dq_acc = buf[:n_q].view(q.shape)
     dk_acc = dv_acc = None
     if split > 1:
         dk_acc = buf[n_q:n_q + n_kv].view(k.shape)
         dv_acc = buf[n_q + n_kv:n_q + 2 * n_kv].view(k.shape)
     dq_sem = buf[n_q + 2 * n_kv:].view(torch.int32) if deterministic else None
-    return dq_acc, dq_sem, dk_acc, dv_acc
+    return buf, dq_acc, dq_sem, dk_acc, dv_acc
 
 
 def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal: bool,

@@ -10,8 +10,10 @@ fp32.
 - ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
   over the G query heads of its group, so dK and dV are summed over the group in registers.
 - ``attention_bwd_preprocess_kernel``: delta alone, where the dQ kernel does not run: with
-  ``DQ_ATOMIC`` (opt-in, see flashop/launch.py) the dK/dV kernel adds dQ into an fp32 buffer
-  by atomics instead (not bitwise reproducible).
+  ``DQ_ATOMIC`` (opt-in, see flashop/_launch/attention.py) the dK/dV kernel adds dQ into an
+  fp32 buffer by atomics instead (not bitwise reproducible), and the Gluon backward adds
+  into such buffers too; the preprocess kernel zeroes them, and
+  ``attention_bwd_cast_kernel`` then writes them out in the gradients' dtype.
 
 With a softcap, dS is multiplied by its derivative ``1 - tanh^2`` before the dQ and dK
 products. The gate's gradient is split in two halves written by the kernels that own the
@@ -26,7 +28,7 @@ O being the dropped output. An attention sink needs nothing here: the forward's 
 includes it, and its gradient is computed from lse and delta outside the kernels.
 
 The dK/dV and dQ kernels do not read their ``seq_bucket`` argument: it is the autotuner's
-key for the lengths (flashop/launch.py).
+key for the lengths (flashop/_launch/tiles.py).
 """
 
 import triton
@@ -44,13 +46,23 @@ def attention_bwd_preprocess_kernel(
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_dlb, stride_dlh, stride_dls,
-    S_q, H,
+    S_q, H, zero, zero_n, zero_chunk,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i]."""
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i]; and the fp32
+    buffer ``zero`` of ``zero_n`` elements (the accumulators that the kernels after this one
+    add into) zeroed, ``zero_chunk`` elements by each program (0: none)."""
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
+    # this program's chunk of the buffer
+    i_p = (i_b * H + i_h) * tl.num_programs(0) + i_m
+    z_start = i_p * zero_chunk
+    z_end = tl.minimum(z_start + zero_chunk, zero_n)
+    for z in range(z_start, z_end, ZERO_BLOCK):
+        o_z = z + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero + o_z, tl.zeros([ZERO_BLOCK], tl.float32), mask=o_z < z_end)
     # 64-bit rows: a packed batch comes here as one sequence of all its tokens
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -64,6 +76,31 @@ def attention_bwd_preprocess_kernel(
     b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + o_m * stride_dls, mask=m_m,
                      other=0.0)
     tl.store(delta + (i_b * H + i_h) * S_q + o_m, _delta_rows(b_o, b_do, b_dlse), mask=m_m)
+
+
+@triton.jit
+def attention_bwd_cast_kernel(acc, dq, dk, dv, n_q, n_kv, dq_scale, KV: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """The gradients that the kernels added into the fp32 buffer ``acc`` (dQ's ``n_q``
+    elements, then, where ``KV``, dK's and dV's ``n_kv`` each), in the contiguous outputs'
+    dtype: dQ times ``dq_scale``, dK and dV as they are (``dk`` and ``dv`` None where not
+    ``KV``). Grid: (blocks of the longest, 3 where ``KV``, else 1)."""
+    i_blk = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    o = i_blk * BLOCK + tl.arange(0, BLOCK)
+    if which == 0:
+        m_q = o < n_q
+        # an fp32 product, as torch's in-place multiply by a Python float (Inductor passes
+        # the float as fp64)
+        b_dq = tl.load(acc + o, mask=m_q, other=0.0) * tl.cast(dq_scale, tl.float32)
+        tl.store(dq + o, round_to(b_dq, dq.dtype.element_ty), mask=m_q)
+    elif KV:
+        m_kv = o < n_kv
+        b_kv = tl.load(acc + n_q + (which - 1) * n_kv + o, mask=m_kv, other=0.0)
+        if which == 1:
+            tl.store(dk + o, round_to(b_kv, dk.dtype.element_ty), mask=m_kv)
+        else:
+            tl.store(dv + o, round_to(b_kv, dv.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit

@@ -261,7 +261,7 @@ def attention_fwd_kernel(
     sequence counts as that long.
     ``alibi`` (slopes), ``g_cum`` (the cumulative gate, fp32, read through its (batch, seq,
     head) strides) and ``attn_mask`` are read only where their flag is set. ``seq_bucket`` is
-    not read: it is the autotuner's key for the lengths (flashop/launch.py).
+    not read: it is the autotuner's key for the lengths (flashop/_launch/tiles.py).
     Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
     right bound, the key tiles past the first tile's last key run for the second alone.
