@@ -585,11 +585,6 @@ def _fast(func, args: tuple, kwargs: dict, out: _Tensor, slot_of: dict) -> Optio
     return None
 
 
-def _alignment(values) -> tuple:
-    """Whether each of a launch's tensors is 16-byte aligned (False for a descriptor)."""
-    return tuple([isinstance(t, _Tensor) and not t.data_ptr() & 15 for t in values])
-
-
 def _rebases(value) -> bool:
     """Whether ``value`` is a host-made tensor descriptor that a plan can remake for another
     tensor of the same signature (``rebased``)."""
@@ -598,9 +593,11 @@ def _rebases(value) -> bool:
 
 class _PlannedLaunch:
     """One launch of a plan: the kernel, its grid and fixed arguments, and the slots of its
-    tensors (and of the tensors its descriptors describe, remade for each call); the kernels
-    Triton compiled for it, by whether each tensor is 16-byte aligned (what Triton
-    specialises a tensor on beside its dtype, which the plan fixes)."""
+    tensors (and of the tensors its descriptors describe, remade for each call); the kernel
+    Triton compiled for it. What Triton specialises a tensor on (its dtype and whether its
+    address is 16-byte aligned) is the same on every call of the plan: its key holds the
+    arguments' dtypes and alignment (signature()), the allocations are the caching
+    allocator's (aligned) and each view sits at its recorded offset from its base."""
 
     __slots__ = ("kernel", "grid", "names", "tensor_names", "take", "static", "compiled",
                  "template", "positions", "descriptors")
@@ -622,46 +619,40 @@ class _PlannedLaunch:
                 static[name] = value
             else:
                 return None
-        alignment = _alignment([kwargs[name] for name in names])
         planned = object.__new__(cls)
         planned._init(kernel, tuple(grid), tuple(kwargs), tuple(names), tuple(tensor_slots),
-                      static, tuple(descriptors), compiled, alignment)
+                      static, tuple(descriptors), compiled)
         return planned
 
     def _init(self, kernel, grid: tuple, names: tuple, tensor_names: tuple, slots: tuple,
-              static: dict, descriptors: tuple, compiled: Optional[_Compiled],
-              alignment: tuple) -> None:
+              static: dict, descriptors: tuple, compiled: Optional[_Compiled]) -> None:
         self.kernel, self.grid = kernel, grid + (1,) * (3 - len(grid))
         self.names, self.tensor_names, self.static = names, tensor_names, static
         self.take, self.descriptors = _getter(slots), descriptors
-        self.compiled: dict = {}
-        self.template = self.positions = None
+        self.compiled = self.template = self.positions = None
         if compiled is not None:
-            self._keep(compiled, alignment)
+            self._keep(compiled)
 
-    def _keep(self, compiled: _Compiled, alignment: tuple) -> None:
-        """Keep ``compiled`` for calls whose tensors have this ``alignment``; the arguments'
-        template (every argument in the signature's order, the tensors' places left for
-        each call) is made from the first kept."""
-        if self.template is None:
-            n = len(self.names)
-            values = [self.static.get(name) for name in self.names]
-            values += _launches(self.kernel).defaults
-            self.template = [values[i] for i in compiled.order]
-            where = {name: i for i, name in enumerate(self.names)}
-            place = {i: p for p, i in enumerate(compiled.order) if i < n}
-            self.positions = tuple(place[where[name]] for name in self.tensor_names)
-        self.compiled[alignment] = compiled
+    def _keep(self, compiled: _Compiled) -> None:
+        """Keep ``compiled``, and the arguments' template (every argument in the signature's
+        order, the tensors' places left for each call)."""
+        n = len(self.names)
+        values = [self.static.get(name) for name in self.names]
+        values += _launches(self.kernel).defaults
+        self.template = [values[i] for i in compiled.order]
+        where = {name: i for i, name in enumerate(self.names)}
+        place = {i: p for p, i in enumerate(compiled.order) if i < n}
+        self.positions = tuple(place[where[name]] for name in self.tensor_names)
+        self.compiled = compiled
 
-    def _values(self, pool: list) -> tuple:
-        """This call's tensors and descriptors, in tensor_names' order, and the tensors'
-        alignment (False for a descriptor's place)."""
+    def _values(self, pool: list):
+        """This call's tensors and descriptors, in tensor_names' order."""
         values = self.take(pool)
         if self.descriptors:
             values = list(values)
             for i, descriptor in self.descriptors:
                 values[i] = descriptor.rebased(values[i])
-        return values, _alignment(values)
+        return values
 
     def arguments(self, values) -> dict:
         """The launch's arguments by keyword, in the recorded order, with these values."""
@@ -670,20 +661,19 @@ class _PlannedLaunch:
 
     def __call__(self, pool: list, stream=None) -> None:
         """Launch with the tensors of ``pool``: where ``stream`` is given (launch_now's
-        cached launches allowed), the compiled kernel kept for their alignment directly on
-        it; else (or where none is kept yet) launch_now's way."""
-        values, alignment = self._values(pool)
-        if stream is not None:
-            compiled = self.compiled.get(alignment)
-            if compiled is not None and not self.kernel.pre_run_hooks:
-                args = self.template.copy()
-                for p, t in zip(self.positions, values):
-                    args[p] = t
-                compiled.run(self.grid, stream, args)
-                return
+        cached launches allowed), the kept compiled kernel directly on it; else (or where
+        none is kept yet) launch_now's way."""
+        values = self._values(pool)
+        compiled = self.compiled
+        if stream is not None and compiled is not None and not self.kernel.pre_run_hooks:
+            args = self.template.copy()
+            for p, t in zip(self.positions, values):
+                args[p] = t
+            compiled.run(self.grid, stream, args)
+            return
         compiled = _launch_now(self.kernel, self.grid, self.arguments(values))
-        if compiled is not None:
-            self._keep(compiled, alignment)
+        if compiled is not None and self.compiled is None:
+            self._keep(compiled)
 
 
 class Plan:
