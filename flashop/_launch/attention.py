@@ -499,12 +499,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
     p = Problem.describe("flashop.attention_backward", q, k, v, dout, scale, mods, packing)
-    delta = torch.empty_like(lse_log2)
+    delta = lse_log2.new_empty(lse_log2.shape)
     has_gate = mods.g is not None
     # the gate's gradient halves: rows of the queries (as lse) and of the keys
     dgq = dgk = None
     if has_gate:
-        dgq = torch.empty_like(lse_log2)
+        dgq = lse_log2.new_empty(lse_log2.shape)
         dgk = lse_log2.new_empty((p.B, p.H, p.S_k) if packing is None else (p.H, k.shape[0]))
     # dS of every (query, key) pair; pairs outside the window are never visited: zeros
     dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else None
