@@ -93,8 +93,9 @@ def to_bf16(x):
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
-    """fp32 ``x`` in ``dtype`` (a matmul's operand: P or dS), rounded to nearest as a GPU's
-    cast rounds. triton<=3.9: the interpreter's cast to bf16 truncates (to_bf16)."""
+    """fp32 ``x`` in ``dtype`` (a matmul's operand, P or dS; a stored output, gradient or
+    rotated key), rounded to nearest as a GPU's cast rounds. triton<=3.9: the interpreter's
+    cast to bf16 truncates (to_bf16)."""
     if INTERPRETED and dtype == tl.bfloat16:
         return to_bf16(x)
     return x.to(dtype)

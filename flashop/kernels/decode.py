@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, load_tile, to_bf16, to_e4m3,
+    LN2, LOG2E, attention_scores, dot_operand, load_tile, round_to, to_e4m3,
 )
 
 
@@ -68,9 +68,8 @@ def rotate_rows(b_x, p_x, m_rows, o_pos, rotary_cos, rotary_sin, stride_rs, seql
         b_rot = (b_x.to(tl.float64) * b_cos.to(tl.float64)
                  + b_partner.to(tl.float64) * b_sin.to(tl.float64)).to(tl.float32)
     else:
-        b_rot = b_x.to(tl.float32) * b_cos + b_partner.to(tl.float32) * b_sin
-        if b_x.dtype == tl.bfloat16:
-            b_rot = to_bf16(b_rot)
+        b_rot = round_to(b_x.to(tl.float32) * b_cos + b_partner.to(tl.float32) * b_sin,
+                         b_x.dtype)
     return tl.where(m_rot[None, :], b_rot.to(b_x.dtype), b_x)
 
 
