@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LOG2E, attention_scores, dot_operand, dropout_keep, exp2_folded, key_tile_range,
+    LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted, key_tile_range,
     load_tile, query_tile_range, round_to, score_dot,
 )
 
@@ -117,18 +117,6 @@ def _lse_rows(lse_log2):
 
 
 @triton.jit
-def _probabilities(b_s, qk_scale, b_lse, FOLD_SCALE: tl.constexpr):
-    """P = exp2(s - lse), rounded as the forward rounds it (launch.folds_scale): where
-    ``FOLD_SCALE``, ``b_s`` is not yet scaled and the scale goes into one FMA, as in the
-    forward's _fwd_fold and the Gluon kernels."""
-    if FOLD_SCALE:
-        b_p = exp2_folded(b_s, qk_scale, b_lse)
-    else:
-        b_p = tl.math.exp2(b_s - b_lse)
-    return b_p
-
-
-@triton.jit
 def _dkdv_query_tiles(
     b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, attn_mask, dq_acc,
     stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, start_n, o_n, m_n, lo, hi,
@@ -171,7 +159,7 @@ def _dkdv_query_tiles(
             left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
             EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
             not FOLD_SCALE)
-        b_pt = _probabilities(b_st, qk_scale, b_lse[None, :], FOLD_SCALE)
+        b_pt = exp2_shifted(b_st, qk_scale, b_lse[None, :], FOLD_SCALE)
         # dO tile [BLOCK_M, BLOCK_DV]
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                          o_dv[None, :] < DV, CHECK_ROWS, BLOCK_DV != DV)
@@ -376,7 +364,7 @@ def _dq_key_tiles(
             left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
             EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
             not FOLD_SCALE)
-        b_p = _probabilities(b_s, qk_scale, b_lse[:, None], FOLD_SCALE)
+        b_p = exp2_shifted(b_s, qk_scale, b_lse[:, None], FOLD_SCALE)
         if DROPOUT:
             b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, False)
             b_dp = tl.where(b_keep, b_dp * (1.0 / (1.0 - dropout_p)), 0.0)

@@ -111,11 +111,14 @@ def rounded_product(a, b):
 
 
 @triton.jit
-def exp2_folded(b_s, qk_scale, b_shift):
-    """exp2(s * qk_scale - shift) of unscaled scores as one FMA (FOLD_SCALE,
-    launch.folds_scale), alike in the forward and the backward. On a GPU the compiler fuses
-    the expression (an explicit tl.fma compiled 3-5% slower at D = 64 and 128); the
-    interpreter rounds each operation, so it is told."""
+def exp2_shifted(b_s, qk_scale, b_shift, FOLD_SCALE: tl.constexpr):
+    """exp2(s - shift) of scaled scores; where ``FOLD_SCALE`` (launch.folds_scale), of
+    unscaled ones, exp2(s * qk_scale - shift) as one FMA: the forward's P and the backward's
+    recomputed P, rounded alike. On a GPU the compiler fuses the expression (an explicit
+    tl.fma compiled 3-5% slower at D = 64 and 128); the interpreter rounds each operation,
+    so it is told."""
+    if not FOLD_SCALE:
+        return tl.math.exp2(b_s - b_shift)
     if INTERPRETED:
         return tl.math.exp2(tl.fma(b_s, qk_scale, -b_shift))
     return tl.math.exp2(b_s * qk_scale - b_shift)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep, exp2_folded,
+    INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted,
     heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, rounded_product,
     score_dot,
 )
@@ -65,10 +65,7 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
     m_exp = m_sub
     if FP8:
         m_exp = m_sub - P_SHIFT
-    if FOLD_SCALE:
-        b_p = exp2_folded(b_s, qk_scale, m_exp[:, None])
-    else:
-        b_p = tl.math.exp2(b_s - m_exp[:, None])
+    b_p = exp2_shifted(b_s, qk_scale, m_exp[:, None], FOLD_SCALE)
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     if DROPOUT:
