@@ -70,7 +70,7 @@ def rotate_rows(b_x, p_x, m_rows, o_pos, rotary_cos, rotary_sin, stride_rs, seql
     else:
         b_rot = round_to(b_x.to(tl.float32) * b_cos + b_partner.to(tl.float32) * b_sin,
                          b_x.dtype)
-    return tl.where(m_rot[None, :], b_rot.to(b_x.dtype), b_x)
+    return tl.where(m_rot[None, :], b_rot, b_x)
 
 
 @triton.jit
