@@ -409,11 +409,11 @@ def test_opcheck_packed_with_sinks_and_dropout():
 
 
 class DropoutAttention(nn.Module):
-    def __init__(self, dim=32, heads=2):
+    def __init__(self, dim=32, heads=2, sinks=True):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(heads))
+        self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
 
     def forward(self, x):
         B, S, _ = x.shape
@@ -511,18 +511,23 @@ def test_reduce_overhead_compiled_steps_draw_fresh_masks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=True, reason=(
-    "measured on an H200 (torch 2.11, triton 3.6): the first compiled step (cudagraph trees' "
-    "warm-up) equals the eager step bit for bit, the recorded and replayed steps from the "
-    "second on do not; plain CUDA graphs do (test_cuda_graph_replays_draw_fresh_masks); the "
-    "cause is not yet found"))
-def test_reduce_overhead_replayed_steps_equal_eager_at_the_same_seed():
-    """With eager's random numbers (Inductor's fallback_random) a replayed step equals the
-    eager step at the same manual_seed, bit for bit."""
+@pytest.mark.parametrize("sinks", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+        "measured on an H200 (torch 2.11, triton 3.6): with sinks and dropout a gradient of "
+        "a replayed step differs from eager's in its last bits (at most 3e-5 in fp32) while "
+        "the outputs, and the masks they show, are equal; without sinks, or without "
+        "dropout, every output and gradient equals eager's bit for bit; the cause is not "
+        "yet found"))),
+], ids=["plain", "sinks"])
+def test_reduce_overhead_replayed_steps_equal_eager_at_the_same_seed(sinks):
+    """With eager's random numbers (Inductor's fallback_random) a replayed step (forward and
+    backward in CUDA graphs) equals the eager step at the same manual_seed, bit for bit:
+    the graph draws the seed where eager does, and the kernels' masks follow it."""
     from torch._inductor import config as inductor_config
 
     torch.manual_seed(0)
-    model = DropoutAttention(dim=128, heads=2).cuda()
+    model = DropoutAttention(dim=128, heads=2, sinks=sinks).cuda()
     x = torch.randn(2, 256, 128, device="cuda")
     with inductor_config.patch(fallback_random=True):
         torch._dynamo.reset()
