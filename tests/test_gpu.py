@@ -1,6 +1,7 @@
 """What only a GPU shows: Inductor seeing into the Triton kernels, CUDA graphs, and
 compute-sanitizer on odd shapes. (The property tests run there too, in bf16, fp16 and fp32.)"""
 
+import gc
 import os
 import shutil
 import subprocess
@@ -730,15 +731,25 @@ def test_gluon_calls_replay_their_plans(deterministic, monkeypatch):
     calls()  # (compiles, and allocates once what the kernels and the rule keep)
     fastpath.clear_plans()
     launches.clear()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = _cuda_tensors_alive()
     calls()
     # the first call ran the launchers, and so did the operator's calls; the replays did not
     assert launches.count("attention_forward") == 3 and launches.count("attention_backward") == 3
     assert [type(p) for p in ops.planned_forward.plans.values()] == [fastpath.Plan]
     assert [type(p) for p in ops.planned_backward.plans.values()] == [fastpath.Plan]
+    after = _cuda_tensors_alive()
+    kept = [meta for key, meta in after[1].items() if key not in before[1]]
+    assert after[0] - before[0] < 2**20, f"tensors kept: {kept}"
+
+
+def _cuda_tensors_alive() -> tuple:
+    """The CUDA memory allocated, once garbage is collected (objects in reference cycles
+    freed), and the CUDA tensors alive by id: (bytes, {id: (shape, dtype)})."""
+    gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - before < 2**20
+    alive = {id(t): (tuple(t.shape), t.dtype) for t in gc.get_objects()
+             if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda}
+    return torch.cuda.memory_allocated(), alive
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
