@@ -3,7 +3,10 @@ a graph compiled with ``fullgraph=True``, forward (no gradient) and forward + ba
 Each figure is the median over ``--rounds`` rounds of ``--calls`` calls each, the GPU
 synchronized at each round's end: with kernels this short the GPU waits on the host, so it
 is the host's time per call. The ratio column is flashop's time over SDPA's in the same
-mode and pass (the speed issue's goals: at most 1.5x eager, 1.2x compiled).
+mode and pass (the speed issue's goals: at most 1.5x eager, 1.2x compiled). In eager mode a
+third row, ``sdpa-python``, calls SDPA's flash kernels through a ``torch.autograd.Function``
+written in Python, as any operator with a Python autograd formula is called: what such an
+operator costs with no work of its own.
 
     python benchmarks/host_time.py                     # B=1, S=128, H=1, D=64, causal, bf16
     python benchmarks/host_time.py --shape 1,1024,16,128 --csv host.csv
@@ -69,8 +72,26 @@ def main() -> None:
     def sdpa_call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+    class PythonSDPA(torch.autograd.Function):
+        """SDPA's flash forward and backward operators behind a Python autograd formula."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse, cq, ck, mq, mk, seed, offset, _ = (
+                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal))
+            ctx.save_for_backward(q, k, v, out, lse, cq, ck, seed, offset)
+            ctx.lengths = (mq, mk)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse, cq, ck, seed, offset = ctx.saved_tensors
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, cq, ck, *ctx.lengths, 0.0, causal, seed, offset)
+
     calls = {"flashop": (flashop_call, (q, k, v), dout),
-             "sdpa": (sdpa_call, (qt, kt, vt), dout_t)}
+             "sdpa": (sdpa_call, (qt, kt, vt), dout_t),
+             "sdpa-python": (PythonSDPA.apply, (qt, kt, vt), dout_t)}
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; B={B} S={S} H={H} "
           f"D={D} causal={causal} bf16")
@@ -79,6 +100,8 @@ def main() -> None:
         for pass_ in ("fwd", "fwd+bwd"):
             times = {}
             for provider, (fn, inputs, cotangent) in calls.items():
+                if provider == "sdpa-python" and mode != "eager":
+                    continue
                 if mode == "compiled":
                     torch._dynamo.reset()
                     fn = torch.compile(fn, fullgraph=True)
@@ -92,7 +115,7 @@ def main() -> None:
                 times[provider] = per_call(step, args.calls, args.rounds)
             for provider, us in times.items():
                 ratio = us / times["sdpa"]
-                print(f"{mode:9s} {pass_:8s} {provider:8s} {us:8.1f} us  {ratio:5.2f}x SDPA",
+                print(f"{mode:9s} {pass_:8s} {provider:11s} {us:8.1f} us  {ratio:5.2f}x SDPA",
                       flush=True)
                 rows.append(dict(zip(CSV_HEADER, [
                     gpu, torch.__version__, triton.__version__, "bf16", B, S, H, D, causal,
