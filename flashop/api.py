@@ -248,13 +248,17 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            alibi_slopes: Optional[Tensor] = None,
                            sinks: Optional[Tensor] = None, num_splits: int = 0,
                            k_descale: Optional[Tensor] = None,
-                           v_descale: Optional[Tensor] = None, return_lse: bool = False):
+                           v_descale: Optional[Tensor] = None,
+                           q_descale: Optional[Tensor] = None,
+                           out_dtype: Optional[torch.dtype] = None, return_lse: bool = False):
     """Attention of new queries over a key/value cache, appending new keys and values to it
     first (FlashAttention's ``flash_attn_with_kvcache``); for inference (no gradient).
 
     Args:
         q: (B, S_q, H, D) queries, any S_q >= 1 (1 to decode one token; more for
-            speculative decoding or chunked prefill).
+            speculative decoding or chunked prefill). In the cache's dtype, or 16-bit over
+            an fp8 cache, or ``torch.float8_e4m3fn`` over an fp8 cache (with
+            ``q_descale``).
         k_cache, v_cache: the cache, either dense, (B_cache, S_cache, H_kv, D) and
             (B_cache, S_cache, H_kv, DV), or paged, (num_blocks, page_size, H_kv, D / DV)
             with ``block_table``; page_size a power of two from 16 to 256. Unit stride in
@@ -297,6 +301,12 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             ``k_descale[b, h]`` (values by ``v_descale[b, h]``). New keys and values (q's
             dtype) are written as ``k / k_descale`` rounded to e4m3 (to nearest, ties to
             even, saturating at +-448); attention reads the cache times the descales.
+        q_descale: (B, H_kv) float32, fp8 queries only (None: 1): query head h of sequence b
+            is ``q * q_descale[b, h // (H // H_kv)]`` (FlashAttention-3's). fp8 queries are
+            converted to ``out_dtype`` (exactly) before the kernels, and q_descale is folded
+            into the scores' scale.
+        out_dtype: the output's dtype with fp8 queries, torch.bfloat16 (None) or
+            torch.float16; the new keys and values and the rotary tables are then in it.
         num_splits: how many programs share each sequence's keys (split-KV, "flash
             decoding"); 0 chooses from the GPU's size, the batch, H_kv and the cache's
             capacity (never from the lengths, so a call needs no host synchronization).
@@ -309,19 +319,20 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     range.
 
     Returns:
-        out (B, S_q, H, DV) in q's dtype; with ``return_lse``, ``(out, lse)`` with lse
-        (B, H, S_q) float32, natural log.
+        out (B, S_q, H, DV) in q's dtype (fp8 queries: ``out_dtype``); with
+        ``return_lse``, ``(out, lse)`` with lse (B, H, S_q) float32, natural log.
     """
     check_no_grad("flashop.attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache,
                   k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks, rotary_cos=rotary_cos,
-                  rotary_sin=rotary_sin, k_descale=k_descale, v_descale=v_descale)
+                  rotary_sin=rotary_sin, k_descale=k_descale, v_descale=v_descale,
+                  q_descale=q_descale)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
     options = _options("flashop.attention_with_kvcache", causal, scale, window_size, softcap)
     out, lse = eager.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale,
-        num_splits=num_splits,
-        rotary_interleaved=rotary_interleaved, **options)
+        sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, q_descale,
+        num_splits=num_splits, rotary_interleaved=rotary_interleaved, out_dtype=out_dtype,
+        **options)
     return (out, lse) if return_lse else out

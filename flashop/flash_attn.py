@@ -165,7 +165,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table: Optional[Tensor] = None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, k_descale=None, v_descale=None):
+                            return_softmax_lse=False, k_descale=None, v_descale=None,
+                            q_descale=None):
     """flash-attn's ``flash_attn_with_kvcache`` on :func:`flashop.attention_with_kvcache`:
     q (batch, seqlen, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache,
     nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with
@@ -188,7 +189,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``k_cache``, ``v_cache`` may be ``torch.float8_e4m3fn`` with 16-bit q, k, v, with
     FlashAttention-3's ``k_descale``, ``v_descale`` (batch, nheads_k) float32 (None: 1): the
     cache holds the keys divided by ``k_descale[b, h]``; new keys are quantized so as they
-    are appended, and attention reads the cache times the descales.
+    are appended, and attention reads the cache times the descales. Over such a cache q may
+    be ``torch.float8_e4m3fn`` too, with ``q_descale`` (batch, nheads_k) float32: the
+    output is then bfloat16, and new keys and values must be bfloat16.
     """
     name = "flashop.flash_attn.flash_attn_with_kvcache"
     if cache_seqlens is None:
@@ -208,4 +211,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotary_interleaved=rotary_interleaved, causal=causal,
             scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits, k_descale=k_descale,
-            v_descale=v_descale, return_lse=return_softmax_lse)
+            v_descale=v_descale, q_descale=q_descale, return_lse=return_softmax_lse)

@@ -297,7 +297,8 @@ def attention_with_kvcache_reference(
         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
         softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
         sinks: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
-        v_descale: Optional[Tensor] = None,
+        v_descale: Optional[Tensor] = None, q_descale: Optional[Tensor] = None,
+        out_dtype: Optional[torch.dtype] = None,
         compute_dtype: Optional[torch.dtype] = torch.float32) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``flashop.attention_with_kvcache`` in plain PyTorch, leaving the caches
     unchanged: the append is applied to copies (:func:`kvcache_append_reference`), each
@@ -312,8 +313,13 @@ def attention_with_kvcache_reference(
     key: out 0, lse = sink). A float8_e4m3fn cache is appended to as the kernel quantizes
     and each sequence's keys read as ``k_cache * k_descale[b, h]`` (values with
     ``v_descale``; None: 1), exactly, then rounded once to ``compute_dtype`` (or q's dtype).
+    float8_e4m3fn q is read as ``q * q_descale[b, h // (H // H_kv)]`` likewise, its dtype
+    (where ``compute_dtype`` is None) ``out_dtype`` (None: bfloat16).
     Every sequence must fit its cache (L <= capacity)."""
     B, S_q, H, D = q.shape
+    if q.dtype == torch.float8_e4m3fn:
+        dtype = out_dtype or torch.bfloat16
+        q = dequantize(q, q_descale, torch.float64).to(compute_dtype or dtype)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     k_cache, v_cache = kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens,

@@ -359,10 +359,10 @@ def test_schema_declares_the_cache_mutation():
         "Tensor cache_seqlens, Tensor? k=None, Tensor? v=None, Tensor? cache_batch_idx=None, "
         "Tensor? block_table=None, Tensor? alibi_slopes=None, Tensor? sinks=None, "
         "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? cache_leftpad=None, "
-        "Tensor? k_descale=None, Tensor? v_descale=None, *, "
+        "Tensor? k_descale=None, Tensor? v_descale=None, Tensor? q_descale=None, *, "
         "bool causal=False, float? scale=None, SymInt window_size_left=-1, "
         "SymInt window_size_right=-1, float softcap=0., bool rotary_interleaved=True, "
-        "SymInt num_splits=0) -> (Tensor, Tensor)")
+        "SymInt num_splits=0, ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 
 
 @pytest.mark.compile

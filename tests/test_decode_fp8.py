@@ -1,7 +1,8 @@
-"""attention_with_kvcache over float8_e4m3fn caches with per-(sequence, kv head) descales:
-out and lse against the reference on the dequantized cache under the accuracy rule, the
-whole cache after the append bit for bit, the kernels' fp8 conversions, opcheck, a
-compiled decode loop that compiles once, the decode fast paths' keys and the errors."""
+"""attention_with_kvcache over float8_e4m3fn caches with per-(sequence, kv head) descales,
+with 16-bit or float8_e4m3fn queries: out and lse against the reference on the dequantized
+cache (and queries) under the accuracy rule, the whole cache after the append bit for bit,
+the kernels' fp8 conversions, opcheck, a compiled decode loop that compiles once, the decode
+fast paths' keys and the errors."""
 
 from __future__ import annotations
 
@@ -26,15 +27,28 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
-def make_fp8_call(case: CacheCase, seed: int = 0, descales: str = "kv", loud_head=False):
+def make_fp8_call(case: CacheCase, seed: int = 0, descales: str = "kv", loud_head=False,
+                  fp8_queries: bool = False):
     """make_call's call with its caches quantized to e4m3 (spread over e4m3's range, 64
     times unit normals, some saturating) and fp32 descales (B, H_kv) from 0.005 to 0.035,
     so that the real keys and values are about unit normals; ``descales`` names those given
-    (the others None: 1). ``loud_head``: kv head 0's keys 30 times louder (scores of tens
-    to 100+)."""
+    (the others None: 1; "q" among them with ``fp8_queries``). ``loud_head``: kv head 0's
+    keys 30 times louder (scores of tens to 100+). ``fp8_queries``: q quantized likewise
+    (divided by its descale, from 0.01 to 0.05, where given), out_dtype the case's dtype
+    (left to its default where that is bfloat16)."""
     (q, k_cache, v_cache, k, v), kwargs = make_call(case, seed)
     gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     k_cache, v_cache = ((c.float() * 64).clamp(-448, 448).to(FP8) for c in (k_cache, v_cache))
+    if fp8_queries:
+        qd = torch.ones(case.B, case.H_kv, device=DEVICE)
+        if "q" in descales:
+            qd = kwargs["q_descale"] = 0.01 + 0.04 * torch.rand(
+                case.B, case.H_kv, device=DEVICE, generator=gen)
+        group = q.shape[2] // case.H_kv
+        q = (q.float() / qd.repeat_interleave(group, 1)[:, None, :, None]).clamp(-448, 448)
+        q = q.to(FP8)
+        if case.dtype != BF16:
+            kwargs["out_dtype"] = case.dtype
     for name in ("k", "v"):
         if name in descales:
             ds = 0.005 + 0.03 * torch.rand(case.B, case.H_kv, device=DEVICE, generator=gen)
@@ -44,11 +58,14 @@ def make_fp8_call(case: CacheCase, seed: int = 0, descales: str = "kv", loud_hea
     return (q, k_cache, v_cache, k, v), kwargs
 
 
-def check_fp8_case(case: CacheCase, seed: int = 0, descales: str = "kv", loud_head=False):
+def check_fp8_case(case: CacheCase, seed: int = 0, descales: str = "kv", loud_head=False,
+                   fp8_queries: bool = False):
     """flashop's out and lse (outputs poisoned) under the accuracy rule against the fp64
-    reference on the dequantized cache and plain PyTorch on it in q's dtype; both caches
-    after the call bit for bit against the reference's append (the new keys quantized)."""
-    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(case, seed, descales, loud_head)
+    reference on the dequantized cache (and queries) and plain PyTorch on it in the case's
+    dtype; both caches after the call bit for bit against the reference's append (the new
+    keys quantized)."""
+    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(case, seed, descales, loud_head,
+                                                        fp8_queries)
     index = {n: kwargs[n] for n in (*APPEND_INDEX, "k_descale", "v_descale") if n in kwargs}
     expected = kvcache_append_reference(k_cache, v_cache, k, v, **index)
     ref, plain = (attention_with_kvcache_reference(q, k_cache, v_cache, k, v,
@@ -86,6 +103,21 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_fp8_cache_matches_reference(name):
     check_fp8_case(CASES[name])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp8_queries_match_reference(name):
+    """float8_e4m3fn queries with q_descale over the fp8 cache: out in out_dtype (the
+    case's dtype; bfloat16 by default), against the reference on the dequantized queries
+    and cache."""
+    check_fp8_case(CASES[name], descales="qkv", fp8_queries=True)
+
+
+@pytest.mark.parametrize("descales", ["q", "k", ""], ids=["q-only", "k-only", "none"])
+def test_fp8_queries_with_absent_descales(descales):
+    """With fp8 queries a descale left out reads as 1, the queries' and the keys' apart (the
+    scores take their product)."""
+    check_fp8_case(CASES["dense-window-softcap-splits"], descales=descales, fp8_queries=True)
 
 
 @pytest.mark.parametrize("descales", ["k", ""], ids=["k-only", "none"])
@@ -167,25 +199,27 @@ def test_kernel_conversions_of_fp8_are_exact():
 # --- the operator -------------------------------------------------------------------------
 
 
-def _op_args(case: CacheCase):
-    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(case)
+def _op_args(case: CacheCase, fp8_queries: bool = False):
+    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(case, descales="qkv",
+                                                        fp8_queries=fp8_queries)
     args = (q, k_cache, v_cache, kwargs.pop("cache_seqlens"), k, v,
             kwargs.pop("cache_batch_idx", None), kwargs.pop("block_table", None),
             kwargs.pop("alibi_slopes", None), kwargs.pop("sinks", None),
             kwargs.pop("rotary_cos", None), kwargs.pop("rotary_sin", None),
             kwargs.pop("cache_leftpad", None), kwargs.pop("k_descale"),
-            kwargs.pop("v_descale"))
+            kwargs.pop("v_descale"), kwargs.pop("q_descale", None))
     kwargs["window_size_left"], kwargs["window_size_right"] = kwargs.pop("window_size")
     return args, kwargs
 
 
+@pytest.mark.parametrize("fp8_queries", [False, True], ids=["16-bit-queries", "fp8-queries"])
 @pytest.mark.parametrize("name", ["dense-rotary-leftpad", "paged-alibi-sinks-splits"])
-def test_opcheck(name):
+def test_opcheck(name, fp8_queries):
     """opcheck but its test_schema, whose comparison of the arguments before and after the
     call multiplies them, which torch's CPU kernels do not do in float8_e4m3fn (the schema is
     the 16-bit caches', checked by test_decode.py's opcheck; the fp8 caches' mutation is
-    checked bit for bit above)."""
-    args, kwargs = _op_args(CASES[name])
+    checked bit for bit above); with 16-bit and fp8 queries (an fp16 case's out_dtype)."""
+    args, kwargs = _op_args(CASES[name], fp8_queries)
     opcheck(torch.ops.flashop.attention_with_kvcache.default, args, kwargs,
             test_utils=("test_autograd_registration", "test_faketensor",
                         "test_aot_dispatch_dynamic"))
@@ -243,6 +277,19 @@ def test_compiled_fp8_decode_loop_compiles_once():
     assert frames == frames[:1] * 3, f"recompiled: frames compiled after each step {frames}"
 
 
+def test_autocast_leaves_fp8_queries_as_they_are():
+    """Under autocast fp8 queries are read as they are, with their descale (a cast copy
+    would be 16-bit, which takes no q_descale)."""
+    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(CASES["paged-alibi-sinks-splits"],
+                                                        descales="qkv", fp8_queries=True)
+    expected = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
+                                              **kwargs)
+    with torch.autocast(DEVICE, dtype=BF16):
+        out = flashop.attention_with_kvcache(q, k_cache, v_cache, k.float(), v.float(),
+                                             **kwargs)
+    assert out.dtype == BF16 and torch.equal(out, expected)
+
+
 def test_autocast_reads_an_fp8_cache_as_it_is():
     """Under autocast a read-only call (no new keys) reads an fp8 cache as it is, with its
     descales (a cast copy would be 16-bit, which takes no descales)."""
@@ -290,11 +337,39 @@ ERRORS = {
         "with an fp8 cache the new keys and values must have q's dtype torch.float16 (they "
         "are quantized as they are appended), got k torch.bfloat16, v torch.bfloat16; cast k "
         "and v to torch.float16"),
-    "fp8 queries": (
+    "fp8 queries with new keys of another dtype": (
         dict(q=_t(2, 1, 4, 16, dtype=FP8)),
-        "fp8 queries are not supported over a key/value cache yet, got q "
-        "torch.float8_e4m3fn; use float16 or bfloat16 queries (the cache may be "
-        "torch.float8_e4m3fn)"),
+        "with fp8 queries the new keys and values must be in the output's dtype "
+        "torch.bfloat16 (out_dtype; they are quantized as they are appended), got k "
+        "torch.float16, v torch.float16; cast k and v to torch.bfloat16, or pass "
+        "out_dtype=torch.float16"),
+    "e5m2 queries": (
+        dict(q=_t(2, 1, 4, 16, dtype=torch.float8_e5m2)),
+        "fp8 queries must be torch.float8_e4m3fn (FlashAttention-3's format), got q "
+        "torch.float8_e5m2; quantize q to torch.float8_e4m3fn"),
+    "fp8 queries over a 16-bit cache": (
+        dict(q=_t(2, 1, 4, 16, dtype=FP8), k_cache=_t(3, 32, 2, 16), v_cache=_t(3, 32, 2, 16),
+             k_descale=None, v_descale=None),
+        "fp8 queries attend an fp8 (torch.float8_e4m3fn) cache only, got k_cache "
+        "torch.float16 and v_cache torch.float16; pass 16-bit queries (q.to(dtype) * "
+        "q_descale) over a 16-bit cache"),
+    "fp8 queries' out_dtype": (
+        dict(q=_t(2, 1, 4, 16, dtype=FP8), out_dtype=torch.float32),
+        "out_dtype must be torch.bfloat16 or torch.float16 (or None: bfloat16), got "
+        "torch.float32"),
+    "q_descale shape": (
+        dict(q=_t(2, 1, 4, 16, dtype=FP8), out_dtype=F16, q_descale=_t(2, 4, dtype=torch.float32)),
+        "q_descale must be a float32 tensor of shape (batch, kv_heads) = (2, 2), one scale "
+        "per sequence and key/value head, got torch.float32 of shape (2, 4)"),
+    "q_descale with 16-bit queries": (
+        dict(q_descale=_t(2, 2, dtype=torch.float32)),
+        "q_descale scales fp8 (torch.float8_e4m3fn) queries, but q is torch.float16; drop "
+        "q_descale, or pass torch.float8_e4m3fn q"),
+    "out_dtype with 16-bit queries": (
+        dict(out_dtype=BF16),
+        "out_dtype sets the output's dtype of fp8 queries; torch.float16 queries give "
+        "outputs in torch.float16, got out_dtype torch.bfloat16; drop out_dtype, or cast "
+        "the output"),
     "fp32 queries": (
         dict(q=_t(2, 1, 4, 16, dtype=torch.float32)),
         "an fp8 cache takes float16 or bfloat16 queries, got q torch.float32; cast q (and k, "
@@ -335,6 +410,24 @@ def test_flash_attn_door_takes_the_descales():
                                   num_splits=1, k_descale=kwargs["k_descale"],
                                   v_descale=kwargs["v_descale"])
     assert torch.equal(out, expected) and torch.equal(bits(caches[0]), bits(k_cache))
+
+
+def test_flash_attn_door_takes_fp8_queries():
+    """flashop.flash_attn.flash_attn_with_kvcache passes q_descale through (fp8 queries,
+    bfloat16 out, as FlashAttention-3's)."""
+    from flashop.flash_attn import flash_attn_with_kvcache
+
+    case = replace(CASES["dense-gqa-causal-batch-idx"], dtype=BF16)
+    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(case, descales="qkv",
+                                                        fp8_queries=True)
+    caches = k_cache.clone(), v_cache.clone()
+    expected = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    out = flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=kwargs["cache_seqlens"],
+                                  cache_batch_idx=kwargs["cache_batch_idx"], causal=True,
+                                  num_splits=1, k_descale=kwargs["k_descale"],
+                                  v_descale=kwargs["v_descale"], q_descale=kwargs["q_descale"])
+    assert out.dtype == BF16 and torch.equal(out, expected)
+    assert torch.equal(bits(caches[0]), bits(k_cache))
 
 
 # --- GPU only -----------------------------------------------------------------------------

@@ -38,8 +38,9 @@ SIGNATURES = {
         + [("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
            ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
            ("return_softmax_lse", False)]
-        # FlashAttention-3's descales of an fp8 cache, after flash-attn 2.x's parameters
-        + [("k_descale", None), ("v_descale", None)]),
+        # FlashAttention-3's descales of an fp8 cache, after flash-attn 2.x's parameters,
+        # then its queries' (which came later, so that the others keep their places)
+        + [("k_descale", None), ("v_descale", None), ("q_descale", None)]),
 }
 
 

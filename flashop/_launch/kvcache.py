@@ -163,11 +163,12 @@ def _splits_for_occupancy(programs: int, capacity: int, block_n: int, slots: int
     return min(s for s, occ in occupancy.items() if occ >= 0.95 * best)
 
 
-def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor,
+                    dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs' allocation, shared by the op and its fake: out (B, S_q, H, DV) in q's
-    dtype and lse (B, H, S_q) fp32, both contiguous."""
+    dtype (or ``dtype``) and lse (B, H, S_q) fp32, both contiguous."""
     B, S_q, H, _ = q.shape
-    out = q.new_empty(B, S_q, H, v_cache.shape[-1])
+    out = q.new_empty(B, S_q, H, v_cache.shape[-1], dtype=dtype)
     lse = q.new_empty(B, H, S_q, dtype=torch.float32)
     return out, lse
 
@@ -251,12 +252,13 @@ def rotary_per_query(mods: Modifiers, capacity) -> bool:
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin, k_descale,
-    v_descale) have the
+    v_descale, and the scores' descale where it is not k_descale) have the
     (shape, strides, dtype, device) ``metas`` (None for None; fastpath.eager_meta), with
     ``options`` (the call's Modifiers without their tensors, scale, num_splits,
     rotary_interleaved). The outputs' strides are the call's to add."""
     (q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks, leftpad, cos,
-     _, k_descale, v_descale) = (None if m is None else TensorMeta(*m) for m in metas)
+     _, k_descale, v_descale, scores_descale) = (None if m is None else TensorMeta(*m)
+                                                 for m in metas)
     mods, scale, num_splits, interleaved = options
     paged = block_table is not None
     rotary = _rotary_args(cos, interleaved)
@@ -307,7 +309,8 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
         **score_args(mods, resolve_scale(scale, D), alibi), **sink_args(sinks), **rotary,
-        **fp8, S_q=S_q, S_new=S_new, capacity=capacity, G=G,
+        **(fp8 if scores_descale is None else _fp8_args(k_cache, scores_descale, v_descale)),
+        S_q=S_q, S_new=S_new, capacity=capacity, G=G,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
         TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
@@ -333,11 +336,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_sin: Optional[torch.Tensor] = None,
                            rotary_interleaved: bool = True,
                            k_descale: Optional[torch.Tensor] = None,
-                           v_descale: Optional[torch.Tensor] = None
+                           v_descale: Optional[torch.Tensor] = None,
+                           q_descale: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v into the caches (in place; the keys rotated where rotary_cos is given;
     quantized to an fp8 cache's e4m3 with the descales), then attend; returns (out, lse) as
-    kvcache_outputs allocates them. ``num_splits`` 0
+    kvcache_outputs allocates them. ``q_descale`` (B, H_kv), where given, scales the scores
+    with k_descale (the queries' descale, q itself converted to 16 bits). ``num_splits`` 0
     picks the splits (auto_splits). The launches' arguments but the tensors are planned
     once per signature of eager calls (_plan; traced calls plan each time)."""
     cache_seqlens = cache_seqlens.contiguous()
@@ -355,10 +360,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_descale = unit_stride_last(k_descale)
     if v_descale is not None:
         v_descale = unit_stride_last(v_descale)
+    # the scores' descale, where the queries have one: q_descale * k_descale, one factor per
+    # (b, h_kv) as the kernels fold k_descale into the scores' scale (none: k_descale)
+    scores_descale = None
+    if q_descale is not None:
+        scores_descale = (q_descale * k_descale if k_descale is not None
+                          else unit_stride_last(q_descale))
     q = unit_stride_last(q)
     alibi, sinks = mods.alibi_slopes, mods.sinks
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi, sinks,
-               cache_leftpad, rotary_cos, rotary_sin, k_descale, v_descale)
+               cache_leftpad, rotary_cos, rotary_sin, k_descale, v_descale, scores_descale)
     # the plan's key holds the modifiers' values; their tensors are the call's
     values = mods if alibi is None and sinks is None else replace(mods, alibi_slopes=None,
                                                                     sinks=None)
@@ -390,7 +401,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        k_descale=k_descale, v_descale=v_descale, **outputs)
+        k_descale=k_descale if scores_descale is None else scores_descale,
+        v_descale=v_descale, **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)

@@ -11,7 +11,7 @@ slopes stay fp32, and integers as they are. The key/value caches are written in 
 call that appends keeps them as they are (under autocast they must be in the region's dtype
 then); a call that only reads them (no new keys, as transformers' decoding steps, whose
 caches autocast left in mixed dtypes) reads them cast, but an fp8 cache as it is (its
-descales say what it holds).
+descales say what it holds), and fp8 queries likewise.
 
 Registered as the operators' Autocast kernels for CPU and CUDA (traced and dispatched
 calls), and applied by the eager path itself (flashop/_ops/eager.py), which runs the
@@ -43,8 +43,9 @@ def region_dtype(x: Tensor) -> Optional[torch.dtype]:
 
 def cast_input(x: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     """``x`` in ``dtype`` where it is a floating tensor other than float64 (as autocast
-    casts); else as it is."""
-    if x is None or not x.is_floating_point() or x.dtype in (dtype, torch.float64):
+    casts) or fp8 (whose descales say what it holds); else as it is."""
+    if (x is None or not x.is_floating_point() or x.dtype in (dtype, torch.float64)
+            or x.element_size() == 1):
         return x
     return x.to(dtype)
 

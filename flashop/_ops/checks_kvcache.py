@@ -31,12 +31,14 @@ def _shape(t: torch.Tensor) -> tuple:
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale: Optional[float], mods, num_splits: int, *,
                          interpreting: bool, op: str = OP, rotary_cos=None, rotary_sin=None,
-                         cache_leftpad=None, k_descale=None, v_descale=None) -> None:
+                         cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None,
+                         out_dtype: Optional[torch.dtype] = None) -> None:
     """Validate q (B, S_q, H, D); a dense cache (B_cache, S_cache, H_kv, D / DV) or a paged
     one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks); k, v
-    (B, S_new, H_kv, D / DV) or neither; the dtypes (check_dtypes); int32 cache_seqlens
-    (B,), cache_batch_idx (B,) and cache_leftpad (B,) (dense caches); rotary_cos,
-    rotary_sin (check_rotary); fp32 k_descale, v_descale (B, H_kv) with an fp8 cache;
+    (B, S_new, H_kv, D / DV) or neither; the dtypes (check_dtypes, with out_dtype); int32
+    cache_seqlens (B,), cache_batch_idx (B,) and cache_leftpad (B,) (dense caches);
+    rotary_cos, rotary_sin (check_rotary, in the dtype the kernels compute in); fp32
+    k_descale, v_descale (B, H_kv) with an fp8 cache, q_descale (B, H_kv) with fp8 q;
     scale, the modifiers and num_splits."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
@@ -54,12 +56,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             kind = layout[name.replace("v", "k")]
             raise ValueError(f"{op}: {name} must be a 4-D tensor {kind}, got shape "
                              f"{_shape(t)}")
-    check_dtypes(op, tensors, k_descale, v_descale)
+    compute = check_dtypes(op, tensors, k_descale, v_descale, q_descale, out_dtype)
     index = {"cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
              "block_table": block_table, "cache_leftpad": cache_leftpad,
              "alibi_slopes": None if mods is None else mods.alibi_slopes,
              "sinks": None if mods is None else mods.sinks, "rotary_cos": rotary_cos,
-             "rotary_sin": rotary_sin, "k_descale": k_descale, "v_descale": v_descale}
+             "rotary_sin": rotary_sin, "k_descale": k_descale, "v_descale": v_descale,
+             "q_descale": q_descale}
     devices = {n: t.device for n, t in {**tensors, **index}.items() if t is not None}
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())
@@ -135,8 +138,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                 f"{op}: {S_new} new keys do not fit a cache of {capacity} positions per "
                 f"sequence ({new}, {caches}); allocate a larger cache")
 
-    check_rotary(op, q, k, rotary_cos, rotary_sin, capacity)
-    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+    check_rotary(op, q, k, rotary_cos, rotary_sin, capacity, compute)
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale),
+                          ("q_descale", q_descale)):
         if descale is not None and (descale.dtype != torch.float32
                                     or _shape(descale) != (B, H_kv)):
             raise ValueError(
@@ -151,15 +155,50 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         check_modifiers(q, mods, op, B, S_q, capacity, H)
 
 
-def check_dtypes(op: str, tensors: dict, k_descale, v_descale) -> None:
+def compute_dtype(q: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype the kernels compute in and write out in: q's, or out_dtype (None:
+    bfloat16) for fp8 queries, which are converted to it (exactly) first."""
+    if q.dtype == FP8_CACHE_DTYPE:
+        return out_dtype or torch.bfloat16
+    return q.dtype
+
+
+def check_dtypes(op: str, tensors: dict, k_descale, v_descale, q_descale=None,
+                 out_dtype: Optional[torch.dtype] = None) -> torch.dtype:
     """``tensors`` (q, k_cache, v_cache and k, v where given) of one 16-bit or fp32 dtype;
     or float8_e4m3fn caches (both) with q and k, v of one 16-bit dtype, the only case that
-    takes k_descale / v_descale."""
+    takes k_descale / v_descale; or float8_e4m3fn q (with q_descale) over such caches, k
+    and v in out_dtype (16-bit; None: bfloat16). out_dtype only with fp8 q. Returns the
+    dtype the kernels compute in (compute_dtype)."""
     q, k_cache, v_cache = tensors["q"], tensors["k_cache"], tensors["v_cache"]
-    if q.dtype in _FP8_DTYPES:
-        raise ValueError(f"{op}: fp8 queries are not supported over a key/value cache yet, "
-                         f"got q {q.dtype}; use float16 or bfloat16 queries (the cache may be "
-                         f"{FP8_CACHE_DTYPE})")
+    if q.dtype not in _FP8_DTYPES:
+        if q_descale is not None:
+            raise ValueError(f"{op}: q_descale scales fp8 ({FP8_CACHE_DTYPE}) queries, but q "
+                             f"is {q.dtype}; drop q_descale, or pass {FP8_CACHE_DTYPE} q")
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"{op}: out_dtype sets the output's dtype of fp8 queries; {q.dtype}"
+                             f" queries give outputs in {q.dtype}, got out_dtype {out_dtype}; "
+                             f"drop out_dtype, or cast the output")
+    elif q.dtype != FP8_CACHE_DTYPE:
+        raise ValueError(f"{op}: fp8 queries must be {FP8_CACHE_DTYPE} (FlashAttention-3's "
+                         f"format), got q {q.dtype}; quantize q to {FP8_CACHE_DTYPE}")
+    elif k_cache.dtype != FP8_CACHE_DTYPE or v_cache.dtype != FP8_CACHE_DTYPE:
+        raise ValueError(f"{op}: fp8 queries attend an fp8 ({FP8_CACHE_DTYPE}) cache only, got "
+                         f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype}; pass 16-bit "
+                         f"queries (q.to(dtype) * q_descale) over a 16-bit cache")
+    elif out_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16 (or None: "
+                         f"bfloat16), got {out_dtype}")
+    else:
+        compute = compute_dtype(q, out_dtype)
+        new = {n: tensors[n].dtype for n in ("k", "v") if n in tensors}
+        if any(d != compute for d in new.values()):
+            got = ", ".join(f"{n} {d}" for n, d in new.items())
+            raise ValueError(f"{op}: with fp8 queries the new keys and values must be in the "
+                             f"output's dtype {compute} (out_dtype; they are quantized as they "
+                             f"are appended), got {got}; cast k and v to {compute}, or pass "
+                             f"out_dtype={new.get('k')}")
+        return compute
     fp8 = [n for n in ("k_cache", "v_cache") if tensors[n].dtype in _FP8_DTYPES]
     other = [n for n in fp8 if tensors[n].dtype != FP8_CACHE_DTYPE]
     if other:
@@ -184,7 +223,7 @@ def check_dtypes(op: str, tensors: dict, k_descale, v_descale) -> None:
         if q.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{op}: dtype {q.dtype} is not supported; use float16, bfloat16 "
                              f"or float32")
-        return
+        return q.dtype
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{op}: an fp8 cache takes float16 or bfloat16 queries, got q "
                          f"{q.dtype}; cast q (and k, v) to one of them")
@@ -194,6 +233,7 @@ def check_dtypes(op: str, tensors: dict, k_descale, v_descale) -> None:
         raise ValueError(f"{op}: with an fp8 cache the new keys and values must have q's dtype "
                          f"{q.dtype} (they are quantized as they are appended), got {got}; "
                          f"cast k and v to {q.dtype}")
+    return q.dtype
 
 
 def _check_heads(op: str, H, H_kv, D, DV, caches: str) -> None:
@@ -271,10 +311,12 @@ def check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale: Optional[floa
         check_modifiers(q, mods, op, B, packing.max_seqlen_q, packing.max_seqlen_k, H)
 
 
-def check_rotary(op: str, q, k, rotary_cos, rotary_sin, capacity) -> None:
+def check_rotary(op: str, q, k, rotary_cos, rotary_sin, capacity,
+                 dtype: Optional[torch.dtype] = None) -> None:
     """rotary_cos and rotary_sin both or neither, with new keys to rotate; of one shape
     (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D and a row for each of the cache's
-    ``capacity`` positions; in q's dtype (as flash-attn takes them)."""
+    ``capacity`` positions; in q's dtype (as flash-attn takes them), or ``dtype``, the one
+    the kernels compute in (fp8 queries: compute_dtype)."""
     if rotary_cos is None and rotary_sin is None:
         return
     if rotary_cos is None or rotary_sin is None:
@@ -297,9 +339,11 @@ def check_rotary(op: str, q, k, rotary_cos, rotary_sin, capacity) -> None:
         raise ValueError(
             f"{op}: rotary_cos and rotary_sin need a row for each of the cache's {capacity} "
             f"positions (dim 0 at least {capacity}), got {shapes}")
-    if rotary_cos.dtype != q.dtype or rotary_sin.dtype != q.dtype:
+    dtype = dtype or q.dtype
+    if rotary_cos.dtype != dtype or rotary_sin.dtype != dtype:
+        whose = "q's dtype" if dtype == q.dtype else "the output's dtype (out_dtype)"
         raise ValueError(
-            f"{op}: rotary_cos and rotary_sin must have q's dtype {q.dtype} (as in "
+            f"{op}: rotary_cos and rotary_sin must have {whose} {dtype} (as in "
             f"flash-attn), got {rotary_cos.dtype} and {rotary_sin.dtype}")
 
 

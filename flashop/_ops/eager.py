@@ -152,12 +152,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
                            block_table, alibi_slopes, sinks, rotary_cos=None, rotary_sin=None,
-                           cache_leftpad=None, k_descale=None, v_descale=None, **options):
+                           cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None,
+                           **options):
     """(out, lse) of attention_with_kvcache: the operator's body itself where the direct
     path applies (a decode step's host time), else the operator."""
     if is_direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                  alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                 v_descale):
+                 v_descale, q_descale):
         dtype = autocast.region_dtype(q)
         if dtype is not None:  # the operator's Autocast kernel, which the dispatcher would run
             q, k_cache, v_cache, k, v, sinks, rotary_cos, rotary_sin = autocast.cast_arguments(
@@ -168,11 +169,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch
             return kvcache.run_attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
                 alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                v_descale, **options)
+                v_descale, q_descale, **options)
     return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
                                           cache_batch_idx, block_table, alibi_slopes, sinks,
                                           rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                                          v_descale, **options)
+                                          v_descale, q_descale, **options)
 
 
 def _direct_forward_only(*tensors) -> bool:

@@ -3,13 +3,16 @@
 
 ``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
 cache_batch_idx, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad,
-k_descale, v_descale, *, causal, scale, window_size_left, window_size_right, softcap,
-rotary_interleaved, num_splits) -> (out, lse)``: appends k, v (when given; the keys rotated
-where rotary_cos and rotary_sin are given, as the queries then are; quantized as
-``k / k_descale[b, h]`` into a float8_e4m3fn cache) into the caches in place, then attends
-over each sequence's first ``cache_seqlens[b] + S_new`` keys (from row ``cache_leftpad[b]``
-of a dense cache where it is given), an fp8 cache's keys and values read as ``k_cache *
-k_descale[b, h]`` and ``v_cache * v_descale[b, h]``.
+k_descale, v_descale, q_descale, *, causal, scale, window_size_left, window_size_right,
+softcap, rotary_interleaved, num_splits, out_dtype) -> (out, lse)``: appends k, v (when
+given; the keys rotated where rotary_cos and rotary_sin are given, as the queries then are;
+quantized as ``k / k_descale[b, h]`` into a float8_e4m3fn cache) into the caches in place,
+then attends over each sequence's first ``cache_seqlens[b] + S_new`` keys (from row
+``cache_leftpad[b]`` of a dense cache where it is given), an fp8 cache's keys and values
+read as ``k_cache * k_descale[b, h]`` and ``v_cache * v_descale[b, h]``. float8_e4m3fn q
+(over an fp8 cache) is read as ``q * q_descale[b, h // (H // H_kv)]``: converted to
+out_dtype (bfloat16 where None; exact) before the kernels, q_descale folded into the
+scores' scale with k_descale; out in out_dtype.
 The schema declares the caches' mutation (``Tensor(a!) k_cache, Tensor(b!) v_cache``), so
 functionalization, Inductor and CUDA graphs see it. The op always returns lse (B, H, S_q)
 fp32 natural log; ``flashop.attention_with_kvcache`` drops it unless ``return_lse``. No
@@ -43,7 +46,9 @@ from flashop._launch.fastpath import eager_meta
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
 from flashop._ops.attention import bhsd_shapes, register_forward_only, values
-from flashop._ops.checks_kvcache import check_kvcache_inputs, check_paged_varlen_inputs
+from flashop._ops.checks_kvcache import (
+    FP8_CACHE_DTYPE, check_kvcache_inputs, check_paged_varlen_inputs, compute_dtype,
+)
 from flashop.kernels import INTERPRETING
 
 _register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
@@ -56,9 +61,9 @@ MAX_PASSED = 1024
 
 def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
              block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
-             cache_leftpad=None, k_descale=None, v_descale=None, *, causal=False, scale=None,
-             window_size_left=-1,
-             window_size_right=-1, softcap=0.0, rotary_interleaved=True, num_splits=0):
+             cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None, *,
+             causal=False, scale=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
+             rotary_interleaved=True, num_splits=0, out_dtype=None):
     """The call's Modifiers, its inputs checked (check_kvcache_inputs). The checks read
     shapes, strides, dtypes, devices and the options only: an eager call whose signature
     (eager_meta, the options) passed before passes again without them."""
@@ -66,17 +71,18 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
                      softcap, sinks)
     metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                        alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                       v_descale)
+                       v_descale, q_descale)
     key = None
     if metas is not None:
         key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
-               softcap, metas)
+               softcap, out_dtype, metas)
         if key in _PASSED:
             return mods
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale, mods, num_splits, interpreting=INTERPRETING,
                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                         cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
+                         cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
+                         q_descale=q_descale, out_dtype=out_dtype)
     if key is not None:
         if len(_PASSED) >= MAX_PASSED:
             _PASSED.clear()
@@ -95,34 +101,39 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            rotary_sin: Optional[Tensor] = None,
                            cache_leftpad: Optional[Tensor] = None,
                            k_descale: Optional[Tensor] = None,
-                           v_descale: Optional[Tensor] = None, *, causal: bool = False,
+                           v_descale: Optional[Tensor] = None,
+                           q_descale: Optional[Tensor] = None, *, causal: bool = False,
                            scale: Optional[float] = None, window_size_left: int = -1,
                            window_size_right: int = -1, softcap: float = 0.0,
-                           rotary_interleaved: bool = True,
-                           num_splits: int = 0) -> tuple[Tensor, Tensor]:
+                           rotary_interleaved: bool = True, num_splits: int = 0,
+                           out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     return run_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
-        sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, causal=causal,
-        scale=scale,
+        sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, q_descale,
+        causal=causal, scale=scale,
         window_size_left=window_size_left, window_size_right=window_size_right,
-        softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+        softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+        out_dtype=out_dtype)
 
 
 def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None,
                                cache_batch_idx=None, block_table=None, alibi_slopes=None,
                                sinks=None, rotary_cos=None, rotary_sin=None,
-                               cache_leftpad=None, k_descale=None, v_descale=None, *,
-                               scale=None, num_splits=0, rotary_interleaved=True, **options):
+                               cache_leftpad=None, k_descale=None, v_descale=None,
+                               q_descale=None, *, scale=None, num_splits=0,
+                               rotary_interleaved=True, out_dtype=None, **options):
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
     Also run directly by the eager path (flashop/_ops/eager.py)."""
     mods = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
                     alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                    v_descale, scale=scale, num_splits=num_splits,
-                    rotary_interleaved=rotary_interleaved, **options)
+                    v_descale, q_descale, scale=scale, num_splits=num_splits,
+                    rotary_interleaved=rotary_interleaved, out_dtype=out_dtype, **options)
+    if q.dtype == FP8_CACHE_DTYPE:
+        q = q.to(compute_dtype(q, out_dtype))  # exact: every e4m3 value is a 16-bit one
     return launch.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, mods,
         num_splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, k_descale,
-        v_descale)
+        v_descale, q_descale)
 
 
 _lib = torch.library.Library("flashop", "FRAGMENT")  # kept: its registrations live with it
@@ -130,9 +141,9 @@ autocast.register(_lib, "attention_with_kvcache")
 
 
 @attention_with_kvcache.register_fake
-def _attention_with_kvcache_fake(q, k_cache, v_cache, *args, **options):
-    _checked(q, k_cache, v_cache, *args, **options)
-    return launch.kvcache_outputs(q, v_cache)
+def _attention_with_kvcache_fake(q, k_cache, v_cache, *args, out_dtype=None, **options):
+    _checked(q, k_cache, v_cache, *args, out_dtype=out_dtype, **options)
+    return launch.kvcache_outputs(q, v_cache, compute_dtype(q, out_dtype))
 
 
 @register_flop_formula(torch.ops.flashop.attention_with_kvcache, get_raw=True)
