@@ -25,7 +25,7 @@ def round_to_e4m3(x):
     at +-448: the value the GPU's conversion gives, in fp32, so that ``.to(tl.float8e4nv)``
     of it is exact. Adding and subtracting 2^(E + 20) (E: x's exponent, at least -6, the
     smallest normal one) rounds x to a multiple of 2^(E - 3), e4m3's spacing there.
-    triton interpreter: its own conversion to fp8 neither rounds to even nor carries into
+    triton<=3.9: the interpreter's conversion to fp8 neither rounds to even nor carries into
     the exponent (-127.99 converts to -64); kernels that must match the GPU's bits under it
     round here first."""
     b_a = tl.minimum(tl.abs(x), 448.0)

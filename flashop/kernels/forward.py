@@ -71,7 +71,7 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
     if DROPOUT:
         b_p = tl.where(b_keep, b_p, 0.0)
     if FP8 and INTERPRETED:
-        b_p = round_to_e4m3(b_p)  # triton interpreter: its own cast does not round to even
+        b_p = round_to_e4m3(b_p)  # triton<=3.9: the interpreter's cast does not round to even
     # [rows, BLOCK_DV]
     acc = tl.dot(dot_operand(round_to(b_p, b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                  acc * alpha[:, None], input_precision=DOT_PRECISION)
