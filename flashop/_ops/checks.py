@@ -177,6 +177,11 @@ def check_fp8_inputs(q, k, v, descales: tuple, out_dtype: Optional[torch.dtype],
                 f"{op}: {name} must have shape (batch, kv_heads) = ({B}, {H_kv}) (one factor "
                 f"per sequence and key/value head, FlashAttention-3's), got {_shape(d)}")
         _check_tensor(op, name, d, (torch.float32,), q.device)
+    check_fp8_out_dtype(op, out_dtype)
+
+
+def check_fp8_out_dtype(op: str, out_dtype: Optional[torch.dtype]) -> None:
+    """The output's dtype of fp8 inputs: 16-bit, or None (bfloat16)."""
     if out_dtype is not None and out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16 (or None: "
                          f"bfloat16), got {out_dtype}")

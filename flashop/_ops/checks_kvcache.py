@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from flashop._ops.checks import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_kernels_run_on, check_modifiers, check_offsets,
-    check_scale,
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_fp8_out_dtype, check_kernels_run_on, check_modifiers,
+    check_offsets, check_scale,
 )
 
 OP = "flashop.attention_with_kvcache"
@@ -186,10 +186,8 @@ def check_dtypes(op: str, tensors: dict, k_descale, v_descale, q_descale=None,
         raise ValueError(f"{op}: fp8 queries attend an fp8 ({FP8_CACHE_DTYPE}) cache only, got "
                          f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype}; pass 16-bit "
                          f"queries (q.to(dtype) * q_descale) over a 16-bit cache")
-    elif out_dtype not in (None, torch.float16, torch.bfloat16):
-        raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16 (or None: "
-                         f"bfloat16), got {out_dtype}")
     else:
+        check_fp8_out_dtype(op, out_dtype)
         compute = compute_dtype(q, out_dtype)
         new = {n: tensors[n].dtype for n in ("k", "v") if n in tensors}
         if any(d != compute for d in new.values()):
