@@ -287,13 +287,14 @@ def test_cached_decode_launches_equal_tritons_own():
 
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9),
                     reason="float8_e4m3fn conversions need sm_89 or newer")
+@pytest.mark.parametrize("fp8_queries", [False, True], ids=["bf16-queries", "fp8-queries"])
 @pytest.mark.parametrize("page", [0, 16])
-def test_fp8_cache_decode_in_cuda_graphs_equals_eager(page):
-    """A decode step over a float8_e4m3fn cache (bf16 q, k, v; per-(b, h) descales), dense
-    and in pages of 16, captured in a CUDA graph and replayed over growing lengths with new
-    queries and keys, gives eager's out, lse and cache bytes bit for bit; the bytes each
-    step appends are torch's conversion on the GPU, ``(new.float() / descale).clamp(-448,
-    448).to(float8_e4m3fn)``."""
+def test_fp8_cache_decode_in_cuda_graphs_equals_eager(page, fp8_queries):
+    """A decode step over a float8_e4m3fn cache (bf16 q, k, v, or float8_e4m3fn q with its
+    descale; per-(b, h) descales), dense and in pages of 16, captured in a CUDA graph and
+    replayed over growing lengths with new queries and keys, gives eager's out, lse and
+    cache bytes bit for bit; the bytes each step appends are torch's conversion on the GPU,
+    ``(new.float() / descale).clamp(-448, 448).to(float8_e4m3fn)``."""
     torch.manual_seed(0)
     B, H, H_kv, D, S = 3, 8, 2, 128, 2048
     dt, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -306,6 +307,9 @@ def test_fp8_cache_decode_in_cuda_graphs_equals_eager(page):
             B, -1).to(torch.int32)
     kd, vd = (0.005 + 0.03 * torch.rand(B, H_kv, device="cuda") for _ in range(2))
     q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
+    if fp8_queries:
+        q = q.to(fp8)
+        extra["q_descale"] = 0.01 + 0.04 * torch.rand(B, H_kv, device="cuda")
     k, v = (torch.randn(B, 1, H_kv, D, device="cuda", dtype=dt) for _ in range(2))
     lens = torch.tensor([5, 700, 1500], device="cuda", dtype=torch.int32)
 
