@@ -64,8 +64,7 @@ BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
 BWD_KEY_GROUP = 4
 # dQ by atomics: a causal grouped-query call of fewer programs (key tiles x batch x KV heads)
 # than BWD_SPLIT_PROGRAMS per SM splits each group's query heads between programs
-# (backward_split; measured faster up to 2048 programs: four batches of 16 query heads over 4
-# KV heads at 4k keys, 512 programs unsplit, took 1.71 ms, 1.66 split by 2, 1.57 by 4)
+# (backward_split; measured faster up to 2048 programs, performance-notes)
 BWD_SPLIT_PROGRAMS = 16
 BWD_HEAD_DIMS = (64, 128)
 # The deterministic backward's default rule (its dQ adds in key-tile order), where it
