@@ -89,27 +89,42 @@ class Summary:
         return ok
 
 
-def self_check(device: str, full: bool, summary: Summary) -> None:
+def _one_check(device: str, check: tuple, seed: int) -> tuple:
+    """One configuration of CHECKS: flashop's out, lse and gradients under the accuracy
+    rule; (its row of the table, the rule's results)."""
     import flashop
     from flashop.testing import check_attention
+
+    dtype, B, S_q, S_k, H, H_kv, D, DV, causal = check
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, d, device=device, dtype=dtype, generator=gen
+                           ).requires_grad_()
+               for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
+    dout = torch.randn(B, S_q, H, DV, device=device, dtype=dtype, generator=gen)
+    dlse = torch.randn(B, H, S_q, device=device, generator=gen)
+    out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    results = check_attention(q, k, v, dout, dlse, out, lse, grads, causal=causal)
+    row = (f"{str(dtype)[6:]:>9} {B:>2} {S_q:>5} {S_k:>5} {H:>3} {H_kv:>4} {D:>4} "
+           f"{DV:>4} {str(causal):>6}")
+    return row, results
+
+
+def self_check(device: str, full: bool, summary: Summary) -> None:
+    """CHECKS' configurations, printed in order. On a GPU they run in threads, one each, so
+    that a first run compiles their kernels side by side (Triton's compiler leaves Python's
+    lock to other threads while it works); the interpreter runs them one after another."""
+    from concurrent.futures import ThreadPoolExecutor
 
     checks = CHECKS[(device, full)]
     print(f"{'dtype':>9} {'B':>2} {'S_q':>5} {'S_k':>5} {'H':>3} {'H_kv':>4} {'D':>4} "
           f"{'DV':>4} {'causal':>6}  worst error/bound  result")
-    gen = torch.Generator(device=device).manual_seed(0)
-    for dtype, B, S_q, S_k, H, H_kv, D, DV, causal in checks:
-        q, k, v = (torch.randn(B, S, h, d, device=device, dtype=dtype, generator=gen
-                               ).requires_grad_()
-                   for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
-        dout = torch.randn(B, S_q, H, DV, device=device, dtype=dtype, generator=gen)
-        dlse = torch.randn(B, H, S_q, device=device, generator=gen)
-        out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
-        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-        results = check_attention(q, k, v, dout, dlse, out, lse, grads, causal=causal)
-        worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
-        ok = summary.add(results)
-        print(f"{str(dtype)[6:]:>9} {B:>2} {S_q:>5} {S_k:>5} {H:>3} {H_kv:>4} {D:>4} "
-              f"{DV:>4} {str(causal):>6}  {worst:17.2f}  {'ok' if ok else 'FAIL'}", flush=True)
+    seeds = range(len(checks))
+    with ThreadPoolExecutor(len(checks) if device == "cuda" else 1) as pool:
+        for row, results in pool.map(_one_check, [device] * len(checks), checks, seeds):
+            worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
+            ok = summary.add(results)
+            print(f"{row}  {worst:17.2f}  {'ok' if ok else 'FAIL'}", flush=True)
 
 
 def modifier_check(device: str, summary: Summary) -> None:
