@@ -133,6 +133,26 @@ def test_loud_keys_and_large_scores():
                              num_splits=3), loud_head=True)
 
 
+@pytest.mark.parametrize("power", [20, -30], ids=["past-fp16s-largest", "below-fp16s-normals"])
+def test_bf16_queries_outside_fp16s_range(power):
+    """bf16 queries over an fp8 cache take their products in fp16, each program's queries
+    scaled by a power of two: queries 2^20 times unit normals (past fp16's 65504) or 2^-30
+    times (below its normals), the softmax scale taking the power back, split 2 ways, under
+    the rule."""
+    case = CacheCase((40, 61), 1, 1, 2, 2, 32, 32, BF16, capacity=64, num_splits=2)
+    (q, k_cache, v_cache, k, v), kwargs = make_fp8_call(case)
+    q, kwargs["scale"] = q * 2.0**power, 32**-0.5 * 2.0**-power
+    assert torch.isfinite(q).all() and (q.float().abs().max() > 65504) == (power > 0)
+    ref, plain = (attention_with_kvcache_reference(q, k_cache, v_cache, k, v,
+                                                   **kwargs_ref(kwargs), compute_dtype=dtype)
+                  for dtype in (torch.float64, None))
+    out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs,
+                                              return_lse=True)
+    for name, actual, r, p in (("out", out, ref[0], plain[0]), ("lse", lse, ref[1], plain[1])):
+        result = accuracy(name, actual, r, p, 2, BF16)
+        assert result.ok, str(result)
+
+
 def test_appended_bits_are_torchs_conversion():
     """The written slots hold ``(new.float() / descale).clamp(-448, 448).to(float8_e4m3fn)``
     of their (b, h), computed here without the reference: exact ties between e4m3 values

@@ -16,7 +16,8 @@ An fp8 cache (``FP8_CACHE``, float8_e4m3fn, with 16-bit queries and new keys) ho
 whose real value is ``k_cache[...] * k_descale[b, h]`` (values likewise with
 ``v_descale``; a scale absent (``HAS_K_DESCALE`` / ``HAS_V_DESCALE`` unset) is 1): the append
 writes ``new / descale`` rounded to e4m3 (ties to even, saturating at +-448); the attention
-converts each fp8 tile to q's dtype (exact), folds ``k_descale[b, h]`` into the score scale
+converts each fp8 tile to q's dtype (exact; bf16 queries are taken to fp16 times a power
+of two, to_scaled_f16, and the tiles to fp16), folds ``k_descale[b, h]`` into the score scale
 and multiplies each program's normalized output by ``v_descale[b, h]`` (once, before the
 splits' merge, which only averages them).
 
@@ -80,6 +81,20 @@ def load_descale(descale, i_b, i_h, stride_db, HAS_DESCALE: tl.constexpr):
     if HAS_DESCALE:
         return tl.load(descale + i_b * stride_db + i_h)
     return 1.0
+
+
+@triton.jit
+def to_scaled_f16(x):
+    """The bf16 tile ``x`` times a power of two 2^e, in fp16, and 2^-e: e puts the tile's
+    largest magnitude in [2^14, 2^15) (e at most 100), so the largest stays below fp16's
+    65504 and every element above 2^-28 of it converts exactly (fp16 holds bf16's 8
+    significant bits where it is normal). An inf or NaN element stays one."""
+    b_x = x.to(tl.float32)
+    b_max = tl.max(tl.max(tl.abs(b_x), 1), 0)
+    e = tl.minimum(141 - ((b_max.to(tl.int32, bitcast=True) >> 23) & 0xFF), 100)
+    unit = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return (b_x * unit).to(tl.float16), inverse
 
 
 @triton.jit
@@ -279,7 +294,8 @@ def attention_decode_kernel(
     Where ``ROTARY_DIM > 0`` the queries are rotated as they are loaded (rotate_rows), query
     i at position ``cache_seqlens[b] + i`` where ``ROTARY_PER_QUERY``, else all at
     ``cache_seqlens[b]`` (flash-attn's rule), and rounded to q's dtype before the products.
-    Where ``FP8_CACHE`` the tiles are read as q's dtype, ``k_descale[b, h]`` scales the
+    Where ``FP8_CACHE`` the tiles are read as q's dtype (fp16 for bf16 queries, which are
+    scaled into fp16 by a power of two that the score scale takes back), ``k_descale[b, h]`` scales the
     scores (with qk_scale) and ``v_descale[b, h]`` this program's normalized output, so the
     merge of the splits sees each output scaled once.
 
@@ -322,6 +338,11 @@ def attention_decode_kernel(
             o_pos = cached + 0 * o_i
         b_q = rotate_rows(b_q, p_q, m_r, o_pos, rotary_cos, rotary_sin, stride_rs, seqlen_ro,
                           BLOCK_D, ROTARY_DIM, ROTARY_INTERLEAVED)
+    if FP8_CACHE and q.dtype.element_ty == tl.bfloat16:
+        # the products in fp16: e4m3 converts to fp16 in one instruction per pair, to bf16
+        # in several (measured: the conversion bounded the step)
+        b_q, q_unit = to_scaled_f16(b_q)
+        qk_scale *= q_unit
     b_q = dot_operand(b_q, UPCAST)
     alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
