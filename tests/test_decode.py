@@ -620,7 +620,8 @@ def test_split_rule_on_gpus(decode_rules_on_gpus):
 def test_decode_tiles_on_gpus(decode_rules_on_gpus):
     """decode_tiles as on a GPU at D=128, 16-bit: dense caches 128 keys with 3 stages, 2
     where each split runs at most two tiles (short_run_tiles); pages 64 keys with each
-    key's page id, and a tile's one id where it lies in one page and the runs are short."""
+    key's page id, and a tile's one id where it lies in one page and the runs are short;
+    fp8 caches 128 keys with 3 stages and 2 programs per SM."""
     launch_decode = decode_rules_on_gpus
     dense = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, 0)
     assert (dense.BLOCK_N, dense.num_stages) == (128, 3)
@@ -641,6 +642,11 @@ def test_decode_tiles_on_gpus(decode_rules_on_gpus):
     paged = launch_decode.decode_tiles(4, 256, 256, torch.bfloat16, 16)
     assert (paged.BLOCK_N, paged.num_stages, paged.per_sm, paged.key_page_ids) == (
         32, 2, 4, True)
+    # fp8 caches at D=128: 128 keys, 3 stages, 2 programs per SM, dense or paged
+    for page in (0, 16, 256):
+        fp8 = launch_decode.decode_tiles(4, 128, 128, torch.bfloat16, page, fp8_cache=True)
+        assert (fp8.BLOCK_N, fp8.num_warps, fp8.num_stages, fp8.per_sm, fp8.key_page_ids) == (
+            128, 4, 3, 2, page > 0)
 
 
 @pytest.mark.parametrize("head", [64, 128, 256])

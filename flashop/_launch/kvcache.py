@@ -48,7 +48,7 @@ class DecodeTiles:
 
 
 def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
-                 page: int) -> DecodeTiles:
+                 page: int, fp8_cache: bool = False) -> DecodeTiles:
     """The split-KV kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache
     of pages of ``page`` keys (0: a dense cache).
 
@@ -59,9 +59,11 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
     for 4 programs per SM, each key's page id a vector load that the pipeliner prefetches
     (short_run_tiles takes a tile's one id where it lies in one page and each split runs at
     most two tiles). Head dims above 128 take fewer keys: a dense cache 64 at a time with 8
-    warps, a paged one 32. Under the interpreter, small tiles (every program runs in
-    numpy). The tiles are chosen for Hopper's shared memory (fit_shared_memory fits them to
-    a GPU with less)."""
+    warps, a paged one 32. An fp8 cache (``fp8_cache``, head dims up to 128), whose tiles
+    take half the shared memory, streams 128 keys at a time, 3 stages deep, with splits
+    planned for 2 programs per SM, dense or paged (each key's page id loaded). Under the
+    interpreter, small tiles (every program runs in numpy). The tiles are chosen for
+    Hopper's shared memory (fit_shared_memory fits them to a GPU with less)."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(min(block_m, 32), 16, key_page_ids=page > 0)
@@ -69,6 +71,8 @@ def decode_tiles(rows: int, block_d: int, block_dv: int, dtype: torch.dtype,
     head = max(block_d, block_dv)
     if dtype == torch.float32:
         return DecodeTiles(block_m, 32 if head <= 128 else 16, 4, 2)
+    if head <= 128 and fp8_cache:
+        return DecodeTiles(block_m, 128, 4, 3, per_sm=2, key_page_ids=page > 0)
     if head <= 128:
         if page == 0:
             return DecodeTiles(block_m, 128, 4, 3)
@@ -226,7 +230,10 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
     paged = block_table is not None
     D, DV, page = int(D), int(DV), int(k_cache.shape[1])
     capacity = block_table.shape[1] * page if paged else page
-    block_s = 16 if INTERPRETING else 32
+    # a one-token append (a decode step) takes one row per program: the masked rows of a
+    # wider tile are computed all the same, and an fp8 cache's quantization (a correctly
+    # rounded division per element) made them a 1-token step's longest kernel
+    block_s = 1 if S_new == 1 else 16 if INTERPRETING else 32
     return Planned((cdiv(S_new, block_s), H_kv, B), dict(
         stride_kb=k.stride[0], stride_ks=k.stride[1], stride_kh=k.stride[2],
         stride_vb=v.stride[0], stride_vs=v.stride[1], stride_vh=v.stride[2],
@@ -280,7 +287,8 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     page_size = page if paged else 0  # the tile rules' page (0: a dense cache)
     block_d, block_dv = block_dim(D), block_dim(DV)
     itemsize = q.dtype.itemsize
-    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page_size)
+    t = decode_tiles(int(G * S_q), block_d, block_dv, q.dtype, page_size,
+                     k_cache.dtype == torch.float8_e4m3fn)
     if not INTERPRETING:
         t = fit_shared_memory(t, block_d, block_dv, itemsize,
                               max_shared_memory(q.device.index))
