@@ -295,9 +295,9 @@ def attention_decode_kernel(
     i at position ``cache_seqlens[b] + i`` where ``ROTARY_PER_QUERY``, else all at
     ``cache_seqlens[b]`` (flash-attn's rule), and rounded to q's dtype before the products.
     Where ``FP8_CACHE`` the tiles are read as q's dtype (fp16 for bf16 queries, which are
-    scaled into fp16 by a power of two that the score scale takes back), ``k_descale[b, h]`` scales the
-    scores (with qk_scale) and ``v_descale[b, h]`` this program's normalized output, so the
-    merge of the splits sees each output scaled once.
+    scaled into fp16 by a power of two that the score scale takes back), ``k_descale[b, h]``
+    scales the scores (with qk_scale) and ``v_descale[b, h]`` this program's normalized
+    output, so the merge of the splits sees each output scaled once.
 
     The lengths are read here: the launch depends on shapes only, so it can be captured in a
     CUDA graph and compiled once for all lengths.
