@@ -259,7 +259,7 @@ def rotary_per_query(mods: Modifiers, capacity) -> bool:
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin, k_descale,
-    v_descale, and the scores' descale where it is not k_descale) have the
+    v_descale, and the scores' descale: k_descale, or its product with q_descale) have the
     (shape, strides, dtype, device) ``metas`` (None for None; fastpath.eager_meta), with
     ``options`` (the call's Modifiers without their tensors, scale, num_splits,
     rotary_interleaved). The outputs' strides are the call's to add."""
@@ -269,13 +269,12 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     mods, scale, num_splits, interleaved = options
     paged = block_table is not None
     rotary = _rotary_args(cos, interleaved)
-    fp8 = _fp8_args(k_cache, k_descale, v_descale)
     append = None
     S_new = 0
     if k is not None:
         S_new = k.shape[1]
         append = _append_launch(k, v, k_cache, v_cache, block_table, batch_idx is not None,
-                                rotary, fp8)
+                                rotary, _fp8_args(k_cache, k_descale, v_descale))
     B, S_q, H, D = q.shape
     H_kv, DV = k_cache.shape[2], v_cache.shape[3]
     if B * S_q * H * DV == 0:
@@ -317,7 +316,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
         **score_args(mods, resolve_scale(scale, D), alibi), **sink_args(sinks), **rotary,
-        **(fp8 if scores_descale is None else _fp8_args(k_cache, scores_descale, v_descale)),
+        **_fp8_args(k_cache, scores_descale, v_descale),
         S_q=S_q, S_new=S_new, capacity=capacity, G=G,
         D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
@@ -368,9 +367,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_descale = unit_stride_last(k_descale)
     if v_descale is not None:
         v_descale = unit_stride_last(v_descale)
-    # the scores' descale, where the queries have one: q_descale * k_descale, one factor per
-    # (b, h_kv) as the kernels fold k_descale into the scores' scale (none: k_descale)
-    scores_descale = None
+    # the scores' descale, which the decode kernel folds into the scores' scale: k_descale,
+    # times q_descale where the queries have one (one factor per (b, h_kv))
+    scores_descale = k_descale
     if q_descale is not None:
         scores_descale = (q_descale * k_descale if k_descale is not None
                           else unit_stride_last(q_descale))
@@ -409,8 +408,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        k_descale=k_descale if scores_descale is None else scores_descale,
-        v_descale=v_descale, **outputs)
+        k_descale=scores_descale, v_descale=v_descale, **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)
