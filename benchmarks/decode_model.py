@@ -6,7 +6,8 @@ Attention backends:
   ``flashop.attention_with_kvcache`` appending each token to a paged (``page`` > 0) or dense
   cache in place;
 - ``flashop-fp8``: as ``flashop`` over a float8_e4m3fn cache, each (sequence, kv head)
-  scaled by the prefill's amax / 448 (``--fp8-cache`` adds it);
+  scaled by the prefill's amax / 448 (``--fp8-cache`` adds it; the prompt's keys and values
+  are quantized and stored by PyTorch operations, which the prefill's time includes);
 - ``sdpa``: plain PyTorch, a dense cache written by indexing and
   ``F.scaled_dot_product_attention`` with a mask of each sequence's length;
 - ``flex``: as ``sdpa`` for the prefill; decode steps over the same cache with
@@ -14,7 +15,9 @@ Attention backends:
   modes only: eager FlexAttention is PyTorch's unfused reference).
 
 Both keep their caches and lengths in buffers, so a decode step compiles with
-``fullgraph=True`` and replays from CUDA graphs (``mode="reduce-overhead"``).
+``fullgraph=True`` and replays from CUDA graphs (``mode="reduce-overhead"``). Each row gives
+tokens/s over the whole generation, then the prefill alone (timed again after it) and the
+time per decode step after it.
 
     python benchmarks/decode_model.py --batch 8 --prompt 512 --steps 256   # tokens/s, GPU
 """
@@ -120,11 +123,16 @@ class Attention(nn.Module):
 
     def _fp8_caches(self, k, v):
         """fp8 caches (the module's dtype casts left aside) and descales of the prompt's
-        keys and values (B, P, H_kv, D): each (sequence, kv head)'s amax / 448."""
-        self.k_cache = torch.zeros_like(self.k_cache, dtype=torch.float8_e4m3fn)
-        self.v_cache = torch.zeros_like(self.v_cache, dtype=torch.float8_e4m3fn)
-        self.k_descale, self.v_descale = (
-            (x.abs().amax(dim=(1, 3)).float() / 448).clamp_min(1e-12) for x in (k, v))
+        keys and values (B, P, H_kv, D): each (sequence, kv head)'s amax / 448. Made at the
+        first prefill and written in place at later ones, so that a compiled decode step
+        (its CUDA graphs) keeps reading the same tensors."""
+        if self.k_cache.dtype != torch.float8_e4m3fn:
+            self.k_cache = torch.zeros_like(self.k_cache, dtype=torch.float8_e4m3fn)
+            self.v_cache = torch.zeros_like(self.v_cache, dtype=torch.float8_e4m3fn)
+            self.k_descale, self.v_descale = (
+                torch.empty(k.shape[0], k.shape[2], device=k.device) for _ in range(2))
+        for descale, x in ((self.k_descale, k), (self.v_descale, v)):
+            descale.copy_((x.abs().amax(dim=(1, 3)).float() / 448).clamp_min(1e-12))
 
     def _store(self, k, v, pos, block_table):
         """Write k, v (B, S, H_kv, D) at positions pos (B, S) of the cache (an fp8 cache's
@@ -282,8 +290,14 @@ def main(argv=None) -> int:
             tokens[backend, mode] = generate(model, prompt, args.steps, step)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            start = time.perf_counter()  # the prefill alone (eager, as generate runs it)
+            model.prefill(prompt)
+            torch.cuda.synchronize()
+            prefill = time.perf_counter() - start
+            step_ms = (seconds - prefill) / (args.steps - 1) * 1e3
             print(f"{backend:11s} {mode:16s} {args.batch * args.steps / seconds:10.0f} tokens/s "
-                  f"(prefill included, {seconds * 1e3:.1f} ms)")
+                  f"(prefill included, {seconds * 1e3:.1f} ms; prefill {prefill * 1e3:.1f} ms, "
+                  f"{step_ms:.3f} ms per step after it)")
     if ("flashop", "eager") in tokens and ("sdpa", "eager") in tokens:
         # steps of each sequence equal to SDPA's before its first difference: in bf16 the two
         # round differently, a near-tie between two tokens can flip, and the sequences part
