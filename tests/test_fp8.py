@@ -185,6 +185,34 @@ def test_fp8_under_compile_is_the_eager_call_without_recompiles():
     assert frames == frames[:1] * 3, f"recompiled: frames compiled after each length {frames}"
 
 
+def test_fp8_eager_calls_replay_their_plan(monkeypatch):
+    """Eager fp8 calls of one signature (descales given, or None: ones) replay the first
+    call's plan: the checks and the launcher run once, and every call's output, made from
+    its own inputs and descales, equals the operator's bit for bit."""
+    import flashop._launch.attention as launch
+    from flashop._ops import attention_fp8 as fp8_ops
+
+    original, launches = launch.attention_forward, []
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "attention_forward", counted)
+    for given in (True, False):
+        calls = []
+        for seed in (1, 2, 3):
+            q, k, v, qd, kd, vd = fp8_inputs(1, 40, 70, 1, 2, 32, 32, seed=seed)
+            descales = dict(q_descale=qd, k_descale=kd, v_descale=vd) if given else {}
+            with config.override(direct_eager=False):
+                calls.append((q, k, v, descales, flashop.attention(q, k, v, **descales)))
+        fp8_ops.planned_attention_fp8.plans.clear()
+        launches.clear()
+        for q, k, v, descales, expected in calls:
+            assert torch.equal(flashop.attention(q, k, v, **descales), expected)
+        assert len(launches) == 1, "the launcher ran again: the plan was not replayed"
+
+
 class TestFp8Errors(TestCase):
     def setUp(self):
         self.q, self.k, self.v, self.qd, self.kd, self.vd = fp8_inputs(1, 16, 16, 2, 1, 32, 32)

@@ -355,11 +355,12 @@ _NOT_FP8 = dict(q_descale=None, k_descale=None, v_descale=None, stride_dsb=0, FP
 
 def _fp8_args(q: torch.Tensor, descales: Optional[tuple], B: int, H_kv: int) -> dict:
     """The forward's fp8 arguments: for e4m3 inputs the three descales, (B, H_kv) fp32
-    (ones where None), and their batch stride; none otherwise."""
+    (ones where None: a fill, which an eager call's plan replays), and their batch stride;
+    none otherwise."""
     if q.dtype != torch.float8_e4m3fn:
         return _NOT_FP8
     given = descales or (None, None, None)
-    q_ds, k_ds, v_ds = (q.new_ones((B, H_kv), dtype=torch.float32) if d is None
+    q_ds, k_ds, v_ds = (q.new_full((B, H_kv), 1.0, dtype=torch.float32) if d is None
                         else d.contiguous() for d in given)
     return dict(q_descale=q_ds, k_descale=k_ds, v_descale=v_ds, stride_dsb=H_kv, FP8=True)
 

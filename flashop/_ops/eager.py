@@ -205,15 +205,14 @@ def attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
 
 def attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
                   k_descale, v_descale, alibi_slopes, sinks, **options):
-    """(out, lse) of an fp8 call: the operator's body itself where the direct path applies
-    and no input requires grad, else the operator (whose autograd refuses a backward).
-    Autocast leaves e4m3 inputs as they are."""
+    """(out, lse) of an fp8 call: the operator's body by its plans where the direct path
+    applies and no input requires grad, else the operator (whose autograd refuses a
+    backward). Autocast leaves e4m3 inputs as they are."""
     if _direct_forward_only(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
                             v_descale, alibi_slopes, sinks):
-        with set_wrap_triton_enabled(False):
-            return attention_fp8_ops.run_attention_fp8(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
-                k_descale, v_descale, alibi_slopes, sinks, **options)
+        return attention_fp8_ops.planned_attention_fp8(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale,
+            k_descale, v_descale, alibi_slopes, sinks, **options)
     return attention_fp8_ops.attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                            max_seqlen_k, q_descale, k_descale, v_descale,
                                            alibi_slopes, sinks, **options)
