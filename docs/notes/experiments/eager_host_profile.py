@@ -16,6 +16,7 @@ at the ends of rounds, and SDPA is timed beside flashop.
     TRITON_INTERPRET=1 PYTHONPATH=. python docs/notes/experiments/eager_host_profile.py
     PYTHONPATH=. python docs/notes/experiments/eager_host_profile.py --device cuda
     ... --profile fwd_bwd   # cProfile of flashop's forward+backward (or fwd)
+    ... --fp8               # the bf16 forward beside the e4m3 one (with --profile fwd: its)
 """
 import argparse
 import cProfile
@@ -39,6 +40,8 @@ parser.add_argument("--launch", choices=("cached", "triton"), default="cached")
 parser.add_argument("--profile", choices=("fwd", "fwd_bwd"), default=None)
 parser.add_argument("--label", default="")
 parser.add_argument("--sdpa", action="store_true", help="time SDPA on the CPU too")
+parser.add_argument("--fp8", action="store_true",
+                    help="flashop's forward on e4m3 q, k, v with their descales (entry 106)")
 args = parser.parse_args()
 
 device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -96,6 +99,14 @@ def fa_fwd():
         flashop.attention(q, k, v, causal=True)
 
 
+q8, k8, v8 = (x.detach().to(torch.float8_e4m3fn) for x in (q, k, v))
+descales = {f"{n}_descale": torch.rand(1, 1, device=device) + 0.5 for n in "qkv"}
+
+
+def fa_fp8_fwd():  # e4m3 inputs, each with its (B, H_kv) descale
+    flashop.attention(q8, k8, v8, causal=True, **descales)
+
+
 def fa_fwd_bwd():
     flashop.attention(q, k, v, causal=True).backward(dout)
 
@@ -130,7 +141,7 @@ def per_call(fn) -> tuple:
 
 
 if args.profile:
-    fn = fa_fwd if args.profile == "fwd" else fa_fwd_bwd
+    fn = (fa_fp8_fwd if args.fp8 else fa_fwd) if args.profile == "fwd" else fa_fwd_bwd
     for _ in range(50):
         fn()
     profile = cProfile.Profile()
@@ -142,9 +153,12 @@ if args.profile:
     pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 else:
     sdpa = device.type != "cpu" or args.sdpa
-    results = {name: per_call(fn) for name, fn in (
-        ("flashop fwd", fa_fwd), ("sdpa fwd", sd_fwd), ("flashop fwd+bwd", fa_fwd_bwd),
-        ("sdpa fwd+bwd", sd_fwd_bwd)) if sdpa or name.startswith("flashop")}
+    runs = (("flashop fwd", fa_fwd), ("sdpa fwd", sd_fwd), ("flashop fwd+bwd", fa_fwd_bwd),
+            ("sdpa fwd+bwd", sd_fwd_bwd))
+    if args.fp8:
+        runs = (("flashop fwd", fa_fwd), ("flashop fp8 fwd", fa_fp8_fwd))
+        sdpa = False
+    results = {name: per_call(fn) for name, fn in runs if sdpa or name.startswith("flashop")}
     for name, (median, least) in results.items():
         print(f"host {args.label} {device.type} {name}: {median:.1f} us (min {least:.1f})",
               flush=True)
