@@ -64,6 +64,14 @@ def tflops(ms, B, H, S, D, causal):
     return f / ms * 1e-9
 
 
+def grid_inputs(D, S):
+    """The grid's bf16 q, k, v (16k tokens per batch, H = 2048 / D) and their e4m3 copies
+    with descales: (B, H, (q, k, v), ((q8, qd), (k8, kd), (v8, vd)))."""
+    B, H = 16384 // S, 2048 // D
+    x = [torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    return B, H, x, [quant(t) for t in x]
+
+
 VARIANTS = {
     64: [(192, 128, 3, False), (192, 256, 2, False), (128, 128, 3, False), (128, 256, 2, False)],
     128: [(128, 128, 3, False), (128, 128, 4, False), (128, 256, 2, False), (192, 128, 3, False),
@@ -76,9 +84,7 @@ if mode in ("all", "speed"):
     for D in dims:
         for S in lens:
             for causal in (False, True):
-                B, H = 16384 // S, 2048 // D
-                q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
-                (q8, qd), (k8, kd), (v8, vd) = (quant(x) for x in (q, k, v))
+                B, H, (q, k, v), ((q8, qd), (k8, kd), (v8, vd)) = grid_inputs(D, S)
                 row = {}
                 row["bf16"] = triton.testing.do_bench(lambda: flashop.attention(q, k, v, causal=causal))
                 call = lambda: flashop.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
@@ -117,9 +123,7 @@ if mode == "exp16":
     for D in dims:
         for S in lens:
             for causal in (False, True):
-                B, H = 16384 // S, 2048 // D
-                q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
-                (q8, qd), (k8, kd), (v8, vd) = (quant(x) for x in (q, k, v))
+                B, H, (q, k, v), ((q8, qd), (k8, kd), (v8, vd)) = grid_inputs(D, S)
                 v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
                 ref = None
                 if S == 4096 and D == 128:
@@ -149,9 +153,7 @@ if mode == "exp16":
 if mode == "pingpong":
     for D, S, causal, bf in [(128, 16384, False, True), (128, 16384, True, False),
                              (128, 4096, False, False), (256, 16384, False, False)]:
-        B, H = 16384 // S, 2048 // D
-        q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
-        (q8, qd), (k8, kd), (v8, vd) = (quant(x) for x in (q, k, v))
+        B, H, (q, k, v), ((q8, qd), (k8, kd), (v8, vd)) = grid_inputs(D, S)
         v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         call = lambda: flashop.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                          v_descale=vd)
