@@ -294,7 +294,7 @@ def main(argv=None) -> int:
             model.prefill(prompt)
             torch.cuda.synchronize()
             prefill = time.perf_counter() - start
-            step_ms = (seconds - prefill) / (args.steps - 1) * 1e3
+            step_ms = (seconds - prefill) / max(args.steps - 1, 1) * 1e3
             print(f"{backend:11s} {mode:16s} {args.batch * args.steps / seconds:10.0f} tokens/s "
                   f"(prefill included, {seconds * 1e3:.1f} ms; prefill {prefill * 1e3:.1f} ms, "
                   f"{step_ms:.3f} ms per step after it)")

@@ -187,8 +187,8 @@ def test_fp8_under_compile_is_the_eager_call_without_recompiles():
 
 def test_fp8_eager_calls_replay_their_plan(monkeypatch):
     """Eager fp8 calls of one signature (descales given, or None: ones) replay the first
-    call's plan: the checks and the launcher run once, and every call's output, made from
-    its own inputs and descales, equals the operator's bit for bit."""
+    call's plan: the body (its checks and launcher) runs once, and every call's output,
+    made from its own inputs and descales, equals the operator's bit for bit."""
     import flashop._launch.attention as launch
     from flashop._ops import attention_fp8 as fp8_ops
 
