@@ -19,7 +19,7 @@ opt-in limit (the check triton makes at load time), and registers x threads agai
 Compiled kernels are cached as usual (~/.triton/cache; TRITON_ALWAYS_COMPILE=1 or a fresh
 TRITON_CACHE_DIR recompiles). Exit status 1 if one of the 4 default configurations fails.
 
-From Python (e.g. an interactive session or another script):
+From Python (an interactive interpreter or another script):
 
     import sys; sys.path.insert(0, "docs/notes/experiments")
     from compile_sm90 import compile_forward, descriptor, report
