@@ -6,7 +6,8 @@ with ``flashop._launch.tiles.force(kind, tiles)`` while the call is timed.
 
 Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal, or --causal): the forward
 alone for forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's
-tiles at a time (the deterministic backward for "dkdv" and "dq", the one with atomic dQ,
+tiles at a time (the deterministic backward for "dkdv", "dq" and, at head dims above 128, the
+dK/dV kernel's parts "dv" and "dk"; the one with atomic dQ,
 ``flashop.config.override(dq_atomics=True)``, for "dkdv_atomic"). Forward tiles are timed
 with the warp-specialized forward off (it has its own tiles,
 ``flashop._launch.tiles.WS_TILES``). The chosen tiles go into flashop/_launch/tiles.py by
@@ -35,8 +36,8 @@ from flashop._launch import tiles  # noqa: E402
 from flashop._launch.common import block_dim  # noqa: E402
 from flashop._launch.tiles import TILE_CANDIDATES, Tiles, prune_tiles  # noqa: E402
 
-KINDS = tuple(TILE_CANDIDATES)  # fwd, dkdv, dkdv_atomic, dq
-FLOPS_FACTOR = {"fwd": 1.0, "dkdv": 2.5, "dq": 2.5, "dkdv_atomic": 2.5}
+KINDS = tuple(TILE_CANDIDATES)  # fwd, dkdv, dkdv_atomic, dv, dk, dq
+FLOPS_FACTOR = {"fwd": 1.0, "dkdv": 2.5, "dq": 2.5, "dkdv_atomic": 2.5, "dv": 2.5, "dk": 2.5}
 
 
 def parse_tiles(spec):
@@ -90,7 +91,9 @@ def kernel_calls(D, N, causal):
     # one has its own, WS_TILES)
     return {"fwd": (forward, {"warp_specialize": False}), "dkdv": (backward, {"dq_atomics": False}),
             "dq": (backward, {"dq_atomics": False}),
-            "dkdv_atomic": (backward, {"dq_atomics": True})}
+            "dkdv_atomic": (backward, {"dq_atomics": True}),
+            # the dK/dV kernel's two parts at head dims above 128 (tiles.splits_dkdv)
+            "dv": (backward, {"dq_atomics": False}), "dk": (backward, {"dq_atomics": False})}
 
 
 def main(argv=None):

@@ -568,6 +568,48 @@ def test_large_head_dims(D):
                     causal=True))
 
 
+@pytest.mark.parametrize("case", [
+    Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=160, DV=136, dtype=torch.bfloat16, causal=True,
+         window_size=(30, 0), softcap=5.0, alibi=(2,), gate=torch.float32),
+    Case(B=1, S_q=33, S_k=50, H_kv=2, G=1, D=144, DV=144, dtype=torch.float16,
+         mask=torch.float32, mask_shape=(1, 2, 33, 50), mask_grad=True, sinks=torch.float32),
+], ids=["window-softcap-alibi-gate", "mask-grad-sinks"])
+def test_the_dkdv_kernels_parts_with_modifiers(case):
+    """Above head dim 128 the dK/dV kernel runs as a dV and a dK launch (tiles.splits_dkdv):
+    every modifier's gradient through both parts (the gate's and the mask's come from the dK
+    part's dS)."""
+    check_case(case)
+
+
+def test_where_the_dkdv_kernel_runs_in_parts():
+    """The dK/dV kernel's launches (its PARTS): two parts, dV then dK, for 16-bit inputs above
+    head dim 128 (under the interpreter, as on Hopper GPUs); one launch of both at 128 and
+    below, for fp32 inputs, and where dQ is added by atomics."""
+    def parts(D, dtype=torch.float16, **switches):
+        launches = []
+        original = launch._launch
+
+        def record(kernel, kind, *args, **kwargs):
+            if "dkdv" in getattr(kernel, "__name__", getattr(getattr(kernel, "fn", None),
+                                                             "__name__", "")):
+                launches.append((kind, kwargs["PARTS"]))
+            return original(kernel, kind, *args, **kwargs)
+
+        case = Case(B=1, S_q=20, S_k=24, H_kv=1, G=1, D=D, DV=D, dtype=dtype)
+        (q, k, v), dout, dlse = make_inputs(case)
+        with mock.patch.object(launch, "_launch", record), \
+                flashop.config.override(**switches):
+            out, lse = flashop.attention_with_lse(q, k, v)
+            torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+        return launches
+
+    hopper = DEVICE == "cpu" or launch.is_hopper(torch.device(DEVICE))
+    split = [("dv", 1), ("dk", 2)] if hopper else [("dkdv", 3)]
+    assert parts(160) == parts(256) == parts(160, torch.bfloat16) == split
+    assert parts(128) == parts(160, torch.float32) == [("dkdv", 3)]
+    assert parts(160, dq_atomics=True) == [("dkdv_atomic", 3)]
+
+
 def test_fully_masked_rows_are_zero_with_finite_gradients():
     """Causal with S_q > S_k: the first S_q - S_k queries attend nothing."""
     case = Case(B=2, S_q=50, S_k=20, H_kv=1, G=2, D=32, DV=32, dtype=torch.float16, causal=True)

@@ -30,6 +30,9 @@ def test_shared_memory_counts_one_buffer_per_stage_of_loop_operands():
         2 * (32 * 192 + 2 * 64 * 192)
     assert tile_table.shared_memory_bytes("dq", Tiles(64, 32, 4, 2), 64, 128, 2) == \
         2 * (64 * 192 + 2 * 32 * 192)
+    # the dK/dV kernel's dV part: K once, Q and dO per stage (Triton: 196864 bytes at D=256)
+    assert tile_table.shared_memory_bytes("dv", Tiles(64, 128, 8, 2), 256, 256, 2) == \
+        2 * (128 * 256 + 2 * 64 * 512)
 
 
 def test_shared_memory_counts_the_staged_fp32_dq_tile_of_the_atomic_backward():

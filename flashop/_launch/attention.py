@@ -565,17 +565,24 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             autotune=tiles.autotunes(q.dtype) and not attn_mask_grad, **common,
             dq=dq, dgq=dgq, dattn_mask=dS, o=out, dlse=dlse, **p.strides("dq", dq),
             **o_strides, **dlse_strides, H=p.H, ATTN_MASK_GRAD=attn_mask_grad)
-    kind = "dkdv_atomic" if dq_atomic else "dkdv"
-    _launch(
-        attention_bwd_dkdv_kernel, kind,
-        tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal, short=short),
-        lambda bm, bn: (cdiv(p.S_k, bn), p.H_kv, p.B), lengths=(p.S_q, p.S_k),
-        autotune=tiles.autotunes(q.dtype) and not dq_atomic, **common,
-        dk=dk, dv=dv, dgk=dgk, dq_acc=dq_acc, **p.strides("dk", dk), **p.strides("dv", dv),
-        **(p.row_strides("dgk", dgk) if has_gate else dict(stride_dgkb=0, stride_dgkh=0)),
-        **(p.strides("dqa", dq_acc) if dq_atomic else dict(stride_dqab=0, stride_dqas=0,
-                                                             stride_dqah=0)),
-        DQ_ATOMIC=dq_atomic)
+    # the dK/dV kernel, or its dV and dK parts as two launches (tiles.splits_dkdv)
+    if dq_atomic:
+        parts = (("dkdv_atomic", 3),)
+    elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device):
+        parts = (("dv", 1), ("dk", 2))
+    else:
+        parts = (("dkdv", 3),)
+    for kind, part in parts:
+        _launch(
+            attention_bwd_dkdv_kernel, kind,
+            tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal, short=short),
+            lambda bm, bn: (cdiv(p.S_k, bn), p.H_kv, p.B), lengths=(p.S_q, p.S_k),
+            autotune=tiles.autotunes(q.dtype) and not dq_atomic, **common,
+            dk=dk, dv=dv, dgk=dgk, dq_acc=dq_acc, **p.strides("dk", dk), **p.strides("dv", dv),
+            **(p.row_strides("dgk", dgk) if has_gate else dict(stride_dgkb=0, stride_dgkh=0)),
+            **(p.strides("dqa", dq_acc) if dq_atomic else dict(stride_dqab=0, stride_dqas=0,
+                                                                 stride_dqah=0)),
+            DQ_ATOMIC=dq_atomic, PARTS=part)
     if dq_atomic:
         _cast_grads(acc, dq, p.sm_scale)
         return dq, dk, dv, dg, dmask

@@ -46,6 +46,8 @@ _INTERPRETER_TILES = {
     "fwd_ws": Tiles(32, 16, split_m=True),
     "dkdv": Tiles(16, 32),
     "dkdv_atomic": Tiles(16, 32),
+    "dv": Tiles(16, 32),
+    "dk": Tiles(16, 32),
     "dq": Tiles(32, 16),
 }
 
@@ -67,6 +69,17 @@ def two_query_tiles(head_dim: int) -> bool:
     """Head dims whose forward takes two query tiles per program (Tiles.split_m) on Hopper:
     faster at 64 < D <= 128, slower at D=64, and above 128 the registers do not hold two."""
     return 64 < head_dim <= 128
+
+
+def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the backward's dK/dV kernel runs as two launches, a dV part and a dK part
+    (its ``PARTS``), each program holding one [BLOCK_N, D] accumulator: 16-bit inputs at
+    head dims above 128 on Hopper, where one program holding both spills at every tile that
+    fits (1.09-1.26x the whole backward at D = 256 on an H200, though S^T is computed
+    twice). The interpreter takes the Hopper rule, so that CI runs both forms."""
+    if head_dim <= 128 or dtype == torch.float32:
+        return False
+    return INTERPRETING or (device.type == "cuda" and is_hopper(device))
 
 
 def is_short(S_k) -> bool:
@@ -96,6 +109,10 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
             return Tiles(64, 128, 8, 3)
         # one stage: with two, the staged fp32 dQ tile takes the shared memory past 227 KiB
         return Tiles(64, 64, 8, 1) if hopper else Tiles(32, 64, 8, 1)
+    if kind == "dv":  # the dK/dV kernel's parts (splits_dkdv): head dims above 128
+        return Tiles(64, 128, 8, 2)
+    if kind == "dk":
+        return Tiles(32, 128, 8, 2)
     if kind == "dkdv":
         if head_dim <= 64:
             return Tiles(32, 64, 4, 3) if causal or short else Tiles(32, 128, 4, 3)
@@ -195,6 +212,8 @@ TILE_CANDIDATES = {
              Tiles(32, 64, 4, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 1)],
     "dkdv_atomic": [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 128, 4, 3),
                     Tiles(64, 64, 4, 2), Tiles(64, 64, 8, 1)],
+    "dv": [Tiles(64, 128, 8, 2), Tiles(32, 128, 8, 2), Tiles(64, 64, 8, 3), Tiles(32, 64, 8, 3)],
+    "dk": [Tiles(32, 128, 8, 2), Tiles(64, 64, 8, 2), Tiles(16, 128, 8, 2), Tiles(32, 64, 8, 3)],
     "dq": [Tiles(128, 64, 8, 3), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 2),
            Tiles(64, 32, 4, 3), Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1)],
 }
@@ -209,10 +228,11 @@ def shared_memory_bytes(kind: str, t: Tiles, block_d: int, block_dv: int,
                         itemsize: int) -> int:
     """Shared memory of a kernel's operand tiles: those it loads in its loop take
     ``num_stages`` buffers (Triton's software pipelining), those it loads once take one;
-    the dK/dV kernel with dQ atomics also stages its fp32 dQ tile."""
+    the dK/dV kernel with dQ atomics also stages its fp32 dQ tile; its dV part reads no V."""
     once, per_stage = {
         "fwd": (t.BLOCK_M * block_d, t.BLOCK_N * (block_d + block_dv)),
         "dq": (t.BLOCK_M * (block_d + block_dv), t.BLOCK_N * (block_d + block_dv)),
+        "dv": (t.BLOCK_N * block_d, t.BLOCK_M * (block_d + block_dv)),
     }.get(kind, (t.BLOCK_N * (block_d + block_dv), t.BLOCK_M * (block_d + block_dv)))
     dq_tile = 4 * t.BLOCK_M * block_d if kind == "dkdv_atomic" else 0
     return itemsize * (once + t.num_stages * per_stage) + dq_tile

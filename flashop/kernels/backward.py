@@ -127,11 +127,12 @@ def _dkdv_query_tiles(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, PARTS: tl.constexpr = 3,
 ):
     """Accumulate into (b_dk, b_dv, b_dgk) the query tiles in [lo, hi) of one query head;
     where ``DQ_ATOMIC``, also add dS K into the fp32 ``dq_acc`` (rows of stride
-    ``stride_dqas``).
+    ``stride_dqas``). ``PARTS`` (as attention_bwd_dkdv_kernel's) leaves out dV's product
+    (2) or dP's, dS's and dK's (1).
 
     Where ``CHECK_ROWS`` (a range that may reach past S_q), rows past S_q load q = dO = 0 and
     lse = +inf, so they add nothing; elsewhere the loads are unmasked (faster). Keys past
@@ -164,39 +165,43 @@ def _dkdv_query_tiles(
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
                          o_dv[None, :] < DV, CHECK_ROWS, BLOCK_DV != DV)
         b_do = dot_operand(b_do, UPCAST)
-        # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (faster)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
+        if PARTS & 2:
+            # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (faster)
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
         if DROPOUT:
             b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, True)
             b_zpt = tl.where(b_keep, b_pt * (1.0 / (1.0 - dropout_p)), 0.0)
-            b_dpt = tl.where(b_keep, b_dpt * (1.0 / (1.0 - dropout_p)), 0.0)
+            if PARTS & 2:
+                b_dpt = tl.where(b_keep, b_dpt * (1.0 / (1.0 - dropout_p)), 0.0)
         else:
             b_zpt = b_pt
-        # dV += P^T dO [BLOCK_N, BLOCK_DV]
-        b_dv = tl.dot(dot_operand(round_to(b_zpt, do.dtype.element_ty), UPCAST), b_do, b_dv,
-                      input_precision=DOT_PRECISION)
-        if CHECK_ROWS:
-            b_delta = tl.load(delta + o_m, mask=m_m, other=0.0)
-        else:
-            b_delta = tl.load(delta + o_m)
-        b_dst = b_pt * (b_dpt - b_delta[None, :])
-        if HAS_GATE:
-            # [BLOCK_N]
-            b_dgk -= tl.sum(b_dst, 1)
-        if HAS_SOFTCAP:
-            b_dst = b_dst * (1.0 - b_tt * b_tt)
-        b_dst = dot_operand(round_to(b_dst, q.dtype.element_ty), UPCAST)
-        # dK += dS^T Q [BLOCK_N, BLOCK_D]
-        b_dk = tl.dot(b_dst, tl.trans(dot_operand(b_qt, UPCAST)), b_dk,
-                      input_precision=DOT_PRECISION)
-        if DQ_ATOMIC:
-            # dQ += dS K [BLOCK_M, BLOCK_D], summed over the key tiles by fp32 atomics. Rows
-            # of keys past S_k are zeroed: unmasked, their P = exp2(0 - lse) overflows to inf
-            # where lse < -128, and inf times their zero keys made dQ NaN.
-            b_dst = tl.where(m_n[:, None], b_dst, 0.0)
-            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=DOT_PRECISION)
-            tl.atomic_add(dq_acc + o_m[:, None] * stride_dqas + o_d[None, :], b_dq,
-                          mask=m_m[:, None] & (o_d[None, :] < D), sem="relaxed")
+        if PARTS & 1:
+            # dV += P^T dO [BLOCK_N, BLOCK_DV]
+            b_dv = tl.dot(dot_operand(round_to(b_zpt, do.dtype.element_ty), UPCAST), b_do, b_dv,
+                          input_precision=DOT_PRECISION)
+        if PARTS & 2:
+            if CHECK_ROWS:
+                b_delta = tl.load(delta + o_m, mask=m_m, other=0.0)
+            else:
+                b_delta = tl.load(delta + o_m)
+            b_dst = b_pt * (b_dpt - b_delta[None, :])
+            if HAS_GATE:
+                # [BLOCK_N]
+                b_dgk -= tl.sum(b_dst, 1)
+            if HAS_SOFTCAP:
+                b_dst = b_dst * (1.0 - b_tt * b_tt)
+            b_dst = dot_operand(round_to(b_dst, q.dtype.element_ty), UPCAST)
+            # dK += dS^T Q [BLOCK_N, BLOCK_D]
+            b_dk = tl.dot(b_dst, tl.trans(dot_operand(b_qt, UPCAST)), b_dk,
+                          input_precision=DOT_PRECISION)
+            if DQ_ATOMIC:
+                # dQ += dS K [BLOCK_M, BLOCK_D], summed over the key tiles by fp32 atomics. Rows
+                # of keys past S_k are zeroed: unmasked, their P = exp2(0 - lse) overflows to inf
+                # where lse < -128, and inf times their zero keys made dQ NaN.
+                b_dst = tl.where(m_n[:, None], b_dst, 0.0)
+                b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=DOT_PRECISION)
+                tl.atomic_add(dq_acc + o_m[:, None] * stride_dqas + o_d[None, :], b_dq,
+                              mask=m_m[:, None] & (o_d[None, :] < D), sem="relaxed")
     return b_dk, b_dv, b_dgk
 
 
@@ -221,12 +226,17 @@ def attention_bwd_dkdv_kernel(
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, PARTS: tl.constexpr = 3,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
     gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads. Where ``DQ_ATOMIC``,
     also dQ / scale, added with fp32 atomics into the zeroed ``dq_acc`` (laid out as q), so
-    that no dQ kernel recomputes S and dP (faster, not bitwise deterministic)."""
+    that no dQ kernel recomputes S and dP (faster, not bitwise deterministic).
+
+    ``PARTS``: 3 computes both gradients; 1 dV alone (and S^T), 2 dK alone (and S^T, dP^T,
+    dS^T, the gate's and dQ's shares): at large head dims one program holding both [BLOCK_N,
+    D] accumulators spills, so the launcher runs the kernel twice, once per part, computing
+    S^T twice."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
@@ -313,16 +323,18 @@ def attention_bwd_dkdv_kernel(
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
                     DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
-                    FOLD_SCALE)
-        if HAS_GATE:
+                    FOLD_SCALE, PARTS)
+        if HAS_GATE and PARTS & 2:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)
 
-    b_dk = b_dk * sm_scale
-    tl.store(dk + o_n[:, None] * stride_dks + o_d[None, :], round_to(b_dk, dk.dtype.element_ty),
-             mask=m_n[:, None] & (o_d[None, :] < D))
-    tl.store(dv + o_n[:, None] * stride_dvs + o_dv[None, :], round_to(b_dv, dv.dtype.element_ty),
-             mask=m_n[:, None] & (o_dv[None, :] < DV))
+    if PARTS & 2:
+        b_dk = b_dk * sm_scale
+        tl.store(dk + o_n[:, None] * stride_dks + o_d[None, :],
+                 round_to(b_dk, dk.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
+    if PARTS & 1:
+        tl.store(dv + o_n[:, None] * stride_dvs + o_dv[None, :],
+                 round_to(b_dv, dv.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
 @triton.jit
