@@ -106,12 +106,12 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def _no_plans_from_earlier_tests():
-    """Each test starts without the eager path's plans (flashop/_launch/fastpath.py): a test
+    """Each test starts without the eager path's plans (flashop/_launch/plans.py): a test
     that watches the launchers' choices sees them on its first call of a signature, whatever
     ran before it in the process."""
-    from flashop._launch import fastpath
+    from flashop._launch import plans
 
-    fastpath.clear_plans()
+    plans.clear_plans()
 
 
 def pytest_report_header(config):

@@ -235,19 +235,19 @@ def make_modifiers(case: Case, seed: int = 0) -> dict:
 @contextlib.contextmanager
 def replayed_launches(record):
     """Within the block, ``record(kernel, kwargs)`` sees every launch that an eager plan
-    replays (flashop/_launch/fastpath.py): a repeated signature's launches skip
+    replays (flashop/_launch/plans.py): a repeated signature's launches skip
     launch_kernel, which the recording tests watch."""
     from unittest import mock
 
-    from flashop._launch import fastpath
+    from flashop._launch import plans
 
-    launch = fastpath._PlannedLaunch.__call__
+    launch = plans._PlannedLaunch.__call__
 
     def recorded(self, pool, stream=None):
         record(self.kernel, self.arguments(self.take(pool)))
         return launch(self, pool, stream)
 
-    with mock.patch.object(fastpath._PlannedLaunch, "__call__", recorded):
+    with mock.patch.object(plans._PlannedLaunch, "__call__", recorded):
         yield
 
 

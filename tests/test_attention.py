@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
-from flashop._launch import attention as launch, fastpath, gluon as launch_gluon, tiles
+from flashop._launch import attention as launch, gluon as launch_gluon, plans, tiles
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
 from helpers import (
@@ -233,7 +233,7 @@ def test_gluon_forward_matches_reference(dtype, data, seed):
             mock.patch.object(launch_gluon, "sm_count", sm_count):
         with flashop.config.override(gluon=True):
             assert _takes_gluon(case)
-            fastpath.clear_plans()  # (a plan made under another sm_count would not launch)
+            plans.clear_plans()  # (a plan made under another sm_count would not launch)
             check_case(case, seed)
     assert launched.called  # the Gluon kernel computed the forward checked
 
@@ -259,7 +259,7 @@ def test_gluon_large_scores_and_outlier_keys(dtype, D):
                               wraps=launch_gluon.attention_backward) as backward, \
             flashop.config.override(gluon=True, dq_atomics=True):
         assert _takes_gluon(case) and _takes_gluon_backward(case)
-        fastpath.clear_plans()  # (a replayed plan would not call the launchers watched)
+        plans.clear_plans()  # (a replayed plan would not call the launchers watched)
         check_case(case, seed=1, deterministic_backward=False)
     assert forward.called and backward.called
 
@@ -281,7 +281,7 @@ def test_gluon_backward_matches_reference(dtype, data, seed):
             mock.patch.object(launch_gluon, "backward_split", return_value=split), \
             flashop.config.override(dq_atomics=True):
         assert _takes_gluon_backward(case)
-        fastpath.clear_plans()  # (a replayed plan would not call the launcher watched)
+        plans.clear_plans()  # (a replayed plan would not call the launcher watched)
         check_case(case, seed, deterministic_backward=False)
     assert launched.called  # the Gluon kernel computed the gradients checked
     assert all(call.args[7] is None and call.kwargs["split"] == split  # no counters
@@ -301,7 +301,7 @@ def test_gluon_deterministic_backward_matches_reference(dtype, data, seed):
                            wraps=launch_gluon.attention_backward) as launched:
         with flashop.config.override(gluon=True):
             assert _takes_gluon_backward(case, deterministic=True)
-            fastpath.clear_plans()  # (a replayed plan would not call the launcher watched)
+            plans.clear_plans()  # (a replayed plan would not call the launcher watched)
             check_case(case, seed)
             inputs, dout, dlse = make_inputs(case, seed)
             first = run_flashop(case, inputs, dout, dlse)[2]

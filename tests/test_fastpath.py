@@ -1,4 +1,4 @@
-"""The eager path's plans (flashop/_launch/fastpath.py): a signature's first call runs the
+"""The eager path's plans (flashop/_launch/plans.py): a signature's first call runs the
 operators' bodies, checks included, and later calls replay their allocations and launches;
 each keyed item (shapes, strides, dtypes, alignment, aliasing, options, switches,
 deterministic mode, forced tiles) takes its own plan; results equal the operator's bit for
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashop
-from flashop._launch import attention as launch, fastpath, tiles
+from flashop._launch import attention as launch, launches, plans, tiles
 from flashop._ops import attention as ops, eager
 from helpers import DEVICE, deterministic_algorithms, error_message
 
@@ -161,7 +161,7 @@ def test_calls_that_compute_on_the_host_run_the_body_each_time(checked):
     for modifiers, replayed in ((dict(alibi_slopes=slopes, sinks=sinks), True),
                                 (dict(dropout_p=0.25), True), (dict(attn_mask=mask), True),
                                 (dict(g=gate), False)):
-        fastpath.clear_plans()
+        plans.clear_plans()
         torch.manual_seed(1)
         expected = _operator(q, k, v, dout, causal=True, **modifiers)
         before = dict(checked)
@@ -171,7 +171,7 @@ def test_calls_that_compute_on_the_host_run_the_body_each_time(checked):
         for body in ("forward", "backward"):
             assert checked[body] - before[body] == (1 if replayed else 2), (modifiers, body)
         assert [type(plan) for plan in eager._forward.plans.values()] == (
-            [fastpath.Plan] if replayed else [type(None)])
+            [plans.Plan] if replayed else [type(None)])
 
 
 def test_packed_calls_replay():
@@ -186,7 +186,7 @@ def test_packed_calls_replay():
     with flashop.config.override(direct_eager=False):
         expected = run()
     assert _equal(run(), expected) and _equal(run(), expected)
-    assert [type(plan) for plan in eager._forward.plans.values()] == [fastpath.Plan]
+    assert [type(plan) for plan in eager._forward.plans.values()] == [plans.Plan]
 
 
 def test_a_plan_replays_tensor_operations_and_launches():
@@ -205,16 +205,16 @@ def test_a_plan_replays_tensor_operations_and_launches():
             seed = seed.cumsum(0)
         elif other == "item":
             assert seed.item() > 0
-        fastpath.launch_now(dropout_mask_kernel, (1, 1, 1), dropout_seed=seed, keep=target,
+        launches.launch_now(dropout_mask_kernel, (1, 1, 1), dropout_seed=seed, keep=target,
                             S_q=16, S_k=16, dropout_p=0.5, BLOCK_M=16, BLOCK_N=16)
         copied = torch.empty_like(keep).copy_(keep)
         return keep, copied
 
-    planned = fastpath.PlannedBody(body)
+    planned = plans.PlannedBody(body)
     for replayed in (dict(), dict(zeroed=True), dict(view=True)):
         planned.plans.clear()
         first = planned(torch.tensor([7], device=DEVICE), **replayed)
-        assert isinstance(next(iter(planned.plans.values())), fastpath.Plan), replayed
+        assert isinstance(next(iter(planned.plans.values())), plans.Plan), replayed
         again = planned(torch.tensor([7], device=DEVICE), **replayed)
         other = planned(torch.tensor([8], device=DEVICE), **replayed)
         assert torch.equal(first[0], again[0]) and torch.equal(again[0], again[1])
@@ -233,7 +233,7 @@ def test_a_plan_remakes_descriptors_for_the_calls_tensors(monkeypatch):
     import weakref
 
     launched = []
-    monkeypatch.setattr(fastpath, "_launch_now",
+    monkeypatch.setattr(plans, "launch_and_keep",
                         lambda kernel, grid, kwargs: launched.append(kwargs))
 
     class Descriptor:
@@ -245,11 +245,11 @@ def test_a_plan_remakes_descriptors_for_the_calls_tensors(monkeypatch):
 
     def body(x):
         out = torch.empty_like(x)
-        fastpath.launch_now(object(), (1,), x_desc=Descriptor(x, 16), o_desc=Descriptor(out, 8),
+        launches.launch_now(object(), (1,), x_desc=Descriptor(x, 16), o_desc=Descriptor(out, 8),
                             n=3)
         return (out,)
 
-    planned = fastpath.PlannedBody(body)
+    planned = plans.PlannedBody(body)
     first = torch.ones(4)
     planned(first)
     watched = weakref.ref(first)
@@ -259,7 +259,7 @@ def test_a_plan_remakes_descriptors_for_the_calls_tensors(monkeypatch):
         call = launched[-1]
         assert call["x_desc"].base is x and call["o_desc"].base is out
         assert (call["x_desc"].block, call["o_desc"].block, call["n"]) == (16, 8, 3)
-    assert [type(p) for p in planned.plans.values()] == [fastpath.Plan] and len(launched) == 3
+    assert [type(p) for p in planned.plans.values()] == [plans.Plan] and len(launched) == 3
     del first, x, out, call
     launched.clear()
     gc.collect()
@@ -274,11 +274,11 @@ def test_replayed_views_follow_the_calls_own_tensors():
     def body(x):
         return (torch.empty(4, device=x.device).copy_(x.view(-1)[2:6]),)
 
-    planned = fastpath.PlannedBody(body)
+    planned = plans.PlannedBody(body)
     base = torch.arange(40.0, device=DEVICE)
     first = base[8:16].view(2, 4)  # storage offset 8
     assert torch.equal(planned(first)[0], base[10:14])
-    assert isinstance(next(iter(planned.plans.values())), fastpath.Plan)
+    assert isinstance(next(iter(planned.plans.values())), plans.Plan)
     for x in (base[24:32].view(2, 4), torch.arange(100.0, 108.0, device=DEVICE).view(2, 4)):
         assert torch.equal(planned(x)[0], x.reshape(-1)[2:6])
 
@@ -296,10 +296,10 @@ def test_a_chain_of_views_replays_as_one():
         tail.fill_(5.0)
         return buf, head, tail
 
-    planned = fastpath.PlannedBody(body)
+    planned = plans.PlannedBody(body)
     planned(torch.ones(2, 4, device=DEVICE))
     plan = next(iter(planned.plans.values()))
-    assert isinstance(plan, fastpath.Plan)
+    assert isinstance(plan, plans.Plan)
     # zeros (and the alias of them that the body holds), the two views read (each taken
     # from the zeros), the copy and the fill; each chain's slices are not replayed
     assert len(plan.steps) == 6

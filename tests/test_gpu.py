@@ -191,14 +191,14 @@ def _attention_with_grads(q, k, v, dout, dlse, **options):
 
 def test_cached_launches_equal_tritons_own():
     """An eager launch keeps the kernel Triton compiled for the call's key and launches it
-    directly on later calls of that key (fastpath.launch_now): results equal Triton's
+    directly on later calls of that key (launches.launch_now): results equal Triton's
     own launches bit for bit, a tensor of other alignment gets its own kernel, and a repeated
     call binds no argument through Triton (its JITFunction.run is not entered)."""
     import triton.runtime.jit as jit
-    from flashop._launch import fastpath
+    from flashop._launch import launches
 
-    if not fastpath._triton_allows_cached_launches():
-        pytest.skip(f"cached launches serve triton {fastpath.CACHED_LAUNCH_TRITON}")
+    if not launches.triton_allows_cached_launches():
+        pytest.skip(f"cached launches serve triton {launches.CACHED_LAUNCH_TRITON}")
     cases = [Case(B=1, S_q=1, S_k=1, H_kv=1, G=1, D=64, DV=64, dtype=torch.bfloat16),
              Case(B=2, S_q=200, S_k=333, H_kv=2, G=2, D=128, DV=128, dtype=torch.float16,
                   causal=True, layout="bhsd"),
@@ -235,16 +235,16 @@ def test_cached_launches_equal_tritons_own():
 
 
 def test_cached_decode_launches_equal_tritons_own():
-    """Decode steps launch their planned kernels directly (fastpath.launch_planned)
+    """Decode steps launch their planned kernels directly (launches.launch_planned)
     from their second call: outputs, lse and the appended caches equal Triton's own
     launches bit for bit, for dense and paged caches with and without splits, a repeated
     step binds no argument through Triton, and queries of other alignment get their own
     kernel."""
     import triton.runtime.jit as jit
-    from flashop._launch import fastpath
+    from flashop._launch import launches
 
-    if not fastpath._triton_allows_cached_launches():
-        pytest.skip(f"cached launches serve triton {fastpath.CACHED_LAUNCH_TRITON}")
+    if not launches.triton_allows_cached_launches():
+        pytest.skip(f"cached launches serve triton {launches.CACHED_LAUNCH_TRITON}")
     torch.manual_seed(0)
     B, H, H_kv, D, L, page = 2, 8, 2, 128, 1000, 16
     dt = torch.bfloat16
@@ -701,10 +701,10 @@ def test_gluon_calls_replay_their_plans(deterministic, monkeypatch):
     out and lse equal the operator's bit for bit, and its gradients too where deterministic
     (the default backward, dQ by atomics, passes the accuracy rule); the plans keep no
     call's tensor alive."""
-    from flashop._launch import fastpath
+    from flashop._launch import plans
     from flashop._ops import attention as ops
 
-    fastpath.clear_plans()
+    plans.clear_plans()
     launches = _count_gluon_launches(monkeypatch)
 
     def step(seed):
@@ -733,14 +733,14 @@ def test_gluon_calls_replay_their_plans(deterministic, monkeypatch):
                     assert r.ok, str(r)
 
     calls()  # (compiles, and allocates once what the kernels and the rule keep)
-    fastpath.clear_plans()
+    plans.clear_plans()
     launches.clear()
     before = _cuda_tensors_alive()
     calls()
     # the first call ran the launchers, and so did the operator's calls; the replays did not
     assert launches.count("attention_forward") == 3 and launches.count("attention_backward") == 3
-    assert [type(p) for p in ops.planned_forward.plans.values()] == [fastpath.Plan]
-    assert [type(p) for p in ops.planned_backward.plans.values()] == [fastpath.Plan]
+    assert [type(p) for p in ops.planned_forward.plans.values()] == [plans.Plan]
+    assert [type(p) for p in ops.planned_backward.plans.values()] == [plans.Plan]
     after = _cuda_tensors_alive()
     kept = [meta for key, meta in after[1].items() if key not in before[1]]
     assert after[0] - before[0] < 2**20, f"tensors kept: {kept}"

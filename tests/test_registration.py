@@ -164,10 +164,10 @@ def test_the_direct_eager_path_runs_the_backward_without_the_dispatcher():
 
 def test_launch_keys_separate_what_triton_specialises_on():
     """An eager launch reuses a compiled kernel for calls of the same key
-    (fastpath.launch_now); a key must tell apart whatever Triton compiles differently:
+    (launches.launch_now); a key must tell apart whatever Triton compiles differently:
     a tensor's dtype and 16-byte alignment, an argument's type (1, True and 1.0 are equal
     in Python) and value."""
-    from flashop._launch.fastpath import _call_key
+    from flashop._launch.launches import _call_key
 
     x = torch.zeros(64)
     shifted = torch.zeros(65)[1:]
@@ -179,11 +179,11 @@ def test_launch_keys_separate_what_triton_specialises_on():
 
 
 def test_planned_launch_keys_separate_what_a_plan_fixes():
-    """A planned launch (fastpath.Planned: a launch plan's grid and fixed arguments,
+    """A planned launch (launches.Planned: a launch plan's grid and fixed arguments,
     launch_planned) keys its compiled kernel by the plan's content and the call's other
     arguments: plans of equal content share a key; plans that differ in the grid or in an
     argument's name, type or value do not; a plan holds no tensor."""
-    from flashop._launch.fastpath import Planned
+    from flashop._launch.launches import Planned
 
     base = Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5))
     same = Planned((2, 1, 1), dict(BLOCK=16, CAUSAL=True, scale=0.5))

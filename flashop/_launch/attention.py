@@ -1,7 +1,7 @@
 """Launchers of the attention kernels: allocate outputs, describe the call once, pick the
 kernel and its tiles, and launch it by keyword.
 
-Every kernel is launched through ``torch.library.wrap_triton`` (fastpath.launch_kernel)
+Every kernel is launched through ``torch.library.wrap_triton`` (launches.launch_kernel)
 so that, inside a ``triton_op``, Inductor sees the Triton kernels themselves. Under Triton's
 CPU interpreter ``wrap_triton`` hands back the interpreted kernel, which runs eagerly.
 """
@@ -20,7 +20,7 @@ from flashop._launch.common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
     known_shorter, on_inputs_device, resolve_scale, tensor_meta, tma_aligned, unit_stride_last,
 )
-from flashop._launch.fastpath import launch_kernel
+from flashop._launch.launches import launch_kernel
 from flashop._launch.options import PLAIN, Modifiers, Packing
 from flashop._launch.scores import LOG2E, LOG2E_FP32, score_args, sink_args
 from flashop.kernels import INTERPRETING

@@ -1,6 +1,6 @@
 """Helpers every launcher uses: head-dim blocks, the dtype's compile-time options, scales,
 strides and the checks on them, the GPU's generation and Triton's scratch allocator. (The
-kernels' launches are flashop/_launch/fastpath.py's.)"""
+kernels' launches are flashop/_launch/launches.py's.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import torch
 import triton
 from triton.runtime import _allocation
 
-from flashop._launch.fastpath import EAGER_TENSOR_TYPES
 from flashop.kernels import INTERPRETING
+
+# the types of an eager call's tensors: plain tensors (a parameter is one to the dispatcher),
+# not a tracer's stand-ins (fake, functional) or another subclass, whose shapes may be symbolic
+EAGER_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def cdiv(n, d: int):

@@ -22,7 +22,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flashop import config
 from flashop._launch.common import cdiv, known_shorter, sm_count, tma_aligned
-from flashop._launch.fastpath import is_traced, launch_now, triton_version
+from flashop._launch.calls import is_traced
+from flashop._launch.launches import launch_now, triton_version
 from flashop.kernels import INTERPRETING
 
 # triton==3.6: the Gluon API the kernel is written against
@@ -212,7 +213,7 @@ def _descriptor_type():
     class Descriptor(TensorDescriptor):
         """A host-made tensor descriptor that equals another of the same dtype and block
         (``spec``; its layout follows from them, _tile_layout), what Triton specialises a
-        kernel on, so that a launch's key (fastpath.launch_now) can hold it."""
+        kernel on, so that a launch's key (launches.launch_now) can hold it."""
 
         def __eq__(self, other):
             return type(other) is Descriptor and self.spec == other.spec
@@ -222,7 +223,7 @@ def _descriptor_type():
 
         def rebased(self, x: torch.Tensor) -> "Descriptor":
             """This descriptor of ``x``, a tensor of its base's shape, strides and dtype (a
-            plan's replay: fastpath._PlannedLaunch); of None, a template that keeps no
+            plan's replay: plans._PlannedLaunch); of None, a template that keeps no
             tensor alive."""
             d = object.__new__(Descriptor)  # (copy.copy's protocol costs several µs)
             d.__dict__.update(self.__dict__)

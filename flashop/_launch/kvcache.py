@@ -19,7 +19,8 @@ from flashop._launch.common import (
     TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
     next_power_of_2, on_inputs_device, resolve_scale, sm_count, tensor_meta, unit_stride_last,
 )
-from flashop._launch.fastpath import Planned, eager_meta, launch_planned
+from flashop._launch.calls import eager_meta
+from flashop._launch.launches import Planned, launch_planned
 from flashop._launch.options import Modifiers
 from flashop._launch.scores import score_args, sink_args
 from flashop._launch.tiles import shared_memory_bytes
@@ -260,7 +261,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, alibi_slopes, sinks, cache_leftpad, rotary_cos, rotary_sin, k_descale,
     v_descale, and the scores' descale: k_descale, or its product with q_descale) have the
-    (shape, strides, dtype, device) ``metas`` (None for None; fastpath.eager_meta), with
+    (shape, strides, dtype, device) ``metas`` (None for None; calls.eager_meta), with
     ``options`` (the call's Modifiers without their tensors, scale, num_splits,
     rotary_interleaved). The outputs' strides are the call's to add."""
     (q, k_cache, v_cache, k, v, batch_idx, block_table, alibi, sinks, leftpad, cos,

@@ -150,7 +150,7 @@ def force(kind: str, tiles: Tiles):
 
 
 def forced() -> tuple:
-    """The tiles force() sets, by kind (a plan's key holds them: flashop/_launch/fastpath.py)."""
+    """The tiles force() sets, by kind (a plan's key holds them: flashop/_launch/calls.py)."""
     return tuple(_FORCED.items())
 
 

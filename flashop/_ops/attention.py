@@ -44,7 +44,7 @@ from torch.utils.flop_counter import (
 )
 
 from flashop._launch import attention as launch
-from flashop._launch.fastpath import PlannedBody
+from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
 from flashop._ops import autocast
 from flashop._ops.checks import (
@@ -190,7 +190,7 @@ _lib = torch.library.Library("flashop", "FRAGMENT")
 
 
 # the forward's and backward's bodies as eager calls run them: by plans made once per
-# signature of calls (fastpath.PlannedBody), for the direct eager path (flashop/_ops/eager.py)
+# signature of calls (plans.PlannedBody), for the direct eager path (flashop/_ops/eager.py)
 # and the opaque operators
 planned_forward = PlannedBody(run_forward)
 planned_backward = PlannedBody(run_backward)

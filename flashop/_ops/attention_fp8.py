@@ -27,7 +27,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import attention as launch
 from flashop._launch.options import modifiers, packing
-from flashop._launch.fastpath import PlannedBody
+from flashop._launch.plans import PlannedBody
 from flashop._ops.attention import bhsd_shapes, register_forward_only
 from flashop._ops.checks import check_fp8_inputs, check_packing_arguments
 from flashop.kernels import INTERPRETING
@@ -80,7 +80,7 @@ def run_attention_fp8(q, k, v, *args, scale=None, out_dtype=None, **options):
 
 
 # the body as the direct eager path runs it: by plans made once per signature of calls
-# (fastpath.PlannedBody; flashop/_ops/eager.py)
+# (plans.PlannedBody; flashop/_ops/eager.py)
 planned_attention_fp8 = PlannedBody(run_attention_fp8)
 
 

@@ -1,8 +1,8 @@
 """The eager path of the Python API: a call of plain tensors with nothing watching (no
 torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform; see
-fastpath.is_direct) runs the operators' bodies directly, skipping the dispatcher's layers
+calls.is_direct) runs the operators' bodies directly, skipping the dispatcher's layers
 and the registered operator's generated autograd function, a large part of a short call's
-host time. The bodies run by plans (fastpath.PlannedBody): a signature's first call runs
+host time. The bodies run by plans (plans.PlannedBody): a signature's first call runs
 the body, its checks included, and later calls replay its allocations and launches. The
 attention forward runs in an autograd function (where a gradient is wanted) whose backward
 runs the backward operator's body the same way. Results, checks and messages are the
@@ -19,9 +19,7 @@ import torch
 from torch import Tensor
 from torch._library.triton import set_wrap_triton_enabled
 
-from flashop._launch.fastpath import (
-    aliasing, environment, is_direct, make_key, signature,
-)
+from flashop._launch.calls import aliasing, environment, is_direct, make_key, signature
 from flashop._ops import attention as ops
 from flashop._ops import attention_fp8 as attention_fp8_ops
 from flashop._ops import autocast, kvcache

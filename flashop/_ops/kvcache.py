@@ -42,7 +42,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import attention as launch_attention
 from flashop._launch import kvcache as launch
-from flashop._launch.fastpath import eager_meta
+from flashop._launch.calls import eager_meta
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
 from flashop._ops.attention import bhsd_shapes, register_forward_only, values

@@ -6,7 +6,7 @@ On the CPU (no GPU needed) the kernels do not run, so that the figures are the P
 them, the same code as on a GPU: run with TRITON_INTERPRET=1 (flashop refuses CPU tensors
 otherwise). ``--launch cached`` (the default) stands in for triton 3.6 on a GPU: Triton's
 launch returns a compiled kernel whose launch does nothing, so that flashop's cached
-launches (flashop/_launch/fastpath.py, or common.py before it) run as they do there;
+launches (flashop/_launch/launches.py; fastpath.py or common.py before it) run as they do there;
 ``--launch triton`` stops at Triton's interpreter instead (every launch takes Triton's path,
 whose binding is not counted). SDPA runs its arithmetic on the CPU (milliseconds, on every
 thread), so it is left out there unless ``--sdpa``: compare flashop's CPU figures with each
@@ -75,17 +75,22 @@ if device.type == "cpu":  # the Python around the launches only
         triton.runtime.driver.set_active(_Driver())
         from flashop._launch import common
         try:
-            from flashop._launch import fastpath as launches
-        except ImportError:  # before the fast path's module
-            launches = common
-        launches._triton_allows_cached_launches = lambda: True
-        if hasattr(launches, "Plan"):  # a plan's replay launches on a stream, as on a GPU
+            from flashop._launch import launches, plans
+            launches.triton_allows_cached_launches = lambda: True
+        except ImportError:  # before launches.py and plans.py (one module, or common.py)
+            try:
+                from flashop._launch import fastpath as launches
+            except ImportError:  # before the fast path's module
+                launches = common
+            launches._triton_allows_cached_launches = lambda: True
+            plans = launches
+        if hasattr(plans, "Plan"):  # a plan's replay launches on a stream, as on a GPU
             def _replay(self, call_args, _device):
                 pool = list(call_args)
                 for step in self.steps:
                     step(pool, 0)
                 return self.outputs(pool)
-            launches.Plan._replay = _replay
+            plans.Plan._replay = _replay
 
 q, k, v = (torch.randn(1, args.n, 1, 64, device=device, dtype=dtype, requires_grad=True)
            for _ in range(3))

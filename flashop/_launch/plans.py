@@ -1,10 +1,7 @@
-"""The eager fast path, in one place: which calls are eager (``is_direct``, ``is_traced``,
-``eager_meta``), the kernels' launches (``launch_kernel``; ``launch_now`` and
-``launch_planned`` launch Triton's compiled kernels directly under CACHED_LAUNCH_TRITON),
-and plans: an operator body's tensor operations (allocations, fills, copies, views) and
-launches for one signature of eager calls,
-recorded on the signature's first call, which runs the body and its checks, and replayed on
-later calls without them (``PlannedBody``).
+"""Plans of eager calls: an operator body's tensor operations (allocations, fills, copies,
+views) and launches for one signature of eager calls, recorded on the signature's first call,
+which runs the body and its checks, and replayed on later calls without them
+(``PlannedBody``).
 
 A short eager call's host time is mostly Python: checks, the kernel's choice and its
 arguments, and Triton's binding of them. A plan keeps what depends on the signature alone
@@ -16,362 +13,20 @@ from __future__ import annotations
 
 import functools
 import operator
-import threading
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 from torch._library.triton import set_wrap_triton_enabled
-from torch.library import wrap_triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashop import config
-from flashop.kernels import INTERPRETING
+from flashop._launch.calls import Key, environment, make_key, signature
+from flashop._launch.launches import (
+    CompiledLaunch, kernel_launches, launch_and_keep, launches_kept, recorder,
+)
 
-# --- which calls are eager --------------------------------------------------------------------
-
-# the types of an eager call's tensors: plain tensors (a parameter is one to the dispatcher),
-# not a tracer's stand-ins (fake, functional) or another subclass, whose shapes may be symbolic
-EAGER_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def is_traced(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data, or
-    torch.compile is tracing the call."""
-    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
-
-
-def is_direct(q: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a call with ``q`` and these tensors takes the direct eager path (the
-    operators' bodies run without the dispatcher): eager tensors (no subclass: fake,
-    functional, DTensor, ...) with data (not on the meta device, whose calls the operators'
-    fakes answer), nothing that must see the operator (a compiler or tracer, a dispatch
-    mode, a functorch transform), and config.settings.direct_eager."""
-    return (config.settings.direct_eager and not q.is_meta and type(q) in EAGER_TENSOR_TYPES
-            and not torch.compiler.is_compiling()
-            and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active()
-            and not torch._C._get_tracing_state())
-
-
-def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
-    """Each tensor's (shape, strides, dtype, device) (common.TensorMeta's fields; None for
-    None), where every tensor is a plain eager tensor (no fake, functional or other
-    subclass, whose shapes may be symbolic); else None. The key of what is computed once per
-    signature of eager calls."""
-    metas = []
-    for t in tensors:
-        if t is None:
-            metas.append(None)
-        elif type(t) in EAGER_TENSOR_TYPES:
-            metas.append((t.shape, t.stride(), t.dtype, t.device))
-        else:
-            return None
-    return tuple(metas)
-
-
-def signature(args: tuple) -> tuple:
-    """What a plan's key holds of a call's positional arguments: each tensor's shape,
-    strides, dtype, device and whether its address is 16-byte aligned (what the kernels'
-    choice reads of it; Triton specialises on it too); None; every other argument by type
-    and value; and, where one tensor is passed as two arguments, which (a plan binds the
-    kernels' tensors to argument positions)."""
-    key = []
-    for a in args:
-        if a is None:
-            key.append(None)
-        elif isinstance(a, _Tensor):
-            key.append((a.shape, a.stride(), a.dtype, a.device, not a.data_ptr() & 15))
-        else:
-            key.append((a.__class__, a))
-    shared = aliasing(args)
-    if shared is not None:
-        key.append(shared)
-    return tuple(key)
-
-
-def aliasing(args: tuple) -> Optional[tuple]:
-    """Where one tensor is passed as several of ``args``, as signature() tells it: for each
-    tensor argument, the index of its first occurrence among them; else None."""
-    ids = [id(a) for a in args if isinstance(a, _Tensor)]
-    if len(set(ids)) == len(ids):
-        return None
-    return tuple([ids.index(i) for i in ids])
-
-
-class Key:
-    """A plan's key (a tuple) whose hash is computed once: a key that holds another (a
-    backward's holds its forward's) hashes it again for free."""
-
-    __slots__ = ("parts", "_hash")
-
-    def __init__(self, parts: tuple):
-        self.parts = parts
-        self._hash = hash(parts)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (other.__class__ is Key and self._hash == other._hash
-                                 and self.parts == other.parts)
-
-
-def make_key(parts: tuple) -> Optional[Key]:
-    """The Key of ``parts``; None where a part cannot be hashed (no plan then)."""
-    try:
-        return Key(parts)
-    except TypeError:
-        return None
-
-
-def environment() -> tuple:
-    """What the kernels' choice reads besides the call: flashop's switches
-    (config.settings), the tiles forced for tuning (tiles.force), and
-    torch.use_deterministic_algorithms' mode."""
-    from flashop._launch import tiles  # (tiles imports common, which imports this module)
-
-    return (tuple(vars(config.settings).values()), tiles.forced(),
-            torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled())
-
-
-# --- launches ---------------------------------------------------------------------------------
-
-# triton==3.6: JITFunction.run returns the CompiledKernel it launched, and CompiledKernel.run
-# takes (grid x, y, z, stream, function, packed metadata, launch metadata, enter hook, exit
-# hook, every argument in the signature's order), as the cached launches call it
-CACHED_LAUNCH_TRITON = (3, 6)
-# compiled kernels kept per @triton.jit function (a key holds the call's integer values: a
-# workload of ever-new shapes starts the table again rather than growing it)
-CACHED_LAUNCHES_PER_KERNEL = 1024
-
-
-def triton_version() -> tuple:
-    """The installed Triton's (major, minor) release."""
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_allows_cached_launches() -> bool:
-    return not INTERPRETING and triton_version() == CACHED_LAUNCH_TRITON
-
-
-class _Launches:
-    """One @triton.jit function's compiled kernels, by the specialisation of their calls."""
-
-    def __init__(self, kernel):
-        params = kernel.params
-        self.names = tuple(p.name for p in params)
-        self.defaults = tuple(p.default for p in params)
-        self.compiled: dict = {}
-
-
-class _Compiled(NamedTuple):
-    """A compiled kernel and where its signature's arguments come from: ``order[i]`` indexes
-    (the call's values by keyword, then the kernel's defaults)."""
-
-    kernel: object
-    order: tuple
-    arguments: Callable
-
-    def run(self, grid: tuple, stream, args) -> None:
-        self.kernel.run(grid[0], grid[1], grid[2], stream, self.kernel.function,
-                        self.kernel.packed_metadata, None, None, None, *args)
-
-
-_LAUNCHES: dict = {}  # id(kernel) -> _Launches; the kernels are module-level functions
 _Tensor = torch.Tensor
-
-
-def _hooked(hook) -> bool:
-    """Whether a launch hook is set (triton 3.6 keeps an empty chain of them when none is)."""
-    return hook is not None and getattr(hook, "calls", True) != []
-
-
-# the types of a call's values -> (the positions of its tensors, a getter of the others)
-_SPLITS: dict = {}
-
-
-def _split(types: tuple) -> tuple:
-    split = _SPLITS.get(types)
-    if split is None:
-        tensors = tuple(i for i, t in enumerate(types) if issubclass(t, _Tensor))
-        others = tuple(i for i in range(len(types)) if i not in tensors)
-        getter = (operator.itemgetter(*others) if len(others) > 1
-                  else (lambda values: (values[others[0]],)) if others
-                  else (lambda values: ()))
-        if len(_SPLITS) >= 4096:  # as many as the kernels' distinct argument lists
-            _SPLITS.clear()
-        split = _SPLITS[types] = (tensors, getter)
-    return split
-
-
-def _call_key(values: tuple) -> tuple:
-    """What Triton specialises a call on, or finer: each tensor's dtype and whether its
-    address is 16-byte aligned; every other argument (integers, floats, flags, strings,
-    descriptors that define equality by dtype and block; Triton's options) by type and
-    value. (The positions of the tensors are found once per list of types: a launch looks
-    at its tensors alone.)"""
-    types = tuple(map(type, values))
-    tensors, others = _split(types)
-    return (types, others(values),
-            tuple([(values[i].dtype, not values[i].data_ptr() & 15) for i in tensors]))
-
-
-def launch_kernel(kernel, grid: tuple, **kwargs) -> None:
-    """Launch the @triton.jit ``kernel`` on ``grid`` with its arguments (and Triton's options,
-    num_warps, num_stages) by keyword, through ``torch.library.wrap_triton``: where a graph
-    is traced, the launch is recorded in it; otherwise launch_now launches it."""
-    launcher = wrap_triton(kernel)
-    if launcher is kernel:
-        launch_now(kernel, grid, **kwargs)
-    else:
-        launcher[grid](**kwargs)
-
-
-def _launches_kept() -> bool:
-    """Whether launch_now may launch compiled kernels itself (see there), as far as the
-    switch, the Triton release and its launch hooks go."""
-    runtime = triton.knobs.runtime
-    return (config.settings.cached_launch and _triton_allows_cached_launches()
-            and not _hooked(runtime.launch_enter_hook)
-            and not _hooked(runtime.launch_exit_hook))
-
-
-def _cached_launches_allowed(kernel) -> bool:
-    """Whether launch_now may launch ``kernel``'s compiled kernels itself (see there)."""
-    return _launches_kept() and not kernel.pre_run_hooks
-
-
-def launch_now(kernel, grid: tuple, **kwargs) -> None:
-    """Launch ``kernel`` eagerly, as ``kernel[grid](**kwargs)`` does, skipping Triton's
-    binding of the arguments (tens of microseconds of host time per launch) where it can:
-    the kernel that Triton compiled for a call is kept under the call's key (_call_key), and
-    a later call of the same key launches it directly with the same arguments. Triton's own
-    path serves the first call of each key, the interpreter, calls while a launch hook is
-    set, Triton releases other than CACHED_LAUNCH_TRITON, and every call with
-    ``FLASHOP_CACHED_LAUNCH=0``. (Triton's compile-time knobs, such as TRITON_DEBUG, are
-    those in force at a key's first call.) A launch while a plan is recorded is also
-    recorded (_Recording)."""
-    recording = _active.recording
-    if recording is not None:
-        recording.launch(kernel, grid, kwargs)
-    else:
-        _launch_now(kernel, grid, kwargs)
-
-
-def _launch_now(kernel, grid: tuple, kwargs: dict) -> Optional[_Compiled]:
-    """launch_now's launch; the compiled kernel it launched, where it keeps one."""
-    if not _cached_launches_allowed(kernel):
-        kernel[grid](**kwargs)
-        return None
-    values = tuple(kwargs.values())
-    device = triton.runtime.driver.active.get_current_device()
-    return _launch_keyed(kernel, grid, kwargs, values,
-                         lambda: (device, tuple(kwargs), _call_key(values)), device)
-
-
-class Planned:
-    """A launch whose grid and arguments but a few are fixed (a launch plan's): ``static``
-    holds those arguments by name. Its key of Triton's specialisation on them is computed
-    once, so that launch_planned keys a call by this object and the other arguments alone."""
-
-    __slots__ = ("grid", "static", "_key", "_hash")
-
-    def __init__(self, grid: tuple, static: dict):
-        self.grid = grid
-        self.static = static
-        self._key = self._hash = None  # on first use (a traced plan's values may be symbolic)
-
-    def key(self) -> tuple:
-        if self._key is None:
-            values = tuple(self.static.values())
-            if any(isinstance(v, _Tensor) for v in values):
-                raise TypeError("Planned: tensors are per-call arguments, not planned ones")
-            self._key = (self.grid, tuple(self.static), _call_key(values))
-            self._hash = hash(self._key)
-        return self._key
-
-    def __hash__(self) -> int:
-        return self._hash if self._hash is not None else hash(self.key())
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Planned) and self.key() == other.key())
-
-    def __repr__(self) -> str:
-        return f"Planned(grid={self.grid}, static={self.static})"
-
-
-def launch_planned(kernel, planned: Planned, **per_call) -> None:
-    """launch_kernel(kernel, planned.grid, **per_call, **planned.static), where an eager
-    call's key (launch_now's) is ``planned`` with the per-call arguments' alone: a plan's
-    fixed arguments are not looked at again on each call."""
-    kwargs = {**per_call, **planned.static}
-    if (wrap_triton(kernel) is not kernel or not _cached_launches_allowed(kernel)
-            or _active.recording is not None):
-        launch_kernel(kernel, planned.grid, **kwargs)
-        return
-    values = tuple(kwargs.values())
-    device = triton.runtime.driver.active.get_current_device()
-    _launch_keyed(kernel, planned.grid, kwargs, values,
-                  lambda: (device, planned, tuple(per_call),
-                           _call_key(values[:len(per_call)])), device)
-
-
-def _kept(key):
-    """``key`` as the launch cache keeps it: each part that holds a tensor (a host-made
-    tensor descriptor holds its tensor) replaced by its equal that holds none
-    (``launch_key()``), so that the cache keeps no call's tensors alive."""
-    if isinstance(key, tuple):
-        return tuple(_kept(part) for part in key)
-    if isinstance(key, type):  # (a key holds its values' types too)
-        return key
-    launch_key = getattr(key, "launch_key", None)
-    return key if launch_key is None else launch_key()
-
-
-def _launches(kernel) -> _Launches:
-    launches = _LAUNCHES.get(id(kernel))  # (JITFunction's hash hashes its source)
-    if launches is None:
-        launches = _LAUNCHES[id(kernel)] = _Launches(kernel)
-    return launches
-
-
-def _launch_keyed(kernel, grid: tuple, kwargs: dict, values: tuple, key: Callable,
-                  device) -> Optional[_Compiled]:
-    """launch_now's cache: the compiled kernel kept under ``key()`` (a call's
-    specialisation, equal keys for equal specialisations), launched directly; Triton's
-    path (which compiles or finds it) for a key's first call. Returns the compiled kernel
-    (None where Triton's path kept none)."""
-    launches = _launches(kernel)
-    try:
-        key = key()
-        entry = launches.compiled.get(key)
-    except TypeError:  # an argument that cannot be hashed: Triton's path
-        kernel[grid](**kwargs)
-        return None
-    if entry is None:
-        compiled = kernel[grid](**kwargs)
-        if not hasattr(compiled, "packed_metadata"):  # a pending compilation
-            return None
-        if len(launches.compiled) >= CACHED_LAUNCHES_PER_KERNEL:
-            launches.compiled.clear()
-        # the signature's arguments from (the call's values + the defaults)
-        given = {name: i for i, name in enumerate(kwargs)}
-        order = tuple(given.get(name, len(values) + i) for i, name in enumerate(launches.names))
-        arguments = (operator.itemgetter(*order) if len(order) > 1
-                     else lambda all_values: (all_values[order[0]],))
-        entry = launches.compiled[_kept(key)] = _Compiled(compiled, order, arguments)
-        return entry
-    entry.run(tuple(grid) + (1,) * (3 - len(grid)),
-              triton.runtime.driver.active.get_current_stream(device),
-              entry.arguments(values + launches.defaults))
-    return entry
-
-
-# --- plans ------------------------------------------------------------------------------------
 
 _aten = torch.ops.aten
 # the tensor operations a plan replays (each a function of its tensors' signatures and its
@@ -398,13 +53,6 @@ _STATIC_TYPES = (int, float, str, type(None))
 _OPERATION_STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device,
                            torch.layout, torch.memory_format)
 MAX_PLANS = 1024
-
-
-class _Active(threading.local):
-    recording: Optional["_Recording"] = None
-
-
-_active = _Active()
 
 
 def _static(value) -> bool:
@@ -442,7 +90,7 @@ class _Recording(TorchDispatchMode):
     def launch(self, kernel, grid: tuple, kwargs: dict) -> None:
         self.launching = True
         try:
-            compiled = _launch_now(kernel, grid, kwargs)
+            compiled = launch_and_keep(kernel, grid, kwargs)
         finally:
             self.launching = False
         self.steps.append(("launch", kernel, tuple(grid), kwargs, compiled))
@@ -603,7 +251,7 @@ class _PlannedLaunch:
                  "template", "positions", "descriptors")
 
     @classmethod
-    def make(cls, kernel, grid: tuple, kwargs: dict, compiled: Optional[_Compiled],
+    def make(cls, kernel, grid: tuple, kwargs: dict, compiled: Optional[CompiledLaunch],
              slots: dict):
         names, tensor_slots, static, descriptors = [], [], {}, []
         for name, value in kwargs.items():
@@ -625,7 +273,7 @@ class _PlannedLaunch:
         return planned
 
     def _init(self, kernel, grid: tuple, names: tuple, tensor_names: tuple, slots: tuple,
-              static: dict, descriptors: tuple, compiled: Optional[_Compiled]) -> None:
+              static: dict, descriptors: tuple, compiled: Optional[CompiledLaunch]) -> None:
         self.kernel, self.grid = kernel, grid + (1,) * (3 - len(grid))
         self.names, self.tensor_names, self.static = names, tensor_names, static
         self.take, self.descriptors = _getter(slots), descriptors
@@ -633,12 +281,12 @@ class _PlannedLaunch:
         if compiled is not None:
             self._keep(compiled)
 
-    def _keep(self, compiled: _Compiled) -> None:
+    def _keep(self, compiled: CompiledLaunch) -> None:
         """Keep ``compiled``, and the arguments' template (every argument in the signature's
         order, the tensors' places left for each call)."""
         n = len(self.names)
         values = [self.static.get(name) for name in self.names]
-        values += _launches(self.kernel).defaults
+        values += kernel_launches(self.kernel).defaults
         self.template = [values[i] for i in compiled.order]
         where = {name: i for i, name in enumerate(self.names)}
         place = {i: p for p, i in enumerate(compiled.order) if i < n}
@@ -671,7 +319,7 @@ class _PlannedLaunch:
                 args[p] = t
             compiled.run(self.grid, stream, args)
             return
-        compiled = _launch_now(self.kernel, self.grid, self.arguments(values))
+        compiled = launch_and_keep(self.kernel, self.grid, self.arguments(values))
         if compiled is not None and self.compiled is None:
             self._keep(compiled)
 
@@ -697,7 +345,7 @@ class Plan:
     def _replay(self, args: tuple, device) -> tuple:
         pool = list(args)
         stream = (triton.runtime.driver.active.get_current_stream(device)
-                  if device is not None and _launches_kept() else None)
+                  if device is not None and launches_kept() else None)
         for step in self.steps:
             step(pool, stream)
         return self.outputs(pool)
@@ -746,13 +394,13 @@ class PlannedBody:
             return self._run(args, options)
         if plan is not _MISSING:
             return plan.replay(args)
-        recording, outer = _Recording(), _active.recording
-        _active.recording = recording
+        recording, outer = _Recording(), recorder.recording
+        recorder.recording = recording
         try:
             with recording:
                 result = self._run(args, options)
         finally:
-            _active.recording = outer
+            recorder.recording = outer
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
         self.plans[key] = recording.plan(args, result)

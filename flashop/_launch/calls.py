@@ -1,0 +1,114 @@
+"""Which calls are eager, and the keys of their signatures: what the direct eager path
+(flashop/_ops/eager.py), the eager plans (plans.py) and the launches (launches.py) ask of a
+call before they take a shortcut."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashop import config
+from flashop._launch import tiles
+from flashop._launch.common import EAGER_TENSOR_TYPES
+
+_Tensor = torch.Tensor
+
+def is_traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data, or
+    torch.compile is tracing the call."""
+    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
+
+
+def is_direct(q: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call with ``q`` and these tensors takes the direct eager path (the
+    operators' bodies run without the dispatcher): eager tensors (no subclass: fake,
+    functional, DTensor, ...) with data (not on the meta device, whose calls the operators'
+    fakes answer), nothing that must see the operator (a compiler or tracer, a dispatch
+    mode, a functorch transform), and config.settings.direct_eager."""
+    return (config.settings.direct_eager and not q.is_meta and type(q) in EAGER_TENSOR_TYPES
+            and not torch.compiler.is_compiling()
+            and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
+            and not torch._C._get_tracing_state())
+
+
+def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
+    """Each tensor's (shape, strides, dtype, device) (common.TensorMeta's fields; None for
+    None), where every tensor is a plain eager tensor (no fake, functional or other
+    subclass, whose shapes may be symbolic); else None. The key of what is computed once per
+    signature of eager calls."""
+    metas = []
+    for t in tensors:
+        if t is None:
+            metas.append(None)
+        elif type(t) in EAGER_TENSOR_TYPES:
+            metas.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    return tuple(metas)
+
+
+def signature(args: tuple) -> tuple:
+    """What a plan's key holds of a call's positional arguments: each tensor's shape,
+    strides, dtype, device and whether its address is 16-byte aligned (what the kernels'
+    choice reads of it; Triton specialises on it too); None; every other argument by type
+    and value; and, where one tensor is passed as two arguments, which (a plan binds the
+    kernels' tensors to argument positions)."""
+    key = []
+    for a in args:
+        if a is None:
+            key.append(None)
+        elif isinstance(a, _Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, not a.data_ptr() & 15))
+        else:
+            key.append((a.__class__, a))
+    shared = aliasing(args)
+    if shared is not None:
+        key.append(shared)
+    return tuple(key)
+
+
+def aliasing(args: tuple) -> Optional[tuple]:
+    """Where one tensor is passed as several of ``args``, as signature() tells it: for each
+    tensor argument, the index of its first occurrence among them; else None."""
+    ids = [id(a) for a in args if isinstance(a, _Tensor)]
+    if len(set(ids)) == len(ids):
+        return None
+    return tuple([ids.index(i) for i in ids])
+
+
+class Key:
+    """A plan's key (a tuple) whose hash is computed once: a key that holds another (a
+    backward's holds its forward's) hashes it again for free."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (other.__class__ is Key and self._hash == other._hash
+                                 and self.parts == other.parts)
+
+
+def make_key(parts: tuple) -> Optional[Key]:
+    """The Key of ``parts``; None where a part cannot be hashed (no plan then)."""
+    try:
+        return Key(parts)
+    except TypeError:
+        return None
+
+
+def environment() -> tuple:
+    """What the kernels' choice reads besides the call: flashop's switches
+    (config.settings), the tiles forced for tuning (tiles.force), and
+    torch.use_deterministic_algorithms' mode."""
+    return (tuple(vars(config.settings).values()), tiles.forced(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
