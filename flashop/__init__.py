@@ -19,6 +19,7 @@ from flashop.api import (
     attention, attention_varlen, attention_varlen_with_lse, attention_with_kvcache,
     attention_with_lse,
 )
+from flashop.explain import Explanation, explain
 from flashop.kernels import INTERPRETING
 from flashop.padding import pad_input, unpad_input
 from flashop.reference import (
@@ -29,5 +30,5 @@ from flashop import sdpa as _sdpa  # noqa: F401  (registers, does not activate)
 __all__ = ["attention", "attention_with_lse", "attention_varlen", "attention_varlen_with_lse",
            "attention_with_kvcache", "attention_reference", "attention_varlen_reference",
            "attention_with_kvcache_reference", "pad_input", "unpad_input", "INTERPRETING",
-           "config"]
+           "config", "explain", "Explanation"]
 __version__ = "0.1.0"

@@ -274,8 +274,8 @@ def poisoned_outputs(deterministic_backward: bool = True):
     fill = torch.utils.deterministic.fill_uninitialized_memory
     # the poisoning needs deterministic algorithms on, under which the launcher never takes
     # the atomics: its choice is replaced for the block
-    choice = flashop._launch.attention.deterministic_backward
-    flashop._launch.attention.deterministic_backward = lambda requested=False: (
+    choice = flashop._launch.choice.deterministic_backward
+    flashop._launch.choice.deterministic_backward = lambda requested=False: (
         requested or deterministic_backward)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
@@ -284,7 +284,7 @@ def poisoned_outputs(deterministic_backward: bool = True):
             yield
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
-        flashop._launch.attention.deterministic_backward = choice
+        flashop._launch.choice.deterministic_backward = choice
 
 
 def run_flashop(case: Case, inputs, dout, dlse, mods=None, deterministic_backward=True):

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
-from flashop._launch import attention as launch, gluon as launch_gluon, plans, tiles
+from flashop._launch import attention as launch, choice, gluon as launch_gluon, plans, tiles
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
 from helpers import (
@@ -66,7 +66,7 @@ _LARGE_SCORES = dict(scale=1.0, magnitude=2.0, outlier_keys=2)
 def test_large_scores_and_outlier_keys(dtype):
     """Scores in the hundreds, as real models give (scale 1, q and k of standard deviation
     2, two keys per head 20-50x the others' norm), so that most rows' probability sits on one
-    key. Each kernel must compute P as the others do (launch.folds_scale): in fp32 the scale
+    key. Each kernel must compute P as the others do (choice.folds_scale): in fp32 the scale
     folded into the exponent's FMA made P of such a key 1 - 2e-5 in the backward against the
     stored lse, and dq left the rule (1.1e-2 against 2.7e-3 under the interpreter, 1.7e-2 on
     an H200); under the interpreter, casts to bf16 that truncated (common.round_to) put bf16's
@@ -101,12 +101,12 @@ def test_forward_through_tensor_descriptors(case):
     S_k and columns past D read as 0, GQA, a head-major layout, modifiers."""
     with flashop.config.override(tma=True):
         q, k, v = make_inputs(case)[0]
-        assert launch._uses_tma(q, k, v, max(case.D, case.DV), case.S_k)  # aligned inputs
+        assert choice.uses_tma(q, k, v, max(case.D, case.DV), case.S_k)  # aligned inputs
         check_case(case)
 
 
 def test_tensor_descriptors_need_aligned_rows():
-    uses = launch._uses_tma
+    uses = choice.uses_tma
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     k = torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16)[..., :12]  # 40-byte rows
     with flashop.config.override(tma=True):
@@ -122,9 +122,9 @@ def test_tensor_descriptors_need_aligned_rows():
 def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monkeypatch):
     """FLASHOP_TMA unset: descriptors at head dims above 128 over at least TMA_MIN_KEYS keys
     (or a symbolic length) on Hopper GPUs only, where they measured faster; never on a CPU."""
-    monkeypatch.setattr(launch, "is_hopper", lambda device: hopper)
-    by_default = launch._tma_by_default
-    cuda, n = torch.device("cuda", 0), launch.TMA_MIN_KEYS
+    monkeypatch.setattr(choice, "is_hopper", lambda device: hopper)
+    by_default = choice._tma_by_default
+    cuda, n = torch.device("cuda", 0), choice.TMA_MIN_KEYS
     assert [by_default(d, n, cuda) for d in (64, 128, 129, 256)] == [False, False, hopper, hopper]
     assert not by_default(256, n - 1, cuda)
     symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
@@ -132,8 +132,8 @@ def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monk
     assert not by_default(256, n, torch.device("cpu"))
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     with flashop.config.override(tma=None):
-        assert launch._uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
-        assert not launch._uses_tma(q, q, q, 128, n)
+        assert choice.uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
+        assert not choice.uses_tma(q, q, q, 128, n)
 
 
 # Under the interpreter the warp-specialized kernel's tile is 32 x 16 (its loop is a plain
@@ -152,7 +152,7 @@ WS_CASES = [
 def _takes_ws(case: Case) -> bool:
     q, k, v = make_inputs(case)[0]
     flags = launch._PLAIN_FLAGS[case.causal]
-    return launch._uses_ws(q, k, v, flags, max(case.D, case.DV), case.S_k, False)
+    return choice.uses_ws(q, k, v, flags, max(case.D, case.DV), case.S_k, False)
 
 
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
@@ -179,10 +179,10 @@ def test_where_the_warp_specialized_kernel_runs():
         modifiers = launch._PLAIN_FLAGS[False]
         for flag in ("HAS_LEFT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND"):
             flags = {**modifiers, flag: True}
-            assert not launch._uses_ws(q, k, v, flags, 64, base.S_k, False), flag
-        assert not launch._uses_ws(q, k, v, modifiers, 64, base.S_k, True)  # packed
+            assert not choice.uses_ws(q, k, v, flags, 64, base.S_k, False), flag
+        assert not choice.uses_ws(q, k, v, modifiers, 64, base.S_k, True)  # packed
         symbolic = ShapeEnv().create_unbacked_symint()  # a length under torch.compile
-        assert not launch._uses_ws(q, k, v, modifiers, 64, symbolic, False)
+        assert not choice.uses_ws(q, k, v, modifiers, 64, symbolic, False)
     with flashop.config.override(warp_specialize=False):
         assert not _takes_ws(base)
     with flashop.config.override(warp_specialize=None):
@@ -192,7 +192,7 @@ def test_where_the_warp_specialized_kernel_runs():
 
 
 def test_the_warp_specialized_kernels_query_layouts():
-    layout = launch._ws_query_layout
+    layout = choice.ws_query_layout
     x = torch.empty(2, 10, 4, 128)
     assert layout(x) is False  # (batch, seq) rows of 4 heads
     assert layout(torch.empty(2, 10, 3, 4, 128)[:, :, 1]) is False  # q of a packed qkv
@@ -357,7 +357,7 @@ def test_where_the_gluon_backward_runs(monkeypatch):
         assert _takes_gluon_backward(causal) == GLUON
     if not ON_GPU:
         assert "flashop.kernels.backward_gluon" not in sys.modules
-    monkeypatch.setattr(launch_gluon, "available", lambda device: True)
+    monkeypatch.setattr(launch_gluon, "unavailable", lambda device: None)
     for case in (base, causal, replace(base, layout="bhsd", dtype=torch.float16),
                  replace(base, S_k=1, S_q=1), replace(base, scale=-0.1),
                  replace(base, D=64, DV=64)):
@@ -434,7 +434,7 @@ def test_where_the_gluon_forward_runs(monkeypatch):
     assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is True)
     if not ON_GPU:
         assert "flashop.kernels.forward_gluon" not in sys.modules
-    monkeypatch.setattr(launch_gluon, "available", lambda device: True)
+    monkeypatch.setattr(launch_gluon, "unavailable", lambda device: None)
     with flashop.config.override(gluon=True):
         assert _takes_gluon(base)
         assert _takes_gluon(causal)
@@ -542,24 +542,24 @@ def test_non_positive_scales(scale, causal):
     unscaled scores is the scaled scores' max only then), with a window's masked tiles and
     rows past the tiles; 0 gives each row a uniform average of its keys."""
     flags = launch._PLAIN_FLAGS[causal]
-    assert launch.folds_scale(0.3, flags, torch.float16)
-    assert not launch.folds_scale(scale, flags, torch.float16)
+    assert choice.folds_scale(0.3, flags, torch.float16)
+    assert not choice.folds_scale(scale, flags, torch.float16)
     check_case(Case(B=1, S_q=45, S_k=70, H_kv=1, G=2, D=96, DV=96, dtype=torch.float16,
                     causal=causal, scale=scale, window_size=(30, -1)))
 
 
 def test_where_the_kernels_fold_the_scale():
     """The forward and the backward fold alike, whatever their tiles and head dims; fp32
-    never (launch.folds_scale)."""
+    never (choice.folds_scale)."""
     flags = dict(launch._PLAIN_FLAGS[False])
     for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
-        folds = functools.partial(launch.folds_scale, dtype=dtype)
+        folds = functools.partial(choice.folds_scale, dtype=dtype)
         assert folds(0.1, flags) and folds(0.1, {**flags, "HAS_RIGHT": True})
         assert folds(0.1, {**flags, "ATTN_MASK_KIND": 2, "HAS_LEFT": True})
         for modifier in (dict(HAS_SOFTCAP=True), dict(HAS_ALIBI=True), dict(HAS_GATE=True),
                          dict(ATTN_MASK_KIND=1)):
             assert not folds(0.1, {**flags, **modifier})
-    assert not launch.folds_scale(0.1, flags, torch.float32)
+    assert not choice.folds_scale(0.1, flags, torch.float32)
 
 
 @pytest.mark.parametrize("D", [192, 256])
@@ -699,16 +699,16 @@ def test_the_backward_is_deterministic_where_asked_and_fastest_by_default():
     """PyTorch's convention: the fastest backward by default; bitwise reproducible where the
     call asks (deterministic=True), under torch.use_deterministic_algorithms (also
     warn_only), or with the atomics switched off, whatever else the switches say."""
-    assert not launch.deterministic_backward()  # the default
-    assert launch.deterministic_backward(True)
+    assert not choice.deterministic_backward()  # the default
+    assert choice.deterministic_backward(True)
     for atomics in (None, True):
         with flashop.config.override(dq_atomics=atomics):
-            assert not launch.deterministic_backward()
-            assert launch.deterministic_backward(True)
+            assert not choice.deterministic_backward()
+            assert choice.deterministic_backward(True)
             with deterministic_algorithms():
-                assert launch.deterministic_backward()
+                assert choice.deterministic_backward()
     with flashop.config.override(dq_atomics=False):
-        assert launch.deterministic_backward()
+        assert choice.deterministic_backward()
 
 
 def test_attention_equals_first_output_of_attention_with_lse():

@@ -118,11 +118,11 @@ def test_compiled_graphs_reach_the_gluon_kernels_through_the_opaque_operators(mo
     Gluon kernels decline."""
     from torch._inductor.virtualized import V
 
-    from flashop._launch import attention as launch, gluon
+    from flashop._launch import choice, gluon
     from flashop._launch.options import modifiers
     from flashop._ops import attention as ops
 
-    monkeypatch.setattr(gluon, "available", lambda device: True)
+    monkeypatch.setattr(gluon, "unavailable", lambda device: None)
     q, k, v = (torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16, device=DEVICE)
                for _ in range(3))
     out, lse, lse_log2 = (torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16, device=DEVICE),
@@ -151,25 +151,24 @@ def test_compiled_graphs_reach_the_gluon_kernels_through_the_opaque_operators(mo
     q_short = q[:, :64].contiguous()
     with torch._subclasses.FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        assert launch.forward_takes_gluon(fq, fk, fv, None, mods, None, traced=True)
-        assert not launch.forward_takes_gluon(fq, fk, fv, None, mods, None)  # not eager
+        assert choice.traced_takes_gluon(fq, fk, fv, None, mods, None)
+        assert not choice.forward_takes_gluon(fq, fk, fv, 0.1, mods, None)  # not eager
         monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
-        assert not launch.forward_takes_gluon(fq, fk, fv, None, mods, None, traced=True)
-        assert launch.gluon_backward_order(fq, fk, fv, fq, mods, False, None, False,
+        assert not choice.traced_takes_gluon(fq, fk, fv, None, mods, None)
+        assert choice.gluon_backward_order(fq, fk, fv, fq, mods, False, None, False,
                                            traced=True) is None
         monkeypatch.setattr(torch.compiler, "_is_exporting_flag", False)
         with V.set_aot_compilation(True):
-            assert not launch.forward_takes_gluon(fq, fk, fv, None, mods, None, traced=True)
+            assert not choice.traced_takes_gluon(fq, fk, fv, None, mods, None)
         for other in (dict(causal=True, window_size_left=8), dict(causal=True, softcap=5.0)):
-            assert not launch.forward_takes_gluon(fq, fk, fv, None, modifiers(**other), None,
-                                                  traced=True)
+            assert not choice.traced_takes_gluon(fq, fk, fv, None, modifiers(**other), None)
         short = mode.from_tensor(q_short)
-        assert not launch.forward_takes_gluon(short, short, short, None, mods, None,
-                                              traced=True)
-        assert launch.gluon_backward_order(short, short, short, short, mods, False, None,
+        assert not choice.traced_takes_gluon(short, short, short, None, mods, None)
+        assert choice.gluon_backward_order(short, short, short, short, mods, False, None,
                                            False, traced=True) is None
     # real tensors (an eager call) are never routed
-    assert not launch.forward_takes_gluon(q, k, v, None, mods, None, traced=True)
+    assert not choice.traced_takes_gluon(q, k, v, None, mods, None)
+    assert not choice.forward_takes_gluon(q, k, v, 0.1, mods, None, traced=True)
 
 
 def test_the_opaque_operators_equal_the_operators_bit_for_bit():

@@ -14,11 +14,10 @@ from typing import Callable, Optional
 import torch
 from torch.library import wrap_triton
 
-from flashop import config
-from flashop._launch import gates, gluon, tiles
+from flashop._launch import choice, gates, gluon, tiles
 from flashop._launch.common import (
-    block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, is_hopper,
-    known_shorter, on_inputs_device, resolve_scale, tensor_meta, tma_aligned, unit_stride_last,
+    block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator,
+    on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
 )
 from flashop._launch.launches import launch_kernel
 from flashop._launch.options import PLAIN, Modifiers, Packing
@@ -229,99 +228,6 @@ def _launch(kernel, kind: str, t: tiles.Tiles, grid: Callable, lengths: tuple,
 
 # --- forward ----------------------------------------------------------------------------------
 
-# Tensor descriptors (Hopper's copy engine, TMA) for the forward's key and value tiles: by
-# default at head dims above 128 over at least TMA_MIN_KEYS keys on Hopper (fewer keys, or
-# smaller head dims, measured slower); config.settings.tma forces them on or off.
-TMA_MIN_KEYS = 4096
-
-
-def _tma_by_default(head_dim: int, S_k, device: torch.device) -> bool:
-    """The descriptors' default rule: head dims above 128 and at least TMA_MIN_KEYS keys (the
-    longest sequence's where packed) on a Hopper GPU. Where S_k is symbolic (torch.compile
-    with dynamic shapes) the rule takes it as long: no guard on it."""
-    return (head_dim > 128 and not known_shorter(S_k, TMA_MIN_KEYS) and device.type == "cuda"
-            and is_hopper(device))
-
-
-def _uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, S_k) -> bool:
-    """Whether the forward reads k and v through tensor descriptors: 16-bit inputs that meet
-    their alignment, where the switch (or its default rule) selects them."""
-    setting = config.settings.tma
-    if q.dtype == torch.float32 or setting is False:
-        return False
-    if setting is None and not _tma_by_default(head_dim, S_k, q.device):
-        return False
-    return tma_aligned(k) and tma_aligned(v)
-
-
-def _ws_query_layout(q: torch.Tensor) -> Optional[bool]:
-    """How attention_fwd_ws_kernel reads ``q`` (B, S_q, H, D) as one 2-D array of rows:
-    True where its (batch, head) slices of S_q rows follow one another (a head-major
-    layout), False where its (batch, seq) rows hold the H heads side by side and D is a
-    block width (the tile's columns stay in one head), None where neither holds."""
-    B, S_q, H, D = q.shape
-    sb, ss, sh = q.stride()[:3]
-    if (H == 1 or sh == D) and (B == 1 or sb == S_q * ss) and D == block_dim(D):
-        return False
-    if (H == 1 or sh == S_q * ss) and (B == 1 or sb == H * S_q * ss):
-        return True
-    return None
-
-
-def _uses_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: dict, head_dim: int,
-             S_k, packed: bool) -> bool:
-    """Whether the forward runs the warp-specialized attention_fwd_ws_kernel: 16-bit dense
-    inputs without modifiers or bounds, S_k a known multiple of its BLOCK_N (that kernel has
-    no masked key tile; a symbolic S_k under torch.compile gets no guard: the split kernel),
-    rows that descriptors can address, q in one of its layouts; and, unless the switch
-    forces it, Hopper at head dims in (64, 128]."""
-    setting = config.settings.warp_specialize
-    if setting is False or packed or q.dtype == torch.float32:
-        return False
-    if any(flags.values()):  # a modifier or a bound
-        return False
-    block_n = tiles.tiles_for("fwd_ws", head_dim, q.dtype, q.device).BLOCK_N
-    if not isinstance(S_k, int) or S_k == 0 or S_k % block_n:
-        return False
-    if setting is None and not (64 < head_dim <= 128 and q.device.type == "cuda"
-                                and is_hopper(q.device)):
-        return False
-    if q.dtype == torch.float8_e4m3fn:  # v keys-last (_fp8_values): its head dim's rows
-        v_aligned = keys_last(v) and tma_aligned(v.transpose(-3, -1))
-    else:
-        v_aligned = tma_aligned(v)
-    return (tma_aligned(q) and tma_aligned(k) and v_aligned
-            and _ws_query_layout(q) is not None)
-
-
-def folds_scale(qk_scale: float, flags: dict, dtype: torch.dtype) -> bool:
-    """Whether the kernels fold ``qk_scale`` into their exponent's FMA (FOLD_SCALE): P =
-    exp2(fma(q.k, qk_scale, -shift)), one instruction per score (see
-    flashop/kernels/forward.py's _fwd_fold), where the scale is positive (the row max of the
-    unscaled scores then scales to the scaled scores' max), no modifier comes between the
-    product and the softmax (softcap, ALiBi, gate, a float attn_mask) and the inputs are
-    16-bit or fp8. The forward and both backward kernels take the same rule, as the Gluon
-    kernels (16-bit) always fold: the backward recomputes P against the forward's lse.
-
-    fp32 inputs never fold: their scaled products are rounded on their own (common.py's
-    rounded_product), in every kernel. With scores in the thousands the fold's exact
-    product is not on the fp32 grid of the stored lse: a row whose probability sits on one
-    key recomputed it as exp2(s * qk_scale - lse) = 1 - 2e-5, and fp32's dQ left the
-    accuracy rule (1.1e-2 against 2.7e-3); rounded, that key's P is exactly 1."""
-    return (qk_scale > 0 and dtype != torch.float32
-            and not (flags["HAS_SOFTCAP"] or flags["HAS_ALIBI"] or flags["HAS_GATE"]
-                     or flags["ATTN_MASK_KIND"] == 1))
-
-
-def forward_takes_gluon(q, k, v, scale: Optional[float], mods: Modifiers,
-                        packing: Optional[Packing], traced: bool = False) -> bool:
-    """Whether attention_forward launches the Gluon kernel for this call (gluon.serves);
-    ``traced``: whether a call traced for a graph compiled here may take it when the graph
-    runs (the operator then calls the eager launcher through an opaque operator)."""
-    qk_scale = resolve_scale(scale, q.shape[-1]) * LOG2E
-    return gluon.serves(q, k, v, mods.causal, qk_scale,
-                        mods.is_plain_but_dropout and packing is None, mods.dropout, traced)
-
 
 def keys_last(v: torch.Tensor) -> bool:
     """Whether ``v`` (B, S_k, H_kv, DV) or packed (total_k, H_kv, DV) has unit stride along
@@ -381,41 +287,53 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
     if p.packed and p.B == 0:  # no sequences: no token attends anything
         return out.zero_(), lse.fill_(float("-inf")), lse_log2.fill_(float("-inf"))
-    grid = lambda bm, bn: (cdiv(p.S_q, bm), p.H, p.B)  # noqa: E731
-    io = dict(q=q, k=k, v=v, o=out, lse=lse, lse_log2=lse_log2, **p.strides("q", q),
-              **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
-              **p.row_strides("l", lse))
-    stride_vd = v.stride(-1)
-    qk_scale = p.modifier_args["qk_scale"]
     fp8 = _fp8_args(q, descales, p.B, p.H_kv)
-    if not fp8["FP8"] and forward_takes_gluon(q, k, v, scale, mods, packing):
+    c = choice.choose_forward(q, k, v, p, mods, fp8=fp8["FP8"])
+    qk_scale = p.modifier_args["qk_scale"]
+    if c.path == "Gluon forward":
         gluon.attention_forward(q, k, v, out, lse, lse_log2, mods.causal, qk_scale,
                                 **_dropout_args(mods))
         return out, lse, lse_log2
-    # sinks and dropout: the general kernel; pages: the general kernel without descriptors
-    paging = _paging(packing, k)
-    ws = (mods.sinks is None and not mods.dropout
-          and _uses_ws(q, k, v, p.flags, p.head_dim, p.S_k, p.packed))
-    tma = (not (ws or paging["IS_PAGED"]) and stride_vd == 1
-           and _uses_tma(q, k, v, p.head_dim, p.S_k))
-    if ws or tma:  # descriptors made in the kernels
+    grid = lambda bm, bn: (cdiv(p.S_q, bm), p.H, p.B)  # noqa: E731
+    io = dict(q=q, k=k, v=v, o=out, lse=lse, lse_log2=lse_log2, **p.strides("q", q),
+              **p.strides("k", k), **p.strides("v", v), **p.strides("o", out),
+              **p.row_strides("l", lse), **fp8, stride_vd=v.stride(-1))
+    ws = c.kernels[0][0] == "attention_fwd_ws_kernel"
+    if ws or c.tma:  # descriptors made in the kernels
         ensure_triton_allocator()
     if ws:
-        _launch(attention_fwd_ws_kernel, "fwd_ws",
-                tiles.tiles_for("fwd_ws", p.head_dim, q.dtype, q.device), grid, lengths=(),
-                **io, S_q=p.S_q, S_k=p.S_k, G=p.H // p.H_kv, qk_scale=qk_scale,
-                **p.constexprs(), FOLD_SCALE=folds_scale(qk_scale, p.flags, q.dtype),
-                Q_HEAD_MAJOR=_ws_query_layout(q),
-                **fp8, stride_vd=stride_vd)
+        _launch(attention_fwd_ws_kernel, "fwd_ws", c.tiles, grid, lengths=(), **io, S_q=p.S_q,
+                S_k=p.S_k, G=p.H // p.H_kv, qk_scale=qk_scale, **p.constexprs(),
+                FOLD_SCALE=c.fold, Q_HEAD_MAJOR=choice.ws_query_layout(q))
         return out, lse, lse_log2
-    t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k)
-    _launch(attention_fwd_kernel, "fwd", t, grid, lengths=(p.S_q, p.S_k),
-            autotune=tiles.autotunes(q.dtype), **io, **p.sequences(), **paging,
-            **p.modifier_args, **_sinks(mods), **_dropout_args(mods), **fp8,
-            stride_vd=stride_vd,
-            **p.constexprs(), **p.flags, FOLD_SCALE=folds_scale(qk_scale, p.flags, q.dtype),
-            TMA=tma)
+    _launch(attention_fwd_kernel, "fwd", c.tiles, grid, lengths=(p.S_q, p.S_k),
+            autotune=c.autotune, **io, **p.sequences(), **_paging(p.packing, k),
+            **p.modifier_args, **_sinks(mods), **_dropout_args(mods), **p.constexprs(),
+            **p.flags, FOLD_SCALE=c.fold, TMA=c.tma)
     return out, lse, lse_log2
+
+
+def choices(q, k, v, scale: Optional[float], mods: Modifiers,
+            packing: Optional[Packing] = None, fp8: bool = False, backward: bool = False,
+            deterministic: bool = False) -> tuple:
+    """The forward's choice (choice.choose_forward) and, where ``backward``, the backward's
+    (choice.choose_backward, for a dout laid out as the forward's output), as the launchers
+    make them for a checked call; launches nothing and allocates no output (meta tensors
+    stand in for them: the rules read shapes, strides and alignment)."""
+    q, k = unit_stride_last(q), unit_stride_last(k)
+    if fp8 and not keys_last(v):  # the copy the forward would make (_fp8_values)
+        *lead, S, H, D = v.shape
+        v = torch.empty((*lead, H, D, S), device="meta", dtype=v.dtype).movedim(-1, -3)
+    elif not fp8:
+        v = unit_stride_last(v)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), device="meta", dtype=q.dtype)
+    p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
+    forward = choice.choose_forward(q, k, v, p, mods, fp8=fp8)
+    if not backward:
+        return forward, None
+    deterministic = choice.deterministic_backward(deterministic)
+    mask_grad = mods.attn_mask is not None and mods.attn_mask.requires_grad
+    return forward, choice.choose_backward(q, k, v, out, p, mods, mask_grad, deterministic)
 
 
 def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
@@ -446,38 +364,6 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
 # --- backward ---------------------------------------------------------------------------------
 
 
-def deterministic_backward(requested: bool = False) -> bool:
-    """Whether the backward must be bitwise reproducible (dQ summed in a fixed order: the dQ
-    kernel sums each row in one program; the Gluon backward adds its key tiles' shares in
-    order): where the caller asks for it (``deterministic=True``), under
-    torch.use_deterministic_algorithms (warn_only too: a deterministic kernel exists), or
-    with the atomics switched off (config.settings.dq_atomics False). Otherwise the fastest
-    backward runs, which adds dQ by fp32 atomics where that measured faster (PyTorch's
-    convention, as FlashAttention's and cuDNN's backwards)."""
-    return (requested or torch.are_deterministic_algorithms_enabled()
-            or config.settings.dq_atomics is False)
-
-
-def gluon_backward_order(q, k, v, dout, mods: Modifiers, attn_mask_grad: bool,
-                         packing: Optional[Packing], deterministic: bool,
-                         traced: bool = False) -> Optional[bool]:
-    """Whether attention_backward launches the Gluon backward for this call, and how it adds
-    dQ: None (it does not), False (by atomics: unless ``deterministic``, where
-    gluon.serves_backward's rule takes the call), True (in key-tile order, where its rule
-    takes the call). Plain dense calls only (dropout allowed). ``traced``: as in
-    forward_takes_gluon."""
-    if mods.g is not None or attn_mask_grad or packing is not None:
-        return None
-    if not mods.is_plain_but_dropout:
-        return None
-    call = (q, k, v, dout, mods.causal, True)
-    if not deterministic and gluon.serves_backward(*call, False, mods.dropout, traced):
-        return False
-    if gluon.serves_backward(*call, True, mods.dropout, traced):
-        return True
-    return None
-
-
 @on_inputs_device
 def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float],
                        mods: Modifiers, attn_mask_grad: bool, packing: Optional[Packing] = None,
@@ -485,13 +371,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     """Launch the backward from the forward's ``out`` and base-2 ``lse_log2``; returns (dq,
     dk, dv, dg, dattn_mask) (the last two as in attention_backward_outputs).
 
-    Unless the backward must be reproducible (deterministic_backward(deterministic)),
-    plain calls that the Gluon backward serves with dQ by atomics (gluon.serves_backward)
-    take it. Plain calls it serves in key-tile order take it so (bitwise reproducible).
-    The rest take the tl kernels: dQ from the dQ kernel (each row summed in one program),
-    or, where the atomics are forced (config.settings.dq_atomics) and there is no gate and
-    no mask gradient, added by the dK/dV kernel by fp32 atomics, with no second pass over S
-    and dP."""
+    The kernels are choice.choose_backward's: the Gluon backward where its rule takes the
+    call, else the tl kernels (the dQ kernel, then the dK/dV kernel, or its two parts; or
+    the dK/dV kernel adding dQ by atomics alone). ``deterministic`` as
+    choice.deterministic_backward gives it."""
     q, k, v, out, dout = (unit_stride_last(x) for x in (q, k, v, out, dout))
     lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
@@ -500,35 +383,19 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
     p = Problem.describe("flashop.attention_backward", q, k, v, dout, scale, mods, packing)
+    c = choice.choose_backward(q, k, v, dout, p, mods, attn_mask_grad, deterministic)
     delta = lse_log2.new_empty(lse_log2.shape)
-    has_gate = mods.g is not None
-    # the gate's gradient halves: rows of the queries (as lse) and of the keys
-    dgq = dgk = None
-    if has_gate:
-        dgq = lse_log2.new_empty(lse_log2.shape)
-        dgk = lse_log2.new_empty((p.B, p.H, p.S_k) if packing is None else (p.H, k.shape[0]))
-    # dS of every (query, key) pair; pairs outside the window are never visited: zeros
-    dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else None
-    deterministic = deterministic_backward(deterministic)
-    causal = p.flags["HAS_RIGHT"]
-    # the Gluon backward serves plain calls: dQ by atomics unless the backward must be
-    # reproducible (or that rule declines the call), else in key-tile order; the tl kernels
-    # the rest
-    ordered = gluon_backward_order(q, k, v, dout, mods, attn_mask_grad, packing, deterministic)
-    use_gluon = ordered is not None
-    dq_atomic = (config.settings.dq_atomics is True and not deterministic
-                 and not (has_gate or attn_mask_grad or use_gluon))
-    # fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
-    acc = dq_acc = (torch.empty(q.shape, device=q.device, dtype=torch.float32) if dq_atomic
-                    else None)
-    short = tiles.is_short(p.S_k)
     o_strides = p.strides("o", out)
     dlse_strides = dict(zip(("stride_dlb", "stride_dlh", "stride_dls"),
                             dlse.stride() if packing is None else (0, *dlse.stride())))
+    use_gluon = c.ordered is not None
     if use_gluon:
-        split = gluon.backward_split(q, k, causal, ordered)
-        acc, dq_acc, dq_sem, dk_acc, dv_acc = gluon.backward_buffer(q, k, ordered, split)
-    if dq_atomic or use_gluon:
+        acc, dq_acc, dq_sem, dk_acc, dv_acc = gluon.backward_buffer(q, k, c.ordered, c.split)
+    else:
+        # fp32 buffer laid out as q: the tl dK/dV kernel adds dQ / scale into it
+        acc = dq_acc = (torch.empty(q.shape, device=q.device, dtype=torch.float32)
+                        if c.dq_atomic else None)
+    if c.dq_atomic or use_gluon:
         # delta alone (no dQ kernel computes it), and the buffer that the kernels add into
         # zeroed; a packed batch is one sequence of total_q rows here, delta being row-wise
         B_pre, rows_pre = (p.B, p.S_q) if packing is None else (1, q.shape[0])
@@ -542,48 +409,48 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
             DV=p.DV, BLOCK_DV=block_dim(p.DV), BLOCK_M=pre_block,
             ZERO_BLOCK=1024 if not INTERPRETING else 64)
     if use_gluon:
+        split = c.split
         gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem,
                                  dk if split == 1 else dk_acc, dv if split == 1 else dv_acc,
-                                 causal, p.sm_scale, p.modifier_args["qk_scale"],
+                                 p.flags["HAS_RIGHT"], p.sm_scale, p.modifier_args["qk_scale"],
                                  **_dropout_args(mods), split=split)
         # the kernel adds dQ itself, scaled
         _cast_grads(acc, dq, 1.0, *((dk, dv) if split > 1 else ()))
         return dq, dk, dv, dg, dmask
+    has_gate = mods.g is not None
+    # the gate's gradient halves: rows of the queries (as lse) and of the keys
+    dgq = dgk = None
+    if has_gate:
+        dgq = lse_log2.new_empty(lse_log2.shape)
+        dgk = lse_log2.new_empty((p.B, p.H, p.S_k) if packing is None else (p.H, k.shape[0]))
+    # dS of every (query, key) pair; pairs outside the window are never visited: zeros
+    dS = lse_log2.new_zeros((p.B, p.H, p.S_q, p.S_k)) if attn_mask_grad else None
     # what the dK/dV and dQ kernels share
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
                   **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
                   **p.modifier_args, **_dropout_args(mods), **p.constexprs(), **p.flags,
-                  FOLD_SCALE=folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype))
-    if not dq_atomic:
+                  FOLD_SCALE=choice.folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype))
+    if not c.dq_atomic:
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(
-            attention_bwd_dq_kernel, "dq",
-            tiles.tiles_for("dq", p.head_dim, q.dtype, q.device, mask_grad=attn_mask_grad,
-                            causal=causal, short=short),
+            attention_bwd_dq_kernel, "dq", c.tiles["dq"],
             lambda bm, bn: (cdiv(p.S_q, bm), p.H, p.B), lengths=(p.S_q, p.S_k),
-            autotune=tiles.autotunes(q.dtype) and not attn_mask_grad, **common,
+            autotune=c.autotune and not attn_mask_grad, **common,
             dq=dq, dgq=dgq, dattn_mask=dS, o=out, dlse=dlse, **p.strides("dq", dq),
             **o_strides, **dlse_strides, H=p.H, ATTN_MASK_GRAD=attn_mask_grad)
-    # the dK/dV kernel, or its dV and dK parts as two launches (tiles.splits_dkdv)
-    if dq_atomic:
-        parts = (("dkdv_atomic", 3),)
-    elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device):
-        parts = (("dv", 1), ("dk", 2))
-    else:
-        parts = (("dkdv", 3),)
-    for kind, part in parts:
+    # the dK/dV kernel, or its dV and dK parts as two launches
+    for kind, part in c.parts:
         _launch(
-            attention_bwd_dkdv_kernel, kind,
-            tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal, short=short),
+            attention_bwd_dkdv_kernel, kind, c.tiles[kind],
             lambda bm, bn: (cdiv(p.S_k, bn), p.H_kv, p.B), lengths=(p.S_q, p.S_k),
-            autotune=tiles.autotunes(q.dtype) and not dq_atomic, **common,
+            autotune=c.autotune and not c.dq_atomic, **common,
             dk=dk, dv=dv, dgk=dgk, dq_acc=dq_acc, **p.strides("dk", dk), **p.strides("dv", dv),
             **(p.row_strides("dgk", dgk) if has_gate else dict(stride_dgkb=0, stride_dgkh=0)),
-            **(p.strides("dqa", dq_acc) if dq_atomic else dict(stride_dqab=0, stride_dqas=0,
-                                                                 stride_dqah=0)),
-            DQ_ATOMIC=dq_atomic, PARTS=part)
-    if dq_atomic:
+            **(p.strides("dqa", dq_acc) if c.dq_atomic else dict(stride_dqab=0, stride_dqas=0,
+                                                                   stride_dqah=0)),
+            DQ_ATOMIC=c.dq_atomic, PARTS=part)
+    if c.dq_atomic:
         _cast_grads(acc, dq, p.sm_scale)
         return dq, dk, dv, dg, dmask
     # into the tensors attention_backward_outputs allocated (the fake's strides)

@@ -18,6 +18,14 @@ from flashop.kernels import INTERPRETING
 EAGER_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def decline(why: Optional[list], reason: str) -> bool:
+    """A rule's answer where it rules something out: False, with ``reason`` added to ``why``
+    (where given: a choice being explained, flashop/_launch/choice.py)."""
+    if why is not None:
+        why.append(reason)
+    return False
+
+
 def cdiv(n, d: int):
     """ceil(n / d) for an int or a symbolic n (triton.cdiv costs microseconds of host time
     per call)."""

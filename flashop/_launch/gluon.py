@@ -21,7 +21,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flashop import config
-from flashop._launch.common import cdiv, known_shorter, sm_count, tma_aligned
+from flashop._launch.common import cdiv, decline, known_shorter, sm_count, tma_aligned
 from flashop._launch.calls import is_traced
 from flashop._launch.launches import launch_now, triton_version
 from flashop.kernels import INTERPRETING
@@ -85,11 +85,25 @@ BWD_DROPOUT_MIN_KEYS = {(128, False): 1024, (128, True): 4096, (64, False): 1024
 
 
 @functools.lru_cache(maxsize=None)
+def unavailable(device: torch.device) -> Optional[str]:
+    """Why the Gluon kernels cannot run on ``device``, or None where they can: the Triton
+    release they are written for, not interpreting, a Hopper GPU (sm_90; their wgmma and TMA
+    are Hopper's)."""
+    if INTERPRETING:
+        return "not under Triton's interpreter"
+    if triton_version() != GLUON_TRITON:
+        return (f"triton {'.'.join(map(str, triton_version()))} is not "
+                f"{'.'.join(map(str, GLUON_TRITON))}")
+    if device.type != "cuda":
+        return f"{device.type} tensors"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "not a Hopper GPU (sm_90)"
+    return None
+
+
 def available(device: torch.device) -> bool:
-    """Whether the Gluon kernel can run on ``device``: the Triton release it was written
-    for, not interpreting, a Hopper GPU (sm_90; its wgmma and TMA are Hopper's)."""
-    return (not INTERPRETING and triton_version() == GLUON_TRITON and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    """Whether the Gluon kernels can run on ``device`` (unavailable)."""
+    return unavailable(device) is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,13 +129,22 @@ def compiled_here(x: torch.Tensor) -> bool:
     return not V.aot_compilation
 
 
-def _takes_call(q: torch.Tensor, plain: bool, traced: bool) -> bool:
+def _takes_call(q: torch.Tensor, plain: bool, traced: bool, why, what: str) -> bool:
     """What both Gluon kernels ask of a call: the switch not off, a plain call (``plain``),
     the kernels available on q's device, 16-bit inputs, an eager call (``traced``: a call
-    traced for a graph compiled here, compiled_here)."""
-    return (config.settings.gluon is not False and plain and available(q.device)
-            and q.dtype in (torch.float16, torch.bfloat16)
-            and (compiled_here(q) if traced else not is_traced(q)))
+    traced for a graph compiled here, compiled_here). ``what``: the kernel, for ``why``."""
+    if config.settings.gluon is False:
+        return decline(why, f"{what}: off (FLASHOP_GLUON=0)")
+    missing = unavailable(q.device)
+    if missing is not None:
+        return decline(why, f"{what}: {missing}")
+    if not plain:
+        return decline(why, f"{what}: dense calls with no modifier but causal and dropout")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return decline(why, f"{what}: float16 or bfloat16 inputs only")
+    if not (compiled_here(q) if traced else not is_traced(q)):
+        return decline(why, f"{what}: not in exported graphs (the tl kernels are exported)")
+    return True
 
 
 def _same_length(S_q, S_k) -> bool:
@@ -137,7 +160,7 @@ def _addressable(*tensors: torch.Tensor) -> bool:
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_scale: float,
-           plain: bool, dropout: bool = False, traced: bool = False) -> bool:
+           plain: bool, dropout: bool = False, traced: bool = False, why=None) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, dense; ``causal`` the only bound, and
     ``dropout``) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
@@ -146,26 +169,39 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     the default rule above. ``traced``: whether a call traced for a graph compiled here
     (compiled_here) may take it when the graph runs; symbolic lengths then count as long
     (no guard: the eager launcher that the opaque operator runs decides on the lengths)."""
+    what = "Gluon forward"
     setting = config.settings.gluon
-    if not _takes_call(q, plain, traced):
+    if not _takes_call(q, plain, traced, why, what):
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
     D = int(D)  # (symbolic where traced with dynamic shapes: the kernels specialize on it)
-    if D != DV or D not in FWD_TILES or qk_scale <= 0 or S_k == 0:
-        return False
+    if D != DV or D not in FWD_TILES:
+        return decline(why, f"{what}: head dims {', '.join(map(str, FWD_TILES))} with DV = D "
+                            f"only, not D = {D}, DV = {DV}")
+    if qk_scale <= 0 or S_k == 0:
+        return decline(why, f"{what}: a positive scale and at least one key")
     if causal and not _same_length(S_q, S_k):
-        return False
-    if setting is None and (known_shorter(S_q, GLUON_MIN_QUERIES)
-                            or known_shorter(S_k, GLUON_MIN_KEYS[D, causal])
-                            or (dropout and (D, causal) not in GLUON_DROPOUT)):
-        return False
-    return _addressable(q, k, v)
+        return decline(why, f"{what}: causal calls with S_q = S_k only")
+    if setting is None:
+        if known_shorter(S_q, GLUON_MIN_QUERIES):
+            return decline(why, f"{what}: by default from {GLUON_MIN_QUERIES} queries, not "
+                                f"at {S_q}")
+        if known_shorter(S_k, GLUON_MIN_KEYS[D, causal]):
+            return decline(why, f"{what}: by default from {GLUON_MIN_KEYS[D, causal]} keys "
+                                f"at D = {D}{' causal' if causal else ''}, not at {S_k}")
+        if dropout and (D, causal) not in GLUON_DROPOUT:
+            return decline(why, f"{what}: by default no dropout at D = {D}"
+                                f"{' causal' if causal else ''}")
+    if not _addressable(q, k, v):
+        return decline(why, f"{what}: q, k or v not 16-byte aligned with a unit-stride head "
+                            f"dim")
+    return True
 
 
 def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     causal: bool, plain: bool, deterministic: bool,
-                    dropout: bool = False, traced: bool = False) -> bool:
+                    dropout: bool = False, traced: bool = False, why=None) -> bool:
     """Whether the Gluon backward takes this call, with dQ's adds in key-tile order
     (``deterministic``) or not (dQ by atomics): where available, an eager call of the plain
     backward (and ``dropout``) with 16-bit inputs, D == DV in BWD_HEAD_DIMS, S_q == S_k
@@ -174,25 +210,36 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     rules above (BWD_DROPOUT_MIN_KEYS with dropout, else BWD_MIN_KEYS where deterministic,
     else BWD_ATOMIC_MIN_KEYS). config.settings.gluon False turns it off. ``traced``: as in
     serves()."""
-    if not _takes_call(q, plain, traced):
+    what = ("Gluon backward, dQ in key-tile order" if deterministic
+            else "Gluon backward, dQ by atomics")
+    if not _takes_call(q, plain, traced, why, what):
         return False
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     D = int(D)  # (as in serves)
-    if D != DV or D not in BWD_HEAD_DIMS or (causal and not _same_length(S_q, S_k)):
-        return False
+    if D != DV or D not in BWD_HEAD_DIMS:
+        return decline(why, f"{what}: head dims {', '.join(map(str, BWD_HEAD_DIMS))} with "
+                            f"DV = D only, not D = {D}, DV = {DV}")
+    if causal and not _same_length(S_q, S_k):
+        return decline(why, f"{what}: causal calls with S_q = S_k only")
     # (known without a guard: a symbolic grid is checked when the graph runs)
     if statically_known_true(B * H_kv * cdiv(S_k, BWD_BLOCK_N) > MAX_GRID_X if deterministic
                              else B * H_kv > MAX_GRID_Y):
-        return False
+        return decline(why, f"{what}: a grid past its bounds")
     rule = (BWD_DROPOUT_MIN_KEYS if dropout else BWD_MIN_KEYS if deterministic
             else BWD_ATOMIC_MIN_KEYS)
     forced = config.settings.gluon or (not (deterministic or dropout)
                                        and config.settings.dq_atomics)
     min_keys = rule.get((D, causal))
     if not forced and (min_keys is None or known_shorter(S_k, min_keys)):
-        return False
-    return _addressable(q, k, v, dout)
+        at = f"D = {D}{' causal' if causal else ''}{' with dropout' if dropout else ''}"
+        if min_keys is None:
+            return decline(why, f"{what}: not by default at {at} (slower there)")
+        return decline(why, f"{what}: by default from {min_keys} keys at {at}, not at {S_k}")
+    if not _addressable(q, k, v, dout):
+        return decline(why, f"{what}: q, k, v or dout not 16-byte aligned with a unit-stride "
+                            f"head dim")
+    return True
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -265,6 +312,12 @@ def work_units(S_q: int, bh: int, block_m: int, causal: bool) -> int:
     return bh * (cdiv(tiles, 2) if causal else tiles)
 
 
+def forward_tiles(D: int, dropout: bool) -> tuple:
+    """The Gluon forward's (BLOCK_M, BLOCK_N, STAGES) at head dim D (FWD_TILES; with
+    dropout, FWD_DROPOUT_TILES where given)."""
+    return FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if dropout else FWD_TILES[D]
+
+
 def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float,
                       dropout_seed: torch.Tensor, dropout_p: float, DROPOUT: bool) -> None:
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
@@ -273,8 +326,7 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     dropout arguments as the ``tl`` forward takes them (attention._dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
-    BLOCK_M, BLOCK_N, STAGES = (FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if DROPOUT
-                                else FWD_TILES[D])
+    BLOCK_M, BLOCK_N, STAGES = forward_tiles(D, DROPOUT)
     units = work_units(S_q, B * H, BLOCK_M, causal)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),

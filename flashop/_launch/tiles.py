@@ -14,7 +14,7 @@ import triton
 
 from flashop import config
 from flashop._launch.common import (
-    is_hopper, known_shorter, max_shared_memory, next_power_of_2,
+    decline, is_hopper, known_shorter, max_shared_memory, next_power_of_2,
 )
 from flashop.kernels import INTERPRETING
 
@@ -71,15 +71,20 @@ def two_query_tiles(head_dim: int) -> bool:
     return 64 < head_dim <= 128
 
 
-def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device, why=None) -> bool:
     """Whether the backward's dK/dV kernel runs as two launches, a dV part and a dK part
     (its ``PARTS``), each program holding one [BLOCK_N, D] accumulator: 16-bit inputs at
     head dims above 128 on Hopper, where one program holding both spills at every tile that
     fits (1.09-1.26x the whole backward at D = 256 on an H200, though S^T is computed
     twice). The interpreter takes the Hopper rule, so that CI runs both forms."""
-    if head_dim <= 128 or dtype == torch.float32:
-        return False
-    return INTERPRETING or (device.type == "cuda" and is_hopper(device))
+    what = "the dK/dV kernel in two parts"
+    if head_dim <= 128:
+        return decline(why, f"{what}: above head dim 128 only (one program holds dK and dV)")
+    if dtype == torch.float32:
+        return decline(why, f"{what}: not for float32 inputs")
+    if not (INTERPRETING or (device.type == "cuda" and is_hopper(device))):
+        return decline(why, f"{what}: on Hopper GPUs only")
+    return True
 
 
 def is_short(S_k) -> bool:
@@ -181,7 +186,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags: dict,
-                  S_k) -> Tiles:
+                  S_k, why=None) -> Tiles:
     """The forward's tiles for its modifier flags: tiles_for's, with one query tile of
     BLOCK_M / 2 rows instead of two where two measured slower or spill registers: an
     attn_mask (its loads in both tiles spill), a window's left bound (short programs whose
@@ -192,8 +197,13 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     short = is_short(S_k)
     t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short)
     short_causal = flags["HAS_RIGHT"] and short
-    if t.split_m and (flags["ATTN_MASK_KIND"] != 0 or flags["HAS_LEFT"] or short_causal):
-        t = replace(t, BLOCK_M=t.BLOCK_M // 2, split_m=False)
+    if t.split_m:
+        one = ("an attn_mask" if flags["ATTN_MASK_KIND"] != 0
+               else "a window's left bound" if flags["HAS_LEFT"]
+               else f"causal over fewer than {SHORT_KEYS} keys" if short_causal else None)
+        if one is not None:
+            decline(why, f"two query tiles per program: not with {one}")
+            t = replace(t, BLOCK_M=t.BLOCK_M // 2, split_m=False)
     return t
 
 

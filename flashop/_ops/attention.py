@@ -43,7 +43,8 @@ from torch.utils.flop_counter import (
     register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count,
 )
 
-from flashop._launch import attention as launch
+from flashop._launch import attention as launch, choice
+from flashop._launch.calls import is_traced
 from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
 from flashop._ops import autocast
@@ -108,7 +109,7 @@ def run_forward(q, k, v, *args, scale=None, **options):
     lse_log2). A call traced for a graph compiled here whose eager call takes the Gluon
     kernel, which Inductor cannot trace, calls it through attention_forward_opaque."""
     mods, packed = _call(q, k, v, *args, scale=scale, **options)
-    if launch.forward_takes_gluon(q, k, v, scale, mods, packed, traced=True):
+    if choice.traced_takes_gluon(q, k, v, scale, mods, packed):
         return torch.ops.flashop.attention_forward_opaque(q, k, v, *args, scale=scale,
                                                           **options)
     return launch.attention_forward(q, k, v, scale, mods, packed)
@@ -163,12 +164,12 @@ def run_backward(dout, dlse, q, k, v, out, lse_log2, *args, scale=None, attn_mas
     """attention_backward's body (its arguments): checks, then the kernels; (dq, dk, dv, dg,
     dattn_mask). As run_forward, through attention_backward_opaque where a traced call's
     eager call takes the Gluon backward; ``deterministic`` is resolved where the call is
-    traced (launch.deterministic_backward: torch.use_deterministic_algorithms as then)."""
+    traced (choice.deterministic_backward: torch.use_deterministic_algorithms as then)."""
     mods, packed = _backward_call(dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
                                   attn_mask_grad=attn_mask_grad, **options)
-    deterministic = launch.deterministic_backward(deterministic)
-    if launch.gluon_backward_order(q, k, v, dout, mods, attn_mask_grad, packed, deterministic,
-                                   traced=True) is not None:
+    deterministic = choice.deterministic_backward(deterministic)
+    if is_traced(q) and choice.gluon_backward_order(
+            q, k, v, dout, mods, attn_mask_grad, packed, deterministic, traced=True) is not None:
         return torch.ops.flashop.attention_backward_opaque(
             dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
             attn_mask_grad=attn_mask_grad, deterministic=deterministic, **options)

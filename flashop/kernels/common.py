@@ -112,7 +112,7 @@ def rounded_product(a, b):
 
 @triton.jit
 def exp2_shifted(b_s, qk_scale, b_shift, FOLD_SCALE: tl.constexpr):
-    """exp2(s - shift) of scaled scores; where ``FOLD_SCALE`` (launch.folds_scale), of
+    """exp2(s - shift) of scaled scores; where ``FOLD_SCALE`` (choice.folds_scale), of
     unscaled ones, exp2(s * qk_scale - shift) as one FMA: the forward's P and the backward's
     recomputed P, rounded alike. On a GPU the compiler fuses the expression (an explicit
     tl.fma compiled 3-5% slower at D = 64 and 128); the interpreter rounds each operation,
@@ -265,7 +265,7 @@ def attention_scores(
     (base-2 scores near -190) P missed 1 by 1e-5. With no additive term the scaled product
     is rounded on its own (rounded_product), unless not ``SCALED``: then the scores are
     returned unscaled, for a caller that folds the scale into its exponent's FMA
-    (launch.folds_scale).
+    (choice.folds_scale).
     """
     t = b_qk
     if HAS_SOFTCAP:

@@ -263,7 +263,7 @@ def attention_fwd_kernel(
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
     right bound, the key tiles past the first tile's last key run for the second alone.
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
-    (see _fwd_fold; the launcher's rule is launch.folds_scale: 16-bit or fp8 inputs, a
+    (see _fwd_fold; the launcher's rule is choice.folds_scale: 16-bit or fp8 inputs, a
     positive scale and no modifier between the product and the softmax; the backward
     kernels fold alike).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
@@ -477,7 +477,7 @@ def attention_fwd_ws_kernel(
     Needs q to be
     one 2-D array of rows: ``Q_HEAD_MAJOR``, (batch, head) slices of S_q rows of stride
     stride_qs one after another; else (batch, seq) rows holding the H heads side by side,
-    D == BLOCK_D (launch._ws_query_layout). ``seq_bucket`` is not read (the launcher's
+    D == BLOCK_D (choice.ws_query_layout). ``seq_bucket`` is not read (the launcher's
     convention, see attention_fwd_kernel). Where ``FP8``, e4m3 inputs with their descales as
     attention_fwd_kernel's, and v stored keys-last (``stride_vs`` 1, its head dim
     ``stride_vd`` apart): its descriptor reads [BLOCK_DV, BLOCK_N] tiles, transposed for the

@@ -1,0 +1,183 @@
+"""flashop.explain: what a call runs and why, pinned for representative calls, and equal to
+the kernels the call then launches."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+import flashop
+from flashop._launch import attention as launch_attention, gluon, launches
+from helpers import DEVICE, TestCase, error_message
+
+ON_GPU = DEVICE == "cuda"
+
+
+def _t(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_(grad)
+
+
+def _launched(run) -> list:
+    """The kernels ``run()`` launches, by name, in order (the Gluon kernels by their
+    launchers, the tl kernels by launch_kernel)."""
+    names = []
+    kernel_launch = launch_attention.launch_kernel
+    fwd, bwd = gluon.attention_forward, gluon.attention_backward
+
+    def record(kernel, grid, **kwargs):
+        names.append(getattr(kernel, "fn", kernel).__name__)
+        return kernel_launch(kernel, grid, **kwargs)
+
+    def record_gluon(name, original):
+        def launch(*args, **kwargs):
+            names.append(name)
+            return original(*args, **kwargs)
+        return launch
+
+    with mock.patch.object(launch_attention, "launch_kernel", record), \
+            mock.patch.object(gluon, "attention_forward",
+                              record_gluon("attention_fwd_gluon_kernel", fwd)), \
+            mock.patch.object(gluon, "attention_backward",
+                              record_gluon("attention_bwd_gluon_kernel", bwd)):
+        run()
+    return names
+
+
+def _kernel_names(choice) -> list:
+    """A choice's kernels by their kernels' names (the parts of one kernel named once per
+    launch)."""
+    return [name.split(",")[0] for name, _ in choice.kernels]
+
+
+CALLS = {
+    "plain": (lambda: (_t(2, 40, 4, 64, grad=True), _t(2, 40, 2, 64, grad=True),
+                       _t(2, 40, 2, 64, grad=True)), dict(causal=True)),
+    "modifiers": (lambda: (_t(1, 33, 2, 32, dtype=torch.float16, grad=True),
+                           _t(1, 50, 2, 32, dtype=torch.float16, grad=True),
+                           _t(1, 50, 2, 32, dtype=torch.float16, grad=True)),
+                  dict(window_size=(16, 0), softcap=5.0)),
+    "head-dim-160": (lambda: (_t(1, 24, 2, 160, dtype=torch.float16, grad=True),
+                              _t(1, 24, 2, 160, dtype=torch.float16, grad=True),
+                              _t(1, 24, 2, 160, dtype=torch.float16, grad=True)), {}),
+    "fp32": (lambda: tuple(_t(1, 24, 2, 32, dtype=torch.float32, grad=True) for _ in range(3)),
+             dict(causal=True)),
+}
+if ON_GPU:
+    CALLS["long"] = (lambda: tuple(_t(1, 4096, 8, 128, grad=True) for _ in range(3)),
+                     dict(causal=True))
+    CALLS["long-256"] = (lambda: tuple(_t(1, 4096, 4, 256, grad=True) for _ in range(3)), {})
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("switches", [{}, dict(dq_atomics=True), dict(gluon=False)],
+                         ids=["default", "dq-atomics", "no-gluon"])
+def test_the_explanation_is_what_the_call_launches(name, deterministic, switches):
+    """explain's forward and backward kernels, in order, are those the call launches."""
+    make, options = CALLS[name]
+    q, k, v = make()
+    options = dict(options, deterministic=deterministic)
+    with flashop.config.override(**switches):
+        told = flashop.explain(flashop.attention, q, k, v, **options)
+        out = None
+
+        def forward():
+            nonlocal out
+            out = flashop.attention(q, k, v, **options)
+
+        assert _launched(forward) == _kernel_names(told.forward), str(told)
+        ran = _launched(lambda: out.backward(torch.randn_like(out)))
+        assert ran == _kernel_names(told.backward), str(told)
+
+
+def test_explain_launches_nothing_and_checks_as_the_call_does():
+    q, k, v = CALLS["plain"][0]()
+    with mock.patch.object(launches, "launch_now", side_effect=AssertionError("launched")):
+        told = flashop.explain(flashop.attention_with_lse, q, k, v, causal=True)
+    assert told.forward.kernels and told.backward.kernels
+    bad = _t(2, 40, 3, 64)
+    assert error_message(flashop.explain, flashop.attention, q, bad, bad) == \
+        error_message(flashop.attention, q, bad, bad)
+    assert error_message(flashop.explain, flashop.attention, q, k, v, window_size=3) == \
+        error_message(flashop.attention, q, k, v, window_size=3)
+
+
+class TestExplain(TestCase):
+    def test_what_it_explains(self):
+        q, k, v = CALLS["plain"][0]()
+        self.assertExpectedInline(
+            error_message(flashop.explain, torch.nn.functional.scaled_dot_product_attention,
+                          q, k, v).split(";")[0],
+            """flashop.explain: explains calls of flashop.attention, flashop.attention_with_lse, flashop.attention_varlen, flashop.attention_varlen_with_lse""")  # noqa: B950
+
+    @pytest.mark.skipif(ON_GPU, reason="the interpreter's tiles and reasons")
+    def test_explanations_under_the_interpreter(self):
+        q, k, v = CALLS["plain"][0]()
+        self.assertExpectedInline(str(flashop.explain(flashop.attention, q, k, v,
+                                                      causal=True)), """\
+flashop.attention on cpu: q (2, 40, 4, 64) bfloat16, k (2, 40, 2, 64) bfloat16, v (2, 40, 2, 64) bfloat16
+forward: tl forward
+  attention_fwd_kernel: 32x16 tiles, 4 warps, 1 stage
+  tensor descriptors: False
+  scale folded into the exponent: True
+  - Gluon forward: not under Triton's interpreter
+  - warp-specialized forward: no modifier, causal or window bound
+  - tensor descriptors: by default above head dim 128, not at 64
+backward: tl backward
+  attention_bwd_dq_kernel: 32x16 tiles, 4 warps, 1 stage
+  attention_bwd_dkdv_kernel: 16x32 tiles, 4 warps, 1 stage
+  bitwise reproducible: True
+  - Gluon backward: not under Triton's interpreter
+  - tl dQ by atomics: only where FLASHOP_DQ_ATOMICS=1 (slower at most shapes)
+  - the dK/dV kernel in two parts: above head dim 128 only (one program holds dK and dV)""")
+        q, k, v = CALLS["head-dim-160"][0]()
+        with flashop.config.override(dq_atomics=True):
+            told = flashop.explain(flashop.attention, q, k, v, window_size=(8, 8))
+        self.assertExpectedInline(str(told.backward), """\
+tl backward
+  attention_bwd_preprocess_kernel
+  attention_bwd_dkdv_kernel, dQ by atomics: 16x32 tiles, 4 warps, 1 stage
+  attention_bwd_cast_kernel
+  bitwise reproducible: False
+  - Gluon backward: not under Triton's interpreter""")
+        cu = torch.tensor([0, 10, 24], device=DEVICE, dtype=torch.int32)
+        pages = _t(4, 16, 2, 64)
+        table = torch.tensor([[0, 1], [3, 2]], device=DEVICE, dtype=torch.int32)
+        told = flashop.explain(flashop.attention_varlen, _t(24, 4, 64), pages, pages, cu, cu,
+                               14, 14, causal=True, block_table=table)
+        self.assertExpectedInline(str(told), """\
+flashop.attention_varlen on cpu: q (24, 4, 64) bfloat16, k (4, 16, 2, 64) bfloat16, v (4, 16, 2, 64) bfloat16, block_table (2, 2) int32
+forward: tl forward
+  attention_fwd_kernel: 32x16 tiles, 4 warps, 1 stage
+  tensor descriptors: False
+  scale folded into the exponent: True
+  - Gluon forward: not under Triton's interpreter
+  - warp-specialized forward: dense 16-bit or fp8 inputs only
+  - tensor descriptors: not over pages""")
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not (ON_GPU and gluon.available(torch.device(DEVICE))),
+                        reason="the Gluon kernels' rules (triton 3.6, Hopper)")
+    def test_explanations_on_hopper(self):
+        q, k, v = CALLS["long"][0]()
+        told = flashop.explain(flashop.attention, q, k, v, causal=True)
+        self.assertEqual(told.forward.path, "Gluon forward")
+        self.assertEqual(told.backward.path, "Gluon backward, dQ added by atomics")
+        told = flashop.explain(flashop.attention, q, k, v, causal=True, deterministic=True)
+        self.assertEqual(told.backward.path, "Gluon backward, dQ added in key-tile order")
+        short = q[:, :1024]
+        told = flashop.explain(flashop.attention, short, short, short)
+        self.assertEqual(told.forward.path, "Gluon forward")
+        self.assertIn("Gluon backward, dQ by atomics: by default from 2048 keys at D = 128, "
+                      "not at 1024", told.backward.why)
+        with flashop.config.override(gluon=False):
+            told = flashop.explain(flashop.attention, q, k, v)
+        self.assertEqual(told.forward.path, "tl forward, warp-specialized")
+        self.assertIn("Gluon forward: off (FLASHOP_GLUON=0)", told.forward.why)
+        q, k, v = CALLS["long-256"][0]()
+        told = flashop.explain(flashop.attention, q, k, v)
+        self.assertEqual(told.forward.path, "Gluon forward")
+        self.assertEqual(told.backward.path, "tl backward")
+        self.assertEqual([n for n, _ in told.backward.kernels], [
+            "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel, dV part",
+            "attention_bwd_dkdv_kernel, dK part"])
