@@ -175,6 +175,49 @@ def kvcache_append_kernel(
 
 
 @triton.jit
+def cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+               TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr):
+    """The key and value caches' row offsets (int64, [BLOCK_N]) of the keys ``o_n`` of the
+    tile starting at ``start_n`` (``m_n``: those below the readable keys), from the caches'
+    pointers at this KV head (dense: at this sequence's first key). Paged: ``block_table``
+    points at this sequence's pages; where ``TILE_PAGE`` (the tile lies in one page) the
+    tile's one page id is loaded, else each key's (a vector, which the pipeliner
+    prefetches), masked on ``EDGE_TILE`` tiles. (For loads only: torch<2.13 counts a
+    helper's arguments as written where its results offset a store, see common.py.)"""
+    if IS_PAGED:
+        if TILE_PAGE:
+            i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
+            o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        else:  # each key's own page (a tile of BLOCK_N > PAGE_SIZE keys spans pages)
+            if EDGE_TILE:
+                i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n,
+                                 other=0).to(tl.int64)
+            else:
+                i_page = tl.load(block_table + o_n // PAGE_SIZE).to(tl.int64)
+            o_row = o_n % PAGE_SIZE
+        return i_page * stride_kcb + o_row * stride_kcs, i_page * stride_vcb + o_row * stride_vcs
+    return o_n.to(tl.int64) * stride_kcs, o_n.to(tl.int64) * stride_vcs
+
+
+@triton.jit
+def softmax_step(b_s, m_i, l_i, EDGE_TILE: tl.constexpr):
+    """The online softmax over one tile of base-2 scores ``b_s`` [ROWS, BLOCK_N] (-inf where
+    masked): (P, the factor ``alpha`` of what came before, the new running sum and max).
+    On ``EDGE_TILE`` tiles a row may have seen no key yet (max -inf): its P and alpha are 0,
+    not NaN."""
+    # [ROWS]
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    if EDGE_TILE:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    b_p = tl.math.exp2(b_s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    return b_p, alpha, l_i * alpha + tl.sum(b_p, 1), m_new
+
+
+@triton.jit
 def _decode_key_tiles(
     acc, l_i, m_i, b_q, k_cache, v_cache, block_table, o_i, m_r, alibi2, start, end, L_read,
     L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, softcap_log2, left,
@@ -198,22 +241,9 @@ def _decode_key_tiles(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < L_read
-        if IS_PAGED:
-            if TILE_PAGE:
-                i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
-                o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
-            else:  # each key's own page (a tile of BLOCK_N > PAGE_SIZE keys spans pages)
-                if EDGE_TILE:
-                    i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n,
-                                     other=0).to(tl.int64)
-                else:
-                    i_page = tl.load(block_table + o_n // PAGE_SIZE).to(tl.int64)
-                o_row = o_n % PAGE_SIZE
-            o_kn = i_page * stride_kcb + o_row * stride_kcs
-            o_vn = i_page * stride_vcb + o_row * stride_vcs
-        else:
-            o_kn = o_n.to(tl.int64) * stride_kcs
-            o_vn = o_n.to(tl.int64) * stride_vcs
+        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
+                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
+                                TILE_PAGE, EDGE_TILE)
         # K^T tile [BLOCK_D, BLOCK_N]
         b_kt = load_tile(k_cache + o_kn[None, :] + o_d[:, None], m_n[None, :],
                          o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
@@ -230,16 +260,7 @@ def _decode_key_tiles(
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
         if FP8_CACHE:
             b_v = b_v.to(b_q.dtype)
-        # online softmax [ROWS]
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        if EDGE_TILE:
-            # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
-        b_p = tl.math.exp2(b_s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
         # [ROWS, BLOCK_DV]
         acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                      acc * alpha[:, None], input_precision=DOT_PRECISION)
