@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import LN2, attention_scores, dot_operand, load_tile, round_to
-from flashop.kernels.decode import cache_rows, softmax_step
+from flashop.kernels.decode_steps import cache_rows, softmax_step
 
 
 @triton.jit
