@@ -187,6 +187,19 @@ def test_every_page_size(page):
                            capacity=2 * page, num_splits=2))
 
 
+@pytest.mark.parametrize("tiles,page", [((16, 32), 16), ((32, 16, 4, 1, 0, True), 64)],
+                         ids=["tiles-over-pages", "each-keys-page-id"])
+def test_forced_tiles(tiles, page):
+    """Tiles forced as the benchmark's sweep forces them (tiles.force("mla", ...)): keys of
+    a tile in two pages (32 keys, pages of 16) and each key's page id loaded, both a GPU's
+    ways at pages below its 64-key tiles; 32 rows a program."""
+    from flashop._launch import tiles as tile_table
+    from flashop._launch.kvcache import DecodeTiles
+    with tile_table.force("mla", DecodeTiles(*tiles)):
+        check_mla_case(MlaCase((page - 3, 2 * page + 5), 2, 2, 8, paged=True, page=page,
+                               capacity=4 * page, num_splits=3))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_empty_sequences_give_zero_and_minus_infinity(num_splits):
     """Sequences with no key (empty cache, nothing appended) get out 0 and lse -inf, beside
@@ -195,6 +208,23 @@ def test_empty_sequences_give_zero_and_minus_infinity(num_splits):
     out, lse = check_mla_case(case)
     assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
     assert torch.isneginf(lse[[0, 2]]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_lengths_out_of_range_attend_no_key():
+    """docs/decoding.md's unchecked values: a negative length (its appended position below
+    0 is not written) and a left pad past the sequence's keys attend no key: out 0, lse
+    -inf; the rest of the cache is unchanged."""
+    case = MlaCase((3, 5), 2, 1, 2, capacity=16, leftpad=True)
+    (q, k_cache, v_cache, k, _), kwargs = make_mla_call(case)
+    kwargs.update(cache_seqlens=torch.tensor([-3, 5], dtype=torch.int32, device=DEVICE),
+                  cache_leftpad=torch.tensor([0, 9], dtype=torch.int32, device=DEVICE))
+    expected = kvcache_append_reference(k_cache, v_cache, k, None,
+                                        cache_seqlens=kwargs["cache_seqlens"])
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, **kwargs,
+                                                  return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    assert bitwise_equal(k_cache, expected[0])
 
 
 @pytest.mark.parametrize("own_values", [False, True])
@@ -231,6 +261,16 @@ def test_the_views_layout_is_part_of_the_checked_signature():
     other[k_cache.isnan()] = float("nan")
     v_cache = other[..., :DV]  # the view's strides, another tensor's memory
     check_mla_case(case, call=((q, k_cache, v_cache, k, k[..., :DV].clone()), kwargs))
+
+
+def test_a_bad_view_after_a_good_call_of_its_signature_raises():
+    """k_cache[..., 64:] has the shapes and strides of k_cache[..., :512]: after a call over
+    the good view the checks of that signature are skipped, but not for the bad one."""
+    (q, k_cache, _, _, _), kwargs = make_mla_call(MlaCase((3, 5), 1, 0, 2))
+    for _ in range(2):
+        flashop.attention_with_kvcache(q, k_cache, k_cache[..., :DV], **kwargs)
+        with pytest.raises(ValueError, match="v_cache shares k_cache's memory but is not"):
+            flashop.attention_with_kvcache(q, k_cache, k_cache[..., 64:], **kwargs)
 
 
 def test_decode_loop_matches_reference_step_by_step():

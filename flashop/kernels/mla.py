@@ -147,7 +147,6 @@ def mla_decode_kernel(
         i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
         hi = tl.minimum(hi, tl.maximum(i_last + off + 1, 0))
         u_hi = tl.minimum(u_hi, (tl.maximum(i_first + off + 1, 0) // BLOCK_N) * BLOCK_N)
-    hi = tl.maximum(hi, 0)
     # this split's run of key tiles: [s_lo, s_mid) inside, [s_mid, s_hi) edge tiles
     tiles_per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), n_splits)
     s_lo = tl.minimum(i_split * tiles_per_split * BLOCK_N, hi)
