@@ -13,8 +13,14 @@ medians of triton.testing.do_bench over CUDA-graph replays (as a serving loop ru
 step: host time left out), in microseconds per call; ``--eager`` times plain calls instead. Points whose
 cache does not fit the GPU's memory are skipped.
 
+``--mla`` runs MLA's latent cache instead (DeepSeek-V3's 576-dim rows whose first 512 dims
+are the values; BENCHMARK.md's MLA decode protocol, with SDPA as a peer where it fits), and
+``--mla --sweep`` times candidate tiles and split counts per point (benchmarks/decode_mla.py).
+
 Usage: python benchmarks/decode.py [--quick] [--out PATH.csv] [--plot PATH.png]
        python benchmarks/decode.py --from-csv PATH.csv [--plot PATH.png]   # no GPU needed
+       python benchmarks/decode.py --mla [--quick] [--sweep [--tiles 64x32x8x2,...]
+                                   [--splits 0,16,32]] [--from-csv PATH.csv]
 Tokens/s of a small model: python benchmarks/decode_model.py
 """
 
@@ -204,7 +210,19 @@ def main(argv=None) -> int:
                    help="also plot the fraction of copy bandwidth (needs matplotlib)")
     p.add_argument("--from-csv", default=None, metavar="PATH.csv",
                    help="no timing: print the table (and --plot) of a results file")
+    p.add_argument("--mla", action="store_true",
+                   help="MLA's latent cache (576 dims, values its first 512), pages of 64")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --mla: time candidate tiles and splits per point")
+    p.add_argument("--tiles", default=None, metavar="MxNxWxS[p],...",
+                   help="with --sweep: these tiles (rows, keys, warps, stages; p: each "
+                        "key's page id) instead of the candidates")
+    p.add_argument("--splits", default=None, metavar="S,...",
+                   help="with --sweep: these split counts (0: the rule's), default 0")
     args = p.parse_args(argv)
+    if args.mla:
+        import decode_mla  # (imports this module)
+        return decode_mla.main(args)
     if args.from_csv:
         rows = read_results(args.from_csv)
         if not rows:
