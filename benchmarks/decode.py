@@ -197,6 +197,24 @@ def plot(rows, path) -> None:
     print(f"plot written to {path}", flush=True)
 
 
+def start_run(out, suffix: str):
+    """(flashop, the GPU's name, the CSV path (``out``, or benchmarks/results/<date>-<gpu>-
+    <suffix>.csv), the copy bandwidth in GB/s), the run's header printed; None without a
+    GPU."""
+    if not torch.cuda.is_available():
+        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
+        return None
+    flashop = import_flashop()
+    gpu = torch.cuda.get_device_name()
+    out = Path(out) if out else (
+        Path(__file__).resolve().parent / "results"
+        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-{suffix}.csv")
+    copy_gbps = copy_bandwidth()
+    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | copy "
+          f"bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    return flashop, gpu, out, copy_gbps
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"only {QUICK} (about a minute)")
@@ -232,17 +250,10 @@ def main(argv=None) -> int:
         if args.plot:
             plot(rows, args.plot)
         return 0
-    if not torch.cuda.is_available():
-        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
+    run = start_run(args.out, "decode")
+    if run is None:
         return 1
-    flashop = import_flashop()
-    gpu = torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else (
-        Path(__file__).resolve().parent / "results"
-        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-decode.csv")
-    copy_gbps = copy_bandwidth()
-    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | copy "
-          f"bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    flashop, gpu, out, copy_gbps = run
     points = QUICK if args.quick else [(B, L) for B in BATCHES for L in LENGTHS]
     total = torch.cuda.get_device_properties(0).total_memory
     rows = []

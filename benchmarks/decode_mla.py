@@ -25,17 +25,15 @@ Usage: python benchmarks/decode.py --mla [--quick] [--sweep [--tiles 64x32x8x2,.
 from __future__ import annotations
 
 import csv
-import datetime
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
 import decode
-from attention import gpu_slug, import_flashop, write_csv
+from attention import write_csv
 
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "layout", "page", "B", "H", "L", "S_q",
               "splits", "tiles", "us", "gbps", "frac_copy", "tflops"]
@@ -183,17 +181,10 @@ def main(args) -> int:
             return 1
         print_table([r for r in rows if r["provider"] != "flashop-sweep"])
         return 0
-    if not torch.cuda.is_available():
-        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
+    run = decode.start_run(args.out, "decode-mla")
+    if run is None:
         return 1
-    flashop = import_flashop()
-    gpu = torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else (
-        Path(__file__).resolve().parent / "results"
-        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-decode-mla.csv")
-    copy_gbps = decode.copy_bandwidth()
-    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | copy "
-          f"bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    flashop, gpu, out, copy_gbps = run
     total = torch.cuda.get_device_properties(0).total_memory
     splits = [int(s) for s in args.splits.split(",")] if args.splits else [0]
     rows = []

@@ -8,7 +8,7 @@ direct call, the errors, opcheck and a compiled decode loop; GPU-only tests at r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import pytest
