@@ -1,5 +1,5 @@
-"""MLA decoding rows of benchmarks/decode.py (``--mla``), following BENCHMARK.md's "MLA
-decode protocol": DeepSeek-V3's latent cache, one KV head of 576 dims (512 latent + 64
+"""MLA decoding rows of benchmarks/decode.py (``--mla``), the project's MLA decode
+protocol: DeepSeek-V3's latent cache, one KV head of 576 dims (512 latent + 64
 rotary) whose first 512 dims are the values (``v_cache = k_cache[..., :512]``, a view),
 bf16, pages of 64 keys in shuffled order, every sequence's cache full (L keys), CUDA-graph
 replays. Points B x H x L: 1 x 16 x 32k, 32 x 16 x 8k, 128 x 16 x 4k, 32 x 128 x 8k,

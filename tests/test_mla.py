@@ -18,6 +18,7 @@ from torch.library import opcheck
 import flashop
 from flashop.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
+from flashop.testing import accuracy
 from helpers import (
     DEVICE, TestCase, assert_outputs_within_rule, bitwise_equal, cuda_graph, poisoned_outputs,
 )
@@ -171,6 +172,7 @@ CASES = {
                                      num_splits=2, own_values=True, new_values="own"),
     "own-value-cache-values-from-k": MlaCase((3, 21), 1, 2, 2, torch.float16, capacity=32,
                                              own_values=True),
+    "chunked-prefill": MlaCase((0, 9), 20, 20, 2, paged=True, capacity=64, num_splits=2),
 }
 
 
@@ -283,6 +285,31 @@ def test_decode_loop_matches_reference_step_by_step():
         q, k = (torch.randn(x.shape, device=DEVICE, generator=gen).to(x.dtype) for x in (q, k))
         check_mla_case(case, call=((q, k_cache, v_cache, k, None), kwargs))
         kwargs["cache_seqlens"] += 2
+
+
+def test_the_docs_worked_example_runs():
+    """docs/decoding.md's MLA example, pasted as it is, at smaller sizes on the test device;
+    a further step of its loop against the reference."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "decoding.md").read_text()
+    section = text[text.index("## MLA: a latent cache"):]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    small = (code.replace('device="cuda"', f'device="{DEVICE}"')
+             .replace("= 8, 16, 64, 4096", "= 2, 4, 64, 128")
+             .replace("tokens(100)", "tokens(20)").replace("range(10)", "range(2)"))
+    assert small.count(DEVICE) >= 4 and "tokens(20)" in small
+    env = {}
+    exec(compile(small, "docs/decoding.md (MLA)", "exec"), env)
+    assert env["lengths"].tolist() == [24, 24] and env["out"].shape == (2, 2, 4, DV)
+    q, kv = env["tokens"](2)
+    cache, table, lengths = env["kv_cache"], env["block_table"], env["lengths"].clone()
+    ref, plain = (attention_with_kvcache_reference(
+        q, cache, cache[..., :DV], kv, cache_seqlens=lengths, block_table=table,
+        scale=env["scale"], causal=True, compute_dtype=dtype) for dtype in (torch.float64, None))
+    result = accuracy("out", env["step"](q, kv), ref[0], plain[0], 2, torch.bfloat16)
+    assert result.ok, str(result)
 
 
 # --- FlashMLA's functions --------------------------------------------------------------------
