@@ -312,6 +312,28 @@ def test_the_docs_worked_example_runs():
     assert result.ok, str(result)
 
 
+def test_flop_count_and_autocast():
+    """FlopCounterMode counts FlashMLA's 2 * S_q * H * L * (576 + 512) per sequence; under
+    bf16 autocast fp32 queries and rows append to a bf16 latent cache, and a read-only fp32
+    cache is read cast (a copy of k_cache and one of its view: values of their own), with
+    the same output."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    case = MlaCase((3, 30), 2, 2, 4, capacity=48)
+    (q, k_cache, _, k, _), kwargs = make_mla_call(case)
+    k_cache.nan_to_num_()
+    with FlopCounterMode(display=False) as counter:
+        flashop.attention_with_kvcache(q, k_cache.clone(), k_cache[..., :DV], k, **kwargs)
+    assert counter.get_total_flops() == sum(2 * 2 * 4 * (n + 2) * (D + DV) for n in (3, 30))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = flashop.attention_with_kvcache(q.float(), k_cache, k_cache[..., :DV],
+                                             k.float(), **kwargs)
+        wide = k_cache.float()
+        kwargs["cache_seqlens"] = kwargs["cache_seqlens"] + 2
+        again = flashop.attention_with_kvcache(q.float(), wide, wide[..., :DV], **kwargs)
+    assert out.dtype == again.dtype == torch.bfloat16 and bitwise_equal(out, again)
+
+
 # --- FlashMLA's functions --------------------------------------------------------------------
 
 

@@ -8,10 +8,11 @@ head of a sequence attends the same rows: ``S = Q K^T`` over all D dims, ``O = P
 The kernel reads each cache row once for both products: a key tile is loaded as its latent
 block [BLOCK_N, DV] and its rotary block [BLOCK_N, D_ROPE] (powers of two: 576 is not
 padded to 1024), the scores are ``Q_lat K_lat^T + Q_rope K_rope^T`` and the same latent
-block, untransposed, is the values of ``P V``. All query rows of one KV head (the G heads
+block, untransposed, is the values of ``P V`` (``V_IN_K``: v_cache is k_cache[..., :DV];
+a v_cache of its own is read beside it). All query rows of one KV head (the G heads
 times the S_q queries, row ``r = i * G + g``) share the keys as the M dimension of the
-products, BLOCK_M rows per program; more rows take more programs over the same keys (their
-loads meet in L2). The keys are cut into runs of whole tiles, one per split (split-KV), and
+products, BLOCK_M rows per program; more rows take more programs over the same keys
+(running together, their loads may meet in L2). The keys are cut into runs of whole tiles, one per split (split-KV), and
 the splits merge in flash decoding's merge kernel (decode.attention_decode_merge_kernel),
 as the decode kernel's do. Vocabulary and cache addressing as in decode.py.
 """
@@ -61,6 +62,8 @@ def _mla_key_tiles(
         b_qk = tl.dot(b_q, tl.trans(b_kl), input_precision=DOT_PRECISION)
         b_qk = tl.dot(b_qr, tl.trans(dot_operand(b_kr, UPCAST)), b_qk,
                       input_precision=DOT_PRECISION)
+        # scaled, masked past the keys and (causal: a right bound of 0) after the diagonal;
+        # no window's left bound, softcap, ALiBi, gate or mask
         b_s, _ = attention_scores(
             b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
             0, 0, 0.0, 0.0, 0.0, k_cache, 0, 0, EDGE_TILE, False, IS_CAUSAL, False, False,
