@@ -570,3 +570,35 @@ def test_gpu_inductor_launches_the_latent_kernels(paged):
         direct = flash_mla_with_kvcache(*args, softmax_scale=0.1352, causal=True)
         assert all(bitwise_equal(a, b) for a, b in zip(out, direct))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("options", [dict(backend="aot_eager"), dict(mode="reduce-overhead")],
+                         ids=["aot-eager", "reduce-overhead"])
+def test_gpu_compiled_decode_steps_equal_eager(options):
+    """Decode steps compiled without Inductor's reinplacing (aot_eager: the append's
+    functional form, whose one written tensor is k_cache) and into CUDA graphs
+    (mode="reduce-overhead"), over growing lengths: eager's out, lse and cache bit for
+    bit at every step."""
+    case = MlaCase((100, 2000, 7), 2, 2, 16, paged=True, page=64, capacity=4096,
+                   scale=0.1352)
+    (q, k_cache, _, k, _), kwargs = make_mla_call(case)
+    k_cache.nan_to_num_()
+    seqlens = kwargs.pop("cache_seqlens")
+
+    def step(q, cache, k, lengths):
+        out = flashop.attention_with_kvcache(q, cache, cache[..., :DV], k,
+                                             cache_seqlens=lengths, **kwargs, return_lse=True)
+        lengths.add_(2)
+        return out
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, **options)
+    cache, lengths = k_cache.clone(), seqlens.clone()
+    for i in range(4):
+        q, k = q.roll(1, 2), k * -1
+        result = compiled(q, cache, k, lengths)
+        expected = step(q, k_cache, k, seqlens)
+        assert all(bitwise_equal(a, b) for a, b in zip(result, expected)), i
+        assert bitwise_equal(cache, k_cache) and torch.equal(lengths, seqlens), i

@@ -270,8 +270,10 @@ def plain_append_launch(k: TensorMeta, v: Optional[TensorMeta], k_cache: TensorM
     """The append (_append_launch) of k, v into 16-bit or fp32 caches without rotary. ``v``
     None: the caches' rows hold the values too (v_cache a view of k_cache's leading
     columns, MLA's latent cache), each row written once from k: the kernel's value columns
-    are none (DV = 0: its value loads and stores are masked off), and it is launched with
-    ``v=k, v_cache=k_cache``."""
+    are none (DV = 0 compiles its values' load and store out), and it is launched with
+    ``v=None, v_cache=None``, so that k_cache is the one tensor it writes (a tensor passed
+    as two written arguments would be cloned twice by functionalization, one clone's
+    writes lost)."""
     if v is None:
         def no_columns(m: TensorMeta) -> TensorMeta:
             return m._replace(shape=tuple(m.shape[:-1]) + (0,))

@@ -136,12 +136,9 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
     plan = (_plan(metas, options) if metas is not None
             else _make_plan(tuple(map(tensor_meta, tensors)), options))
     if plan.append is not None:
-        if values_in_keys:  # the rows written once from k (plain_append_launch)
-            v, v_cache_written = k, k_cache
-        else:
-            v_cache_written = v_cache
         launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
-                       v_cache=v_cache_written, cache_seqlens=cache_seqlens,
+                       v_cache=None if values_in_keys else v_cache,
+                       cache_seqlens=cache_seqlens,
                        cache_batch_idx=cache_batch_idx, block_table=block_table,
                        rotary_cos=None, rotary_sin=None, k_descale=None, v_descale=None)
     out, lse = kvcache_outputs(q, v_cache)

@@ -123,8 +123,9 @@ def kvcache_append_kernel(
     HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     FP8_CACHE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
 ):
-    """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise) for the BLOCK_S
-    new tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
+    """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise, unless DV = 0:
+    the values are the keys' leading columns, v and v_cache None) for the BLOCK_S new
+    tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
     outside the named slots is written. ``slot`` is row ``cache_batch_idx[b]`` (or ``b``)
     of a dense cache, or the page ``block_table[b, pos // PAGE_SIZE]`` of a paged one.
     Where ``ROTARY_DIM > 0`` the keys are written rotated at their positions
@@ -153,9 +154,7 @@ def kvcache_append_kernel(
         o_kc = i_row * stride_kcb + o_pos.to(tl.int64) * stride_kcs
         o_vc = i_row * stride_vcb + o_pos.to(tl.int64) * stride_vcs
     o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
     m_k = m_s[:, None] & (o_d[None, :] < D)
-    m_v = m_s[:, None] & (o_dv[None, :] < DV)
     # [BLOCK_S, BLOCK_D]
     p_k = k + i_b * stride_kb + i_h * stride_kh + o_s * stride_ks
     b_k = tl.load(p_k[:, None] + o_d[None, :], mask=m_k)
@@ -166,13 +165,16 @@ def kvcache_append_kernel(
         b_k = quantize_e4m3(b_k, load_descale(k_descale, i_b, i_h, stride_kdb, HAS_K_DESCALE),
                             HAS_K_DESCALE)
     tl.store(k_cache + i_h * stride_kch + o_kc[:, None] + o_d[None, :], b_k, mask=m_k)
-    # [BLOCK_S, BLOCK_DV]
-    b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
-                  + o_dv[None, :], mask=m_v)
-    if FP8_CACHE:
-        b_v = quantize_e4m3(b_v, load_descale(v_descale, i_b, i_h, stride_vdb, HAS_V_DESCALE),
-                            HAS_V_DESCALE)
-    tl.store(v_cache + i_h * stride_vch + o_vc[:, None] + o_dv[None, :], b_v, mask=m_v)
+    if DV > 0:
+        o_dv = tl.arange(0, BLOCK_DV)
+        m_v = m_s[:, None] & (o_dv[None, :] < DV)
+        # [BLOCK_S, BLOCK_DV]
+        b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
+                      + o_dv[None, :], mask=m_v)
+        if FP8_CACHE:
+            b_v = quantize_e4m3(b_v, load_descale(v_descale, i_b, i_h, stride_vdb,
+                                                  HAS_V_DESCALE), HAS_V_DESCALE)
+        tl.store(v_cache + i_h * stride_vch + o_vc[:, None] + o_dv[None, :], b_v, mask=m_v)
 
 
 @triton.jit
