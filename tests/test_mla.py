@@ -358,6 +358,12 @@ def test_flash_mla_with_kvcache_equals_the_direct_call():
                                             block_table=table, scale=0.05, causal=True,
                                             return_lse=True)
     assert bitwise_equal(out, direct[0]) and bitwise_equal(lse, direct[1])
+    # FlashMLA's first releases' keyword; its latest metadata object and num_splits=None
+    old = get_mla_metadata(seqlens, num_heads_per_head_k=case.S_q * case.H, num_heads_k=1)
+    assert all(torch.equal(a, b) for a, b in zip(old, (metadata, splits)))
+    latest = flash_mla_with_kvcache(q, k_cache, table, seqlens, DV, object(), None,
+                                    softmax_scale=0.05, causal=True)
+    assert bitwise_equal(latest[0], out) and bitwise_equal(latest[1], lse)
 
 
 class TestFlashMlaErrors(TestCase):
