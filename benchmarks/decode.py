@@ -14,7 +14,7 @@ step: host time left out), in microseconds per call; ``--eager`` times plain cal
 cache does not fit the GPU's memory are skipped.
 
 ``--mla`` runs MLA's latent cache instead (DeepSeek-V3's 576-dim rows whose first 512 dims
-are the values; DeepSeek-V3's decode shapes, pages of 64, with SDPA as a peer where it fits), and
+are the values, at its decode shapes, pages of 64, with SDPA as a peer where it fits), and
 ``--mla --sweep`` times candidate tiles and split counts per point (benchmarks/decode_mla.py).
 
 Usage: python benchmarks/decode.py [--quick] [--out PATH.csv] [--plot PATH.png]

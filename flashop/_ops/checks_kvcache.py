@@ -42,8 +42,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     its own or k_cache[..., :DV] (``aliasing``, checks_mla.cache_aliasing's, computed where
     None), MLA's latent cache at head dims (576, 512) with its options
     (check_latent_options); k, v (B, S_new, H_kv, D / DV), or neither, or k alone at MLA's
-    head dims (the new values then k[..., :512]); the dtypes (check_dtypes, with out_dtype); int32
-    cache_seqlens (B,), cache_batch_idx (B,) and cache_leftpad (B,) (dense caches);
+    head dims (the new values then k[..., :512]); the dtypes (check_dtypes, with
+    out_dtype); int32 cache_seqlens (B,), cache_batch_idx (B,) and cache_leftpad (B,)
+    (dense caches);
     rotary_cos, rotary_sin (check_rotary, in the dtype the kernels compute in); fp32
     k_descale, v_descale (B, H_kv) with an fp8 cache, q_descale (B, H_kv) with fp8 q;
     scale, the modifiers and num_splits."""

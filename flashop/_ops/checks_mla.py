@@ -32,7 +32,7 @@ def _leading_view(view: Optional[torch.Tensor], base: Optional[torch.Tensor]) ->
 
 
 def cache_aliasing(k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
-                 v: Optional[torch.Tensor]) -> tuple:
+                   v: Optional[torch.Tensor]) -> tuple:
     """(v_cache of k_cache, v of k), each as _leading_view tells it: None where separate,
     True where the values are the keys' leading columns, False where they share memory
     otherwise (refused by check_cache_aliasing). Part of an eager call's checked signature:

@@ -12,9 +12,10 @@ block, untransposed, is the values of ``P V`` (``V_IN_K``: v_cache is k_cache[..
 a v_cache of its own is read beside it). All query rows of one KV head (the G heads
 times the S_q queries, row ``r = i * G + g``) share the keys as the M dimension of the
 products, BLOCK_M rows per program; more rows take more programs over the same keys
-(running together, their loads may meet in L2). The keys are cut into runs of whole tiles, one per split (split-KV), and
-the splits merge in flash decoding's merge kernel (decode.attention_decode_merge_kernel),
-as the decode kernel's do. Vocabulary and cache addressing as in decode.py.
+(running together, their loads may meet in L2). The keys are cut into runs of whole
+tiles, one per split (split-KV), and the splits merge in flash decoding's merge kernel
+(decode.attention_decode_merge_kernel), as the decode kernel's do. Vocabulary and cache
+addressing as in decode.py.
 """
 
 import triton
