@@ -13,8 +13,14 @@ medians of triton.testing.do_bench over CUDA-graph replays (as a serving loop ru
 step: host time left out), in microseconds per call; ``--eager`` times plain calls instead. Points whose
 cache does not fit the GPU's memory are skipped.
 
+``--mla`` runs MLA's latent cache instead (DeepSeek-V3's 576-dim rows whose first 512 dims
+are the values, at its decode shapes, pages of 64, with SDPA as a peer where it fits), and
+``--mla --sweep`` times candidate tiles and split counts per point (benchmarks/decode_mla.py).
+
 Usage: python benchmarks/decode.py [--quick] [--out PATH.csv] [--plot PATH.png]
        python benchmarks/decode.py --from-csv PATH.csv [--plot PATH.png]   # no GPU needed
+       python benchmarks/decode.py --mla [--quick] [--sweep [--tiles 64x32x8x2,...]
+                                   [--splits 0,16,32]] [--from-csv PATH.csv]
 Tokens/s of a small model: python benchmarks/decode_model.py
 """
 
@@ -191,6 +197,24 @@ def plot(rows, path) -> None:
     print(f"plot written to {path}", flush=True)
 
 
+def start_run(out, suffix: str):
+    """(flashop, the GPU's name, the CSV path (``out``, or benchmarks/results/<date>-<gpu>-
+    <suffix>.csv), the copy bandwidth in GB/s), the run's header printed; None without a
+    GPU."""
+    if not torch.cuda.is_available():
+        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
+        return None
+    flashop = import_flashop()
+    gpu = torch.cuda.get_device_name()
+    out = Path(out) if out else (
+        Path(__file__).resolve().parent / "results"
+        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-{suffix}.csv")
+    copy_gbps = copy_bandwidth()
+    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | copy "
+          f"bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    return flashop, gpu, out, copy_gbps
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"only {QUICK} (about a minute)")
@@ -204,7 +228,19 @@ def main(argv=None) -> int:
                    help="also plot the fraction of copy bandwidth (needs matplotlib)")
     p.add_argument("--from-csv", default=None, metavar="PATH.csv",
                    help="no timing: print the table (and --plot) of a results file")
+    p.add_argument("--mla", action="store_true",
+                   help="MLA's latent cache (576 dims, values its first 512), pages of 64")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --mla: time candidate tiles and splits per point")
+    p.add_argument("--tiles", default=None, metavar="MxNxWxS[p],...",
+                   help="with --sweep: these tiles (rows, keys, warps, stages; p: each "
+                        "key's page id) instead of the candidates")
+    p.add_argument("--splits", default=None, metavar="S,...",
+                   help="with --sweep: these split counts (0: the rule's), default 0")
     args = p.parse_args(argv)
+    if args.mla:
+        import decode_mla  # (imports this module)
+        return decode_mla.main(args)
     if args.from_csv:
         rows = read_results(args.from_csv)
         if not rows:
@@ -214,17 +250,10 @@ def main(argv=None) -> int:
         if args.plot:
             plot(rows, args.plot)
         return 0
-    if not torch.cuda.is_available():
-        print("This benchmark needs a CUDA GPU; none is available.", file=sys.stderr)
+    run = start_run(args.out, "decode")
+    if run is None:
         return 1
-    flashop = import_flashop()
-    gpu = torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else (
-        Path(__file__).resolve().parent / "results"
-        / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}-decode.csv")
-    copy_gbps = copy_bandwidth()
-    print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | copy "
-          f"bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    flashop, gpu, out, copy_gbps = run
     points = QUICK if args.quick else [(B, L) for B in BATCHES for L in LENGTHS]
     total = torch.cuda.get_device_properties(0).total_memory
     rows = []

@@ -9,9 +9,9 @@ SDPA's flash-attention registry (torch >= 2.11), without activating it. See READ
 docs/ for the API and its conventions; ``flashop.config`` holds the FLASHOP_* switches.
 
 The public modules sit here (api, config, reference, testing, padding, and the doors
-flash_attn, sdpa, transformers, distributed); ``flashop._ops`` (the operators' registration
-and checks), ``flashop._launch`` (the launchers and tiles) and ``flashop.kernels`` (the
-Triton kernels) are the layers below, internal.
+flash_attn, flash_mla, sdpa, transformers, distributed); ``flashop._ops`` (the operators'
+registration and checks), ``flashop._launch`` (the launchers and tiles) and
+``flashop.kernels`` (the Triton kernels) are the layers below, internal.
 """
 
 from flashop import config

@@ -266,10 +266,17 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             float32 as q; or ``torch.float8_e4m3fn`` (both) with 16-bit q, an fp8 cache
             whose real values are ``k_cache * k_descale[b, h]`` and ``v_cache *
             v_descale[b, h]`` (FlashAttention-3's; docs/decoding.md, "fp8 cache").
+            MLA's latent cache (DeepSeek-V2/V3, Kimi K2): k_cache of head dim 576 (512
+            latent + 64 rotary) and ``v_cache = k_cache[..., :512]``, a view of the one
+            cache; q then has head dim 576 and out 512 (docs/decoding.md, "MLA"). A
+            v_cache sharing k_cache's memory must be such a view (its leading columns).
         k, v: (B, S_new, H_kv, D / DV) new keys and values, or None. They are written into
             the cache at positions ``cache_seqlens[b] .. cache_seqlens[b] + S_new - 1`` of
             each sequence before attending; nothing else in the caches changes. Positions
-            at or past the cache's capacity are dropped (docs/decoding.md).
+            at or past the cache's capacity are dropped (docs/decoding.md). At MLA's head
+            dims v may be None (the values are k[..., :512]); where v_cache is
+            k_cache[..., :512], v must be None or ``k[..., :512]`` and each row is written
+            once.
         cache_seqlens: (B,) int32 tensor on q's device (or a Python int for all): each
             sequence's cached length before the append. Not advanced here: add S_new to it
             for the next step.
@@ -292,7 +299,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         causal: bottom-right aligned over the sequence's ``L = cache_seqlens[b] + S_new``
             keys: query ``i`` attends key ``j`` iff ``j <= i + L - S_q``.
         scale, window_size, softcap, alibi_slopes: as :func:`attention`, with ``S_k = L``
-            per sequence (ALiBi distance ``|i + L - S_q - j|``).
+            per sequence (ALiBi distance ``|i + L - S_q - j|``). ``scale`` defaults to
+            1/sqrt(576) over an MLA cache, as FlashMLA's; MLA takes causal, scale,
+            num_splits, cache_batch_idx and cache_leftpad, and refuses the other options by
+            name.
         sinks: (H,) attention sinks, float32 or q's dtype, as :func:`attention`: head
             ``h``'s logit joins every query's softmax once (however many splits), and lse
             includes it.

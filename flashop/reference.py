@@ -242,10 +242,14 @@ def kvcache_append_reference(k_cache: Tensor, v_cache: Tensor, k: Optional[Tenso
     dense cache; pages ``block_table[b, pos // page_size]`` of a paged one), k rotated at
     those positions where ``rotary_cos``, ``rotary_sin`` are given (:func:`rotary`), then,
     into a float8_e4m3fn cache, quantized with the descales (:func:`quantize_e4m3`).
-    Positions at or past the cache's capacity are dropped, as the kernel drops them."""
+    Positions at or past the cache's capacity are dropped, as the kernel drops them. ``v``
+    None with ``k``: the values are k's leading columns (MLA's latent cache,
+    ``k[..., :DV]``)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     if k is None:
         return k_cache, v_cache
+    if v is None:
+        v = k[..., :v_cache.shape[-1]]
     if rotary_cos is not None:
         positions = cache_seqlens[:, None] + torch.arange(k.shape[1], device=k.device)
         k = rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 import flashop
-from flashop.testing import check_attention, differentiable_inputs
+from flashop.testing import accuracy, check_attention, differentiable_inputs
 
 DEVICE = "cpu" if flashop.INTERPRETING else "cuda"
 
@@ -249,6 +249,35 @@ def replayed_launches(record):
 
     with mock.patch.object(plans._PlannedLaunch, "__call__", recorded):
         yield
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b hold the same bits (NaNs included)."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+def assert_outputs_within_rule(out, lse, ref, plain, dtype: torch.dtype) -> None:
+    """out and lse under the accuracy rule (2x; flashop.testing) against the fp64
+    reference's (out, lse) ``ref`` and plain PyTorch's ``plain`` in ``dtype``."""
+    for name, actual, r, p in (("out", out, ref[0], plain[0]), ("lse", lse, ref[1], plain[1])):
+        result = accuracy(name, actual, r, p, 2, dtype)
+        assert result.ok, str(result)
+
+
+def cuda_graph(step):
+    """``step()`` captured in a CUDA graph: (the graph, the captured call's outputs). A first
+    call on a side stream compiles the kernels, as capture requires (what the step writes
+    in place, it writes once more there)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
 
 
 @contextlib.contextmanager

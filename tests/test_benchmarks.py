@@ -64,6 +64,31 @@ def test_decode_from_csv_prints_the_table_with_the_ratio_to_sdpa(tmp_path, capsy
                                  "73%", "1.10x"]
 
 
+def test_decode_mla_from_csv_prints_the_table(tmp_path, capsys):
+    """decode.py --mla --from-csv: µs, fraction of copy bandwidth and TFLOP/s per provider
+    and point; a sweep's rows left out; the sweep's tile candidates and their spelling."""
+    import decode
+    import decode_mla
+
+    rows = [dict(gpu="GPU X", torch="2.0", triton="3.0", provider=p, layout=layout,
+                 page=page, B=32, H=16, L=8192, S_q=1, splits="auto", tiles="table", us=us,
+                 gbps=1.0, frac_copy=f, tflops=t)
+            for p, layout, page, us, f, t in [("flashop", "paged", 64, 120.0, 0.81, 40.5),
+                                              ("sdpa", "dense", 0, 9000.0, 0.01, 0.5),
+                                              ("flashop-sweep", "paged", 64, 1.0, 9.0, 9.0)]]
+    decode.write_csv(tmp_path / "m.csv", rows, decode_mla.CSV_HEADER)
+    assert decode.main(["--mla", "--from-csv", str(tmp_path / "m.csv")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split() == ["B", "H", "L", "S_q", "flashop-p64", "sdpa"]
+    assert lines[-1].split() == ["32", "16", "8192", "1", "120.0us", "81%", "40.5TF",
+                                 "9000.0us", "1%", "0.5TF"]
+    assert decode_mla.parse_tiles("64x32x8x2,16x64x4x2p") == [(64, 32, 8, 2, False),
+                                                               (16, 64, 4, 2, True)]
+    for rows_ in (16, 32, 128):  # each fits Hopper's shared memory; 64 rows on 8 warps
+        for m, n, w, s, _ in decode_mla.candidate_tiles(rows_):
+            assert 2 * (m * 576 + s * n * 576) <= 210 * 1024 and (m < 64 or w == 8)
+
+
 # --- the scripts import without a GPU; switches go through flashop.config ----------------
 
 import importlib  # noqa: E402
@@ -72,7 +97,8 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-SCRIPTS = ["attention", "modifiers", "varlen", "tune", "kernel_times", "progress", "train_model"]
+SCRIPTS = ["attention", "modifiers", "varlen", "tune", "kernel_times", "progress", "train_model",
+           "decode_mla"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

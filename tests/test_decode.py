@@ -16,7 +16,7 @@ from torch.library import opcheck
 import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
-from helpers import DECODE_KEYS, DEVICE, INPUTS, lengths, poisoned_outputs
+from helpers import DECODE_KEYS, DEVICE, INPUTS, cuda_graph, lengths, poisoned_outputs
 
 
 @pytest.fixture(autouse=True)
@@ -771,16 +771,9 @@ def test_cuda_graph_replays_over_growing_lengths_equal_eager(paged):
                      page=16, capacity=1024, causal=True)
     inputs, caches, step = _step_fn(case)
     eager_inputs, eager_caches, eager_step = _step_fn(case)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up (compiles the kernels) on a side stream, as capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    for x, y in zip(caches, eager_caches):
+    graph, captured = cuda_graph(step)
+    for x, y in zip(caches, eager_caches):  # (after the warm-up's append)
         y.copy_(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
     gen = torch.Generator(device="cuda").manual_seed(3)
     for i in range(1, 40):
         for x, y in zip(inputs[:3], eager_inputs[:3]):

@@ -22,8 +22,8 @@ from flashop.reference import keys_in_bounds
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
     op_options,
-    DEVICE, Case, TestCase, error_message, gluon_cases, make_inputs, make_modifiers,
-    poisoned_outputs, slow_property_examples,
+    DEVICE, Case, TestCase, cuda_graph, error_message, gluon_cases, make_inputs,
+    make_modifiers, poisoned_outputs, slow_property_examples,
 )
 from test_modifiers import DTYPES, EDGES, SMALLER, modified_cases
 
@@ -509,14 +509,7 @@ def test_cuda_graph_replays_draw_fresh_masks():
         out = flashop.attention(q, q, q, causal=True, dropout_p=0.2)
         return out, torch.autograd.grad(out, q, dout)[0]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = cuda_graph(step)
     replays = []
     for _ in range(2):
         graph.replay()

@@ -14,7 +14,7 @@ import torch
 
 import flashop
 from flashop.testing import check_attention, check_attention_varlen
-from helpers import DEVICE, Case, make_inputs
+from helpers import DEVICE, Case, cuda_graph, make_inputs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")]
@@ -68,14 +68,7 @@ def _assert_replay_equals_eager(step):
     """Capture ``step()`` (returning tensors) in a CUDA graph, replay it, and compare with an
     eager call bit for bit."""
     expected = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up on a side stream, as CUDA graph capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = cuda_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(captured, expected):

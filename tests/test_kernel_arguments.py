@@ -9,6 +9,7 @@ import torch
 
 import flashop
 from flashop._launch import attention as launch_attention, kvcache as launch_kvcache
+from flashop._launch import mla as launch_mla
 from helpers import DEVICE, Case, make_inputs, make_modifiers, replayed_launches
 
 # each optional tensor argument of the tl kernels and the flag that says it is there
@@ -45,6 +46,7 @@ def _record(calls):
 
     with mock.patch.object(launch_attention, "launch_kernel", kernel_launch), \
             mock.patch.object(launch_kvcache, "launch_planned", planned_launch), \
+            mock.patch.object(launch_mla, "launch_planned", planned_launch), \
             replayed_launches(lambda kernel, kwargs: launches.append((_name(kernel), kwargs))):
         calls()
     return launches
@@ -98,6 +100,17 @@ def _decode_calls():
     table = torch.tensor([[3, 1, 0, 5], [2, 4, 6, 7]], device=DEVICE, dtype=torch.int32)
     flashop.attention_with_kvcache(q, pages.clone(), pages.clone(), new, new,
                                    cache_seqlens=lens, block_table=table, num_splits=2)
+    # MLA's latent cache (v_cache = k_cache[..., :512]), dense and paged
+    q, new = torch.randn(2, 1, 2, 576, device=DEVICE), torch.randn(2, 1, 1, 576, device=DEVICE)
+    for splits in (1, 3):
+        latent = torch.zeros(3, 64, 1, 576, device=DEVICE)
+        flashop.attention_with_kvcache(
+            q, latent, latent[..., :512], new, cache_seqlens=lens, num_splits=splits,
+            cache_batch_idx=torch.tensor([2, 0], device=DEVICE, dtype=torch.int32),
+            cache_leftpad=torch.tensor([1, 0], device=DEVICE, dtype=torch.int32))
+        latent = torch.zeros(8, 16, 1, 576, device=DEVICE)
+        flashop.attention_with_kvcache(q, latent, latent[..., :512], new, cache_seqlens=lens,
+                                       block_table=table, num_splits=splits)
 
 
 @pytest.mark.parametrize("calls", [_attention_calls, _decode_calls], ids=["attention", "decode"])
@@ -119,4 +132,5 @@ def test_absent_tensors_are_none_and_their_flags_say_so(calls):
     else:
         expected = {(t, p) for t, p in expected
                     if t in ("alibi", "sinks", "block_table") + _CACHE_ONLY}
+        assert {"attention_decode_kernel", "mla_decode_kernel"} <= {n for n, _ in launches}
     assert expected <= seen, expected - seen

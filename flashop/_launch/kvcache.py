@@ -249,12 +249,56 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
         num_warps=4, num_stages=1))
 
 
+def merge_launch(num_splits: int, B, S_q, H, DV: int, block_dv: int) -> tuple:
+    """The merge of ``num_splits`` splits' partial outputs into out (B, S_q, H, DV) and lse:
+    (its launch, the partials' shapes (partial outputs, partial lse), their contiguous
+    strides (output, lse)); with one split (None, None) and zero strides."""
+    if num_splits <= 1:
+        return None, None, (0, 0, 0, 0), (0, 0, 0, 0)
+    parts = ((num_splits, B, S_q, H, DV), (num_splits, B, H, S_q))
+    sp, lp = _contiguous_strides(parts[0]), _contiguous_strides(parts[1])
+    merge = Planned((S_q, H, B), dict(
+        stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
+        stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
+        n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
+        BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1))
+    return merge, parts, sp, lp
+
+
+def plain_append_launch(k: TensorMeta, v: Optional[TensorMeta], k_cache: TensorMeta,
+                        v_cache: TensorMeta, block_table: Optional[TensorMeta],
+                        batch_idx: bool) -> Optional[Planned]:
+    """The append (_append_launch) of k, v into 16-bit or fp32 caches without rotary. ``v``
+    None: the caches' rows hold the values too (v_cache a view of k_cache's leading
+    columns, MLA's latent cache), each row written once from k: the kernel's value columns
+    are none (DV = 0 compiles its values' load and store out), and it is launched with
+    ``v=None, v_cache=None``, so that k_cache is the one tensor it writes (a tensor passed
+    as two written arguments would be cloned twice by functionalization, one clone's
+    writes lost)."""
+    if v is None:
+        def no_columns(m: TensorMeta) -> TensorMeta:
+            return m._replace(shape=tuple(m.shape[:-1]) + (0,))
+
+        v, v_cache = no_columns(k), no_columns(k_cache)
+    return _append_launch(k, v, k_cache, v_cache, block_table, batch_idx,
+                          _rotary_args(None, True), _fp8_args(k_cache, None, None))
+
+
 def rotary_per_query(mods: Modifiers, capacity) -> bool:
     """Whether the queries are rotated each at its own position (cache_seqlens[b] + i)
     rather than all at cache_seqlens[b]: flash-attn's rule, causal or a window bound, a
     bound at or past the cache's capacity counting as none."""
     left, right = mods.bounds
     return 0 <= left < capacity or 0 <= right < capacity or mods.causal
+
+
+def input_strides(q: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta) -> dict:
+    """The decoding kernels' strides of q (batch, query, head) and of the caches (batch row
+    or page, position, head); the last dims have unit stride."""
+    return dict(stride_qb=q.stride[0], stride_qs=q.stride[1], stride_qh=q.stride[2],
+                stride_kcb=k_cache.stride[0], stride_kcs=k_cache.stride[1],
+                stride_kch=k_cache.stride[2], stride_vcb=v_cache.stride[0],
+                stride_vcs=v_cache.stride[1], stride_vch=v_cache.stride[2])
 
 
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
@@ -297,22 +341,9 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
                              block_dv, itemsize, q.device)
     t = short_run_tiles(t, int(capacity), num_splits, page_size)
     split = num_splits > 1
-    parts = merge = None
-    sp = lp = (0, 0, 0, 0)
-    if split:
-        parts = ((num_splits, B, S_q, H, DV), (num_splits, B, H, S_q))
-        sp, lp = _contiguous_strides(parts[0]), _contiguous_strides(parts[1])
-        merge = Planned((S_q, H, B), dict(
-            stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
-            stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
-            n_splits=num_splits, DV=DV, BLOCK_DV=block_dv,
-            BLOCK_SPLITS=max(2, next_power_of_2(num_splits)), num_warps=4, num_stages=1))
+    merge, parts, sp, lp = merge_launch(num_splits, B, S_q, H, DV, block_dv)
     decode = Planned((num_splits, H_kv * row_tiles, B), dict(
-        stride_qb=q.stride[0], stride_qs=q.stride[1], stride_qh=q.stride[2],
-        stride_kcb=k_cache.stride[0], stride_kcs=k_cache.stride[1],
-        stride_kch=k_cache.stride[2],
-        stride_vcb=v_cache.stride[0], stride_vcs=v_cache.stride[1],
-        stride_vch=v_cache.stride[2],
+        **input_strides(q, k_cache, v_cache),
         stride_pp=sp[0], stride_pb=sp[1], stride_ps=sp[2], stride_ph=sp[3],
         stride_lpp=lp[0], stride_lpb=lp[1], stride_lph=lp[2],
         stride_tb=block_table.stride[0] if paged else 0,
@@ -326,6 +357,21 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         ROTARY_PER_QUERY=cos is not None and rotary_per_query(mods, capacity),
         **dtype_constexprs(q.dtype), num_warps=t.num_warps, num_stages=t.num_stages))
     return _Plan(append, decode, merge, parts)
+
+
+def index_tensors(cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
+                  cache_leftpad: Optional[torch.Tensor],
+                  block_table: Optional[torch.Tensor]) -> tuple:
+    """The lengths, cache rows, left pads (contiguous) and block table (unit stride along a
+    sequence's pages) as the kernels index them: copies of small int32 tensors where not."""
+    cache_seqlens = cache_seqlens.contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
+    if block_table is not None:
+        block_table = unit_stride_last(block_table)
+    return cache_seqlens, cache_batch_idx, cache_leftpad, block_table
 
 
 # eager calls of one signature share their plan (a decode loop repeats one signature; the
@@ -353,13 +399,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with k_descale (the queries' descale, q itself converted to 16 bits). ``num_splits`` 0
     picks the splits (auto_splits). The launches' arguments but the tensors are planned
     once per signature of eager calls (_plan; traced calls plan each time)."""
-    cache_seqlens = cache_seqlens.contiguous()
-    if cache_batch_idx is not None:
-        cache_batch_idx = cache_batch_idx.contiguous()
-    if cache_leftpad is not None:
-        cache_leftpad = cache_leftpad.contiguous()
-    if block_table is not None:
-        block_table = unit_stride_last(block_table)
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = index_tensors(
+        cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     if k is not None:
         k, v = unit_stride_last(k), unit_stride_last(v)
     if rotary_cos is not None:

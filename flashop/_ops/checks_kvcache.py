@@ -12,8 +12,11 @@ from typing import Optional
 import torch
 
 from flashop._ops.checks import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, check_fp8_out_dtype, check_kernels_run_on, check_modifiers,
-    check_offsets, check_scale,
+    SUPPORTED_DTYPES, check_fp8_out_dtype, check_kernels_run_on, check_modifiers, check_offsets,
+    check_scale,
+)
+from flashop._ops.checks_mla import (
+    cache_aliasing, check_cache_aliasing, check_head_dims, check_latent_options, is_mla,
 )
 
 OP = "flashop.attention_with_kvcache"
@@ -32,30 +35,36 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                          block_table, scale: Optional[float], mods, num_splits: int, *,
                          interpreting: bool, op: str = OP, rotary_cos=None, rotary_sin=None,
                          cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None,
-                         out_dtype: Optional[torch.dtype] = None) -> None:
+                         out_dtype: Optional[torch.dtype] = None,
+                         aliasing: Optional[tuple] = None) -> None:
     """Validate q (B, S_q, H, D); a dense cache (B_cache, S_cache, H_kv, D / DV) or a paged
-    one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks); k, v
-    (B, S_new, H_kv, D / DV) or neither; the dtypes (check_dtypes, with out_dtype); int32
-    cache_seqlens (B,), cache_batch_idx (B,) and cache_leftpad (B,) (dense caches);
+    one (num_blocks, page_size, H_kv, D / DV) with block_table (B, max_blocks), v_cache of
+    its own or k_cache[..., :DV] (``aliasing``, checks_mla.cache_aliasing's, computed where
+    None), MLA's latent cache at head dims (576, 512) with its options
+    (check_latent_options); k, v (B, S_new, H_kv, D / DV), or neither, or k alone at MLA's
+    head dims (the new values then k[..., :512]); the dtypes (check_dtypes, with
+    out_dtype); int32 cache_seqlens (B,), cache_batch_idx (B,) and cache_leftpad (B,)
+    (dense caches);
     rotary_cos, rotary_sin (check_rotary, in the dtype the kernels compute in); fp32
     k_descale, v_descale (B, H_kv) with an fp8 cache, q_descale (B, H_kv) with fp8 q;
     scale, the modifiers and num_splits."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-    if (k is None) != (v is None):
+    aliasing = cache_aliasing(k_cache, v_cache, k, v) if aliasing is None else aliasing
+    if (k is None) != (v is None) and not (v is None and is_mla(k_cache, v_cache)):
         raise ValueError(f"{op}: pass both k and v (the new keys and values to append) or "
                          f"neither, got k {'None' if k is None else _shape(k)} and v "
                          f"{'None' if v is None else _shape(v)}")
-    if k is not None:
-        tensors.update(k=k, v=v)
-    layout = {"q": "(batch, seqlen_q, heads, head_dim)",
-              "k_cache": "(batch_cache, seqlen_cache, kv_heads, head_dim) or (num_blocks, "
-                         "page_size, kv_heads, head_dim)",
-              "k": "(batch, seqlen_new, kv_heads, head_dim)"}
+    tensors.update({n: t for n, t in (("k", k), ("v", v)) if t is not None})
+    layouts = {"q": "(batch, seqlen_q, heads, head_dim)",
+               "k_cache": "(batch_cache, seqlen_cache, kv_heads, head_dim) or (num_blocks, "
+                          "page_size, kv_heads, head_dim)",
+               "k": "(batch, seqlen_new, kv_heads, head_dim)"}
     for name, t in tensors.items():
         if t.dim() != 4:
-            kind = layout[name.replace("v", "k")]
+            kind = layouts[name.replace("v", "k")]
             raise ValueError(f"{op}: {name} must be a 4-D tensor {kind}, got shape "
                              f"{_shape(t)}")
+    check_cache_aliasing(op, k_cache, v_cache, k, v, aliasing)
     compute = check_dtypes(op, tensors, k_descale, v_descale, q_descale, out_dtype)
     index = {"cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
              "block_table": block_table, "cache_leftpad": cache_leftpad,
@@ -79,7 +88,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     if k_cache.shape[3] != D:
         raise ValueError(f"{op}: q and k_cache must have the same head dim (dim 3), got "
                          f"{caches}")
-    _check_heads(op, H, H_kv, D, DV, caches)
+    _check_heads(op, H, H_kv, D, DV, caches, mla=True)
+    if is_mla(k_cache, v_cache):
+        check_latent_options(op, mods, k_cache, rotary_cos, k_descale, v_descale, q_descale)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.size(-1) > 1 and cache.stride(-1) != 1:
             raise ValueError(
@@ -127,8 +138,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
 
     if k is not None:
         S_new = k.shape[1]
-        new = f"k {_shape(k)}, v {_shape(v)}"
-        if _shape(k) != (B, S_new, H_kv, D) or _shape(v) != (B, S_new, H_kv, DV):
+        new = f"k {_shape(k)}, v {'None' if v is None else _shape(v)}"
+        v_shape = (B, S_new, H_kv, DV) if v is None else _shape(v)
+        if _shape(k) != (B, S_new, H_kv, D) or v_shape != (B, S_new, H_kv, DV):
             raise ValueError(
                 f"{op}: k and v must be (batch, seqlen_new, kv_heads, head_dim) = ({B}, "
                 f"S_new, {H_kv}, {D}) and ({B}, S_new, {H_kv}, {DV}) to match q and the "
@@ -234,15 +246,14 @@ def check_dtypes(op: str, tensors: dict, k_descale, v_descale, q_descale=None,
     return q.dtype
 
 
-def _check_heads(op: str, H, H_kv, D, DV, caches: str) -> None:
-    """H a multiple of the cache's H_kv; head dims from 1 to MAX_HEAD_DIM."""
+def _check_heads(op: str, H, H_kv, D, DV, caches: str, mla: bool = False) -> None:
+    """H a multiple of the cache's H_kv; the head dims (checks_mla.check_head_dims: MLA's
+    too where ``mla``)."""
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(
             f"{op}: the number of query heads ({H}) must be a multiple of the cache's number "
             f"of key/value heads ({H_kv}) for grouped-query attention, got {caches}")
-    if not (1 <= D <= MAX_HEAD_DIM and 1 <= DV <= MAX_HEAD_DIM):
-        raise ValueError(f"{op}: head dims from 1 to {MAX_HEAD_DIM} are supported, got {D} "
-                         f"for q and k and {DV} for v ({caches})")
+    check_head_dims(op, D, DV, caches, mla)
 
 
 def _check_block_table(op: str, block_table, B, k_cache, caches: str) -> None:

@@ -42,6 +42,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import attention as launch_attention
 from flashop._launch import kvcache as launch
+from flashop._launch import mla as launch_mla
 from flashop._launch.calls import eager_meta
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
@@ -49,6 +50,7 @@ from flashop._ops.attention import bhsd_shapes, register_forward_only, values
 from flashop._ops.checks_kvcache import (
     FP8_CACHE_DTYPE, check_kvcache_inputs, check_paged_varlen_inputs, compute_dtype,
 )
+from flashop._ops.checks_mla import cache_aliasing, is_mla
 from flashop.kernels import INTERPRETING
 
 _register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
@@ -64,30 +66,33 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
              cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None, *,
              causal=False, scale=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
              rotary_interleaved=True, num_splits=0, out_dtype=None):
-    """The call's Modifiers, its inputs checked (check_kvcache_inputs). The checks read
-    shapes, strides, dtypes, devices and the options only: an eager call whose signature
-    (eager_meta, the options) passed before passes again without them."""
+    """The call's Modifiers and its tensors' aliasing (checks_mla.cache_aliasing: whether the
+    values are the keys' leading columns), its inputs checked (check_kvcache_inputs). The
+    checks read shapes, strides, dtypes, devices, the aliasing and the options only: an
+    eager call whose signature (eager_meta, the aliasing, the options) passed before passes
+    again without them."""
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
                      softcap, sinks)
+    aliasing = cache_aliasing(k_cache, v_cache, k, v)
     metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                        alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
                        v_descale, q_descale)
     key = None
     if metas is not None:
         key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
-               softcap, out_dtype, metas)
+               softcap, out_dtype, aliasing, metas)
         if key in _PASSED:
-            return mods
+            return mods, aliasing
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale, mods, num_splits, interpreting=INTERPRETING,
                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                          cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
-                         q_descale=q_descale, out_dtype=out_dtype)
+                         q_descale=q_descale, out_dtype=out_dtype, aliasing=aliasing)
     if key is not None:
         if len(_PASSED) >= MAX_PASSED:
             _PASSED.clear()
         _PASSED.add(key)
-    return mods
+    return mods, aliasing
 
 
 @_register("flashop::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -123,11 +128,18 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
                                q_descale=None, *, scale=None, num_splits=0,
                                rotary_interleaved=True, out_dtype=None, **options):
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
-    Also run directly by the eager path (flashop/_ops/eager.py)."""
-    mods = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                    alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                    v_descale, q_descale, scale=scale, num_splits=num_splits,
-                    rotary_interleaved=rotary_interleaved, out_dtype=out_dtype, **options)
+    Also run directly by the eager path (flashop/_ops/eager.py). MLA's head dims (576, 512)
+    go to the latent-cache kernel, which reads each row once where v_cache is
+    k_cache[..., :512] (the checks' aliasing)."""
+    mods, aliasing = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
+                            block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
+                            cache_leftpad, k_descale, v_descale, q_descale, scale=scale,
+                            num_splits=num_splits, rotary_interleaved=rotary_interleaved,
+                            out_dtype=out_dtype, **options)
+    if is_mla(k_cache, v_cache):
+        return launch_mla.attention_with_latent_cache(
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
+            mods, num_splits, cache_leftpad, values_in_keys=aliasing[0] is True)
     if q.dtype == FP8_CACHE_DTYPE:
         q = q.to(compute_dtype(q, out_dtype))  # exact: every e4m3 value is a 16-bit one
     return launch.attention_with_kvcache(

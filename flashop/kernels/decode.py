@@ -31,6 +31,7 @@ import triton.language as tl
 from flashop.kernels.common import (
     LN2, LOG2E, attention_scores, dot_operand, load_tile, round_to, to_e4m3,
 )
+from flashop.kernels.decode_steps import cache_rows, softmax_step
 
 
 @triton.jit
@@ -122,8 +123,9 @@ def kvcache_append_kernel(
     HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     FP8_CACHE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
 ):
-    """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise) for the BLOCK_S
-    new tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
+    """k_cache[slot(b, cache_seqlens[b] + s), h] = k[b, s, h] (v likewise, unless DV = 0:
+    the values are the keys' leading columns, v and v_cache None) for the BLOCK_S new
+    tokens ``s`` of this program. Positions at or past ``capacity`` are dropped: nothing
     outside the named slots is written. ``slot`` is row ``cache_batch_idx[b]`` (or ``b``)
     of a dense cache, or the page ``block_table[b, pos // PAGE_SIZE]`` of a paged one.
     Where ``ROTARY_DIM > 0`` the keys are written rotated at their positions
@@ -152,9 +154,7 @@ def kvcache_append_kernel(
         o_kc = i_row * stride_kcb + o_pos.to(tl.int64) * stride_kcs
         o_vc = i_row * stride_vcb + o_pos.to(tl.int64) * stride_vcs
     o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
     m_k = m_s[:, None] & (o_d[None, :] < D)
-    m_v = m_s[:, None] & (o_dv[None, :] < DV)
     # [BLOCK_S, BLOCK_D]
     p_k = k + i_b * stride_kb + i_h * stride_kh + o_s * stride_ks
     b_k = tl.load(p_k[:, None] + o_d[None, :], mask=m_k)
@@ -165,13 +165,16 @@ def kvcache_append_kernel(
         b_k = quantize_e4m3(b_k, load_descale(k_descale, i_b, i_h, stride_kdb, HAS_K_DESCALE),
                             HAS_K_DESCALE)
     tl.store(k_cache + i_h * stride_kch + o_kc[:, None] + o_d[None, :], b_k, mask=m_k)
-    # [BLOCK_S, BLOCK_DV]
-    b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
-                  + o_dv[None, :], mask=m_v)
-    if FP8_CACHE:
-        b_v = quantize_e4m3(b_v, load_descale(v_descale, i_b, i_h, stride_vdb, HAS_V_DESCALE),
-                            HAS_V_DESCALE)
-    tl.store(v_cache + i_h * stride_vch + o_vc[:, None] + o_dv[None, :], b_v, mask=m_v)
+    if DV > 0:
+        o_dv = tl.arange(0, BLOCK_DV)
+        m_v = m_s[:, None] & (o_dv[None, :] < DV)
+        # [BLOCK_S, BLOCK_DV]
+        b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs
+                      + o_dv[None, :], mask=m_v)
+        if FP8_CACHE:
+            b_v = quantize_e4m3(b_v, load_descale(v_descale, i_b, i_h, stride_vdb,
+                                                  HAS_V_DESCALE), HAS_V_DESCALE)
+        tl.store(v_cache + i_h * stride_vch + o_vc[:, None] + o_dv[None, :], b_v, mask=m_v)
 
 
 @triton.jit
@@ -198,22 +201,9 @@ def _decode_key_tiles(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < L_read
-        if IS_PAGED:
-            if TILE_PAGE:
-                i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
-                o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
-            else:  # each key's own page (a tile of BLOCK_N > PAGE_SIZE keys spans pages)
-                if EDGE_TILE:
-                    i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n,
-                                     other=0).to(tl.int64)
-                else:
-                    i_page = tl.load(block_table + o_n // PAGE_SIZE).to(tl.int64)
-                o_row = o_n % PAGE_SIZE
-            o_kn = i_page * stride_kcb + o_row * stride_kcs
-            o_vn = i_page * stride_vcb + o_row * stride_vcs
-        else:
-            o_kn = o_n.to(tl.int64) * stride_kcs
-            o_vn = o_n.to(tl.int64) * stride_vcs
+        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
+                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
+                                TILE_PAGE, EDGE_TILE)
         # K^T tile [BLOCK_D, BLOCK_N]
         b_kt = load_tile(k_cache + o_kn[None, :] + o_d[:, None], m_n[None, :],
                          o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
@@ -230,16 +220,7 @@ def _decode_key_tiles(
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
         if FP8_CACHE:
             b_v = b_v.to(b_q.dtype)
-        # online softmax [ROWS]
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        if EDGE_TILE:
-            # a row with no key so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
-        b_p = tl.math.exp2(b_s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
         # [ROWS, BLOCK_DV]
         acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
                      acc * alpha[:, None], input_precision=DOT_PRECISION)

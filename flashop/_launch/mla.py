@@ -1,0 +1,165 @@
+"""Launcher of the kernel over MLA's latent cache (flashop/kernels/mla.py): the append of
+new rows, the split-KV attention and the merge of its splits (decode.py's merge kernel).
+
+As the decode launcher (flashop/_launch/kvcache.py), whose tile type, split rule, merge and
+append it shares: every choice depends on shapes, the dtype and the device, never on the
+values of ``cache_seqlens`` (no host synchronization, CUDA-graph capture, one compilation
+for all lengths), and an eager call's launches are planned once per signature.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from flashop._launch import tiles as tile_table
+from flashop._launch.common import (
+    TensorMeta, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
+    next_power_of_2, on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
+)
+from flashop._launch.calls import eager_meta
+from flashop._launch.launches import Planned, launch_planned
+from flashop._launch.kvcache import (
+    DecodeTiles, _Plan, call_splits, fit_shared_memory, index_tensors, input_strides,
+    kvcache_outputs, merge_launch, plain_append_launch,
+)
+from flashop._launch.options import PLAIN, Modifiers
+from flashop._launch.scores import score_args
+from flashop.kernels import INTERPRETING
+from flashop.kernels.decode import attention_decode_merge_kernel, kvcache_append_kernel
+from flashop.kernels.mla import mla_decode_kernel
+
+# the tiles force("mla", DecodeTiles(...)) sets take the table's place (benchmarks sweep so)
+TILE_KIND = "mla"
+
+
+def mla_tiles(rows: int, dtype: torch.dtype, page: int) -> DecodeTiles:
+    """The kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache of
+    pages of ``page`` keys (0: dense), 576-dim rows.
+
+    Each program holds a [BLOCK_M, 512] fp32 accumulator: 64 rows at most (8 warps: 128
+    registers a thread for it), fewer for fewer rows (16 at least, tl.dot's). 64 keys per
+    step (FlashMLA's tile), 2 stages: with the query tile that is 184 KiB of shared memory
+    at 32 rows; 64 rows take 32 keys (216 KiB with 64). A paged tile that lies in one page
+    loads its one page id. fp32: 16 keys. Under the interpreter, small tiles. These are a
+    starting point for the GPU sweep (benchmarks/decode.py --mla --sweep)."""
+    block_m = max(16, next_power_of_2(rows))
+    if INTERPRETING:
+        return DecodeTiles(16, 16)
+    block_m = min(block_m, 64)
+    if dtype == torch.float32:
+        return DecodeTiles(min(block_m, 32), 16, 4, 2)
+    if block_m <= 32:
+        return DecodeTiles(block_m, 64, 4, 2)
+    return DecodeTiles(64, 32, 8, 2)
+
+
+def _make_plan(metas: tuple, options: tuple) -> _Plan:
+    """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
+    block_table, cache_leftpad) have the (shape, strides, dtype, device) ``metas`` (None
+    for None), with ``options`` (causal, scale, num_splits, whether v_cache is
+    k_cache[..., :DV], the forced tiles). The outputs' strides are the call's to add."""
+    q, k_cache, v_cache, k, v, batch_idx, block_table, leftpad = (
+        None if m is None else TensorMeta(*m) for m in metas)
+    causal, scale, num_splits, values_in_keys, forced = options
+    paged = block_table is not None
+    append = None
+    S_new = 0
+    if k is not None:
+        S_new = k.shape[1]
+        append = plain_append_launch(k, None if values_in_keys else v, k_cache, v_cache,
+                                     block_table, batch_idx is not None)
+    B, S_q, H, D = q.shape
+    H_kv, DV = k_cache.shape[2], int(v_cache.shape[3])
+    if B * S_q * H == 0:
+        return _Plan(append, None, None, None)
+    D, G, page = int(D), int(H // H_kv), int(k_cache.shape[1])
+    capacity = block_table.shape[1] * page if paged else page
+    page_size = page if paged else 0
+    itemsize = q.dtype.itemsize
+    t = dict(forced).get(TILE_KIND)
+    if t is None:
+        t = mla_tiles(int(G * S_q), q.dtype, page_size)
+        if not INTERPRETING:  # the rows' one staged block: block_d = D, block_dv = 0
+            t = fit_shared_memory(t, D, 0, itemsize, max_shared_memory(q.device.index))
+    row_tiles = cdiv(G * S_q, t.BLOCK_M)
+    num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, D, 0,
+                             itemsize, q.device)
+    merge, parts, _, _ = merge_launch(num_splits, B, S_q, H, DV, DV)
+    decode = Planned((num_splits, H_kv * row_tiles, B), dict(
+        **input_strides(q, k_cache, v_cache),
+        stride_tb=block_table.stride[0] if paged else 0,
+        S_q=S_q, S_new=S_new, capacity=capacity, G=G,
+        qk_scale=score_args(PLAIN[causal], resolve_scale(scale, D), None)["qk_scale"],
+        DV=DV, D_ROPE=D - DV, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
+        PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
+        TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
+        HAS_BATCH_IDX=batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
+        IS_CAUSAL=causal, V_IN_K=values_in_keys, SPLIT=num_splits > 1, **dtype_constexprs(q.dtype),
+        num_warps=t.num_warps, num_stages=t.num_stages))
+    return _Plan(append, decode, merge, parts)
+
+
+# eager calls of one signature share their plan (a decode loop repeats one signature)
+_plan = functools.lru_cache(maxsize=1024)(_make_plan)
+
+
+@on_inputs_device
+def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                                v: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
+                                cache_batch_idx: Optional[torch.Tensor],
+                                block_table: Optional[torch.Tensor], scale: Optional[float],
+                                mods: Modifiers, num_splits: int,
+                                cache_leftpad: Optional[torch.Tensor] = None,
+                                values_in_keys: bool = True
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k (B, S_new, H_kv, D) into k_cache in place, then attend; returns (out
+    (B, S_q, H, DV), lse) as kvcache_outputs allocates them. Where ``values_in_keys``
+    (v_cache is k_cache[..., :DV], MLA's latent cache) each row is written once, all D
+    dims, and read once for both products; else ``v`` (None: k[..., :DV]) is appended to
+    v_cache too and the values are read from it. ``mods`` holds causal alone (the checks
+    refuse the other modifiers). ``num_splits`` 0 picks the splits (auto_splits)."""
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = index_tensors(
+        cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    if k is not None:
+        k = unit_stride_last(k)
+        if values_in_keys:
+            v = None  # (k's leading columns, or None: the checks' aliasing)
+        else:
+            v = k[..., :v_cache.shape[-1]] if v is None else unit_stride_last(v)
+    q = unit_stride_last(q)
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, cache_leftpad)
+    options = (mods.causal, scale, num_splits, values_in_keys, tile_table.forced())
+    metas = eager_meta(*tensors)
+    plan = (_plan(metas, options) if metas is not None
+            else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    if plan.append is not None:
+        launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
+                       v_cache=None if values_in_keys else v_cache,
+                       cache_seqlens=cache_seqlens,
+                       cache_batch_idx=cache_batch_idx, block_table=block_table,
+                       rotary_cos=None, rotary_sin=None, k_descale=None, v_descale=None)
+    out, lse = kvcache_outputs(q, v_cache)
+    if plan.decode is None:
+        return out, lse
+    check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
+                      (q.shape[1], q.shape[1]))
+    o_part = lse_part = None  # one split: the kernel writes out and lse directly
+    if plan.parts is not None:
+        o_part = q.new_empty(plan.parts[0], dtype=torch.float32)
+        lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
+    so, sl = out.stride(), lse.stride()
+    outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
+                   stride_lb=sl[0], stride_lh=sl[1])
+    launch_planned(mla_decode_kernel, plan.decode, q=q, k_cache=k_cache,
+                   v_cache=k_cache if values_in_keys else v_cache, o_part=o_part,
+                   lse_part=lse_part, cache_seqlens=cache_seqlens,
+                   cache_batch_idx=cache_batch_idx, block_table=block_table,
+                   cache_leftpad=cache_leftpad, **outputs)
+    if plan.merge is not None:
+        launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
+                       lse_part=lse_part, **outputs)
+    return out, lse

@@ -1,0 +1,50 @@
+"""Steps of the key loop shared by the decoding kernels over a key/value cache (decode.py's
+split-KV kernel and mla.py's latent-cache kernel): where a tile's keys and values live in a
+dense or paged cache, and the online softmax over a tile of scores. Vocabulary as in
+decode.py."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+               TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr):
+    """The key and value caches' row offsets (int64, [BLOCK_N]) of the keys ``o_n`` of the
+    tile starting at ``start_n`` (``m_n``: those below the readable keys), from the caches'
+    pointers at this KV head (dense: at this sequence's first key). Paged: ``block_table``
+    points at this sequence's pages; where ``TILE_PAGE`` (the tile lies in one page) the
+    tile's one page id is loaded, else each key's (a vector, which the pipeliner
+    prefetches), masked on ``EDGE_TILE`` tiles. (For loads only: torch<2.13 counts a
+    helper's arguments as written where its results offset a store, see common.py.)"""
+    if IS_PAGED:
+        if TILE_PAGE:
+            i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
+            o_row = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        else:  # each key's own page (a tile of BLOCK_N > PAGE_SIZE keys spans pages)
+            if EDGE_TILE:
+                i_page = tl.load(block_table + o_n // PAGE_SIZE, mask=m_n,
+                                 other=0).to(tl.int64)
+            else:
+                i_page = tl.load(block_table + o_n // PAGE_SIZE).to(tl.int64)
+            o_row = o_n % PAGE_SIZE
+        return i_page * stride_kcb + o_row * stride_kcs, i_page * stride_vcb + o_row * stride_vcs
+    return o_n.to(tl.int64) * stride_kcs, o_n.to(tl.int64) * stride_vcs
+
+
+@triton.jit
+def softmax_step(b_s, m_i, l_i, EDGE_TILE: tl.constexpr):
+    """The online softmax over one tile of base-2 scores ``b_s`` [ROWS, BLOCK_N] (-inf where
+    masked): (P, the factor ``alpha`` of what came before, the new running sum and max).
+    On ``EDGE_TILE`` tiles a row may have seen no key yet (max -inf): its P and alpha are 0,
+    not NaN."""
+    # [ROWS]
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    if EDGE_TILE:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    b_p = tl.math.exp2(b_s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    return b_p, alpha, l_i * alpha + tl.sum(b_p, 1), m_new

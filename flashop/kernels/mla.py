@@ -1,0 +1,203 @@
+"""Attention over multi-head latent attention's cache (MLA: DeepSeek-V2/V3, Kimi K2).
+
+MLA caches one latent key/value head per token: a row of ``D = DV + D_ROPE`` dims (512
+latent, then 64 rotary), whose first ``DV`` dims are also the token's value. Every query
+head of a sequence attends the same rows: ``S = Q K^T`` over all D dims, ``O = P V`` with
+``V = K[:, :DV]``.
+
+The kernel reads each cache row once for both products: a key tile is loaded as its latent
+block [BLOCK_N, DV] and its rotary block [BLOCK_N, D_ROPE] (powers of two: 576 is not
+padded to 1024), the scores are ``Q_lat K_lat^T + Q_rope K_rope^T`` and the same latent
+block, untransposed, is the values of ``P V`` (``V_IN_K``: v_cache is k_cache[..., :DV];
+a v_cache of its own is read beside it). All query rows of one KV head (the G heads
+times the S_q queries, row ``r = i * G + g``) share the keys as the M dimension of the
+products, BLOCK_M rows per program; more rows take more programs over the same keys
+(running together, their loads may meet in L2). The keys are cut into runs of whole
+tiles, one per split (split-KV), and the splits merge in flash decoding's merge kernel
+(decode.attention_decode_merge_kernel), as the decode kernel's do. Vocabulary and cache
+addressing as in decode.py.
+"""
+
+import triton
+import triton.language as tl
+
+from flashop.kernels.common import LN2, attention_scores, dot_operand, load_tile, round_to
+from flashop.kernels.decode_steps import cache_rows, softmax_step
+
+
+@triton.jit
+def _mla_key_tiles(
+    acc, l_i, m_i, b_q, b_qr, k_cache, v_cache, block_table, o_i, m_r, start, end, L_read, L,
+    S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, DV: tl.constexpr,
+    D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, V_IN_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tiles in [start, end) (multiples of BLOCK_N) into the running (acc,
+    l_i, m_i) of the query rows, whose latent part is ``b_q`` [BLOCK_M, DV] and rotary part
+    ``b_qr`` [BLOCK_M, D_ROPE]. ``k_cache`` / ``v_cache`` point at this KV head (and,
+    dense, this sequence's first key); ``block_table`` at this sequence's pages: a tile's one
+    page id where ``TILE_PAGE`` (the tile lies in one page), else each key's. Where
+    ``V_IN_K`` the values are the key tile's latent block (v_cache is not read), else a
+    tile of v_cache's rows. ``EDGE_TILE`` tiles may reach past the ``L_read`` readable keys
+    or cross the causal bound; the others are inside for every row and skip that
+    masking."""
+    o_dv = tl.arange(0, DV)
+    o_dr = DV + tl.arange(0, D_ROPE)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        m_n = o_n < L_read
+        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
+                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
+                                TILE_PAGE, EDGE_TILE)
+        # the keys' latent dims [BLOCK_N, DV]
+        b_k = load_tile(k_cache + o_kn[:, None] + o_dv[None, :], m_n[:, None], None,
+                        EDGE_TILE, False)
+        # their rotary dims [BLOCK_N, D_ROPE]
+        b_kr = load_tile(k_cache + o_kn[:, None] + o_dr[None, :], m_n[:, None], None,
+                         EDGE_TILE, False)
+        b_kl = dot_operand(b_k, UPCAST)
+        # [BLOCK_M, BLOCK_N]
+        b_qk = tl.dot(b_q, tl.trans(b_kl), input_precision=DOT_PRECISION)
+        b_qk = tl.dot(b_qr, tl.trans(dot_operand(b_kr, UPCAST)), b_qk,
+                      input_precision=DOT_PRECISION)
+        # scaled, masked past the keys and (causal: a right bound of 0) after the diagonal;
+        # no window's left bound, softcap, ALiBi, gate or mask
+        b_s, _ = attention_scores(
+            b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
+            0, 0, 0.0, 0.0, 0.0, k_cache, 0, 0, EDGE_TILE, False, IS_CAUSAL, False, False,
+            False, 0, True)
+        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
+        if V_IN_K:  # the values: the same latent block, read once for both products
+            b_v = b_kl
+        else:  # [BLOCK_N, DV]
+            b_v = dot_operand(load_tile(v_cache + o_vn[:, None] + o_dv[None, :],
+                                        m_n[:, None], None, EDGE_TILE, False), UPCAST)
+        # [BLOCK_M, DV]
+        acc = tl.dot(dot_operand(round_to(b_p, b_k.dtype), UPCAST), b_v,
+                     acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def mla_decode_kernel(
+    q, k_cache, v_cache, o, lse, o_part, lse_part, cache_seqlens, cache_batch_idx,
+    block_table, cache_leftpad,
+    stride_qb, stride_qs, stride_qh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    stride_tb,
+    S_q, S_new, capacity, G, qk_scale,
+    DV: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    V_IN_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attention of q[b, i, h] (DV + D_ROPE dims) over the first ``L = cache_seqlens[b] +
+    S_new`` rows of sequence b's latent cache, query i at key position ``i + L - S_q``
+    (bottom-right causal where ``IS_CAUSAL``); the values are the rows' first DV dims where
+    ``V_IN_K`` (v_cache is k_cache[..., :DV]), else v_cache's rows; grid (splits, H_kv *
+    row tiles, B).
+
+    As attention_decode_kernel without its modifiers: BLOCK_M rows ``r = i * G + g`` per
+    program; the keys (at most ``capacity``; where ``HAS_LEFTPAD``, of a dense cache, from
+    row ``cache_leftpad[b]``, L less that many) cut into runs of whole tiles, one per split;
+    where ``SPLIT`` the run's normalized output (fp32) goes to ``o_part`` [split, b, i, h]
+    and its base-2 lse to ``lse_part`` [split, b, h, i] (0 and -inf for an empty run), for
+    the merge kernel (both the launcher's contiguous buffers: their strides follow from the
+    grid); else ``o`` and the natural-log ``lse`` [b, h, i] directly. Rows that
+    attend no key get 0 and -inf. The lengths are read here, so the launch depends on shapes
+    only (CUDA graphs, one compilation for all lengths)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
+    i_split = tl.program_id(0).to(tl.int64)
+    n_splits = tl.num_programs(0)
+    i_b = tl.program_id(2).to(tl.int64)
+    rows = G * S_q
+    n_row_tiles = tl.cdiv(rows, BLOCK_M)
+    i_hk = (tl.program_id(1) // n_row_tiles).to(tl.int64)
+    start_r = (tl.program_id(1) % n_row_tiles) * BLOCK_M
+
+    L = tl.load(cache_seqlens + i_b) + S_new
+    lp = 0
+    if HAS_LEFTPAD:
+        lp = tl.load(cache_leftpad + i_b)
+        L -= lp
+    L_read = tl.minimum(L, capacity - lp)  # keys past the cache's capacity are never read
+    off = L - S_q  # query i sits at key position i + off
+
+    o_r = start_r + tl.arange(0, BLOCK_M)
+    m_r = o_r < rows
+    o_i = o_r // G  # query index
+    o_h = i_hk * G + o_r % G  # query head
+    o_dv = tl.arange(0, DV)
+    p_q = q + i_b * stride_qb + o_i * stride_qs + o_h * stride_qh
+    # [BLOCK_M, DV], [BLOCK_M, D_ROPE]
+    b_q = tl.load(p_q[:, None] + o_dv[None, :], mask=m_r[:, None], other=0.0)
+    b_qr = tl.load(p_q[:, None] + DV + tl.arange(0, D_ROPE)[None, :], mask=m_r[:, None],
+                   other=0.0)
+    b_q, b_qr = dot_operand(b_q, UPCAST), dot_operand(b_qr, UPCAST)
+
+    # the keys of the tile's rows: [0, hi), those before u_hi attended by every row
+    hi = L_read
+    u_hi = (L_read // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        i_first = start_r // G
+        i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
+        hi = tl.minimum(hi, tl.maximum(i_last + off + 1, 0))
+        u_hi = tl.minimum(u_hi, (tl.maximum(i_first + off + 1, 0) // BLOCK_N) * BLOCK_N)
+    # this split's run of key tiles: [s_lo, s_mid) inside, [s_mid, s_hi) edge tiles
+    tiles_per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), n_splits)
+    s_lo = tl.minimum(i_split * tiles_per_split * BLOCK_N, hi)
+    s_hi = tl.minimum(s_lo + tiles_per_split * BLOCK_N, hi)
+    s_mid = tl.minimum(tl.maximum(u_hi, s_lo), s_hi)
+
+    k_base = k_cache + i_hk * stride_kch
+    v_base = v_cache + i_hk * stride_vch
+    if IS_PAGED:
+        block_table += i_b * stride_tb
+    else:
+        i_row = i_b
+        if HAS_BATCH_IDX:
+            i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
+        k_base += i_row * stride_kcb
+        v_base += i_row * stride_vcb
+        if HAS_LEFTPAD:
+            k_base += lp.to(tl.int64) * stride_kcs
+            v_base += lp.to(tl.int64) * stride_vcs
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    for part in tl.static_range(2):
+        if part == 0:
+            start, end = s_lo, s_mid
+        else:
+            start, end = s_mid, s_hi
+        acc, l_i, m_i = _mla_key_tiles(
+            acc, l_i, m_i, b_q, b_qr, k_base, v_base, block_table, o_i, m_r, start, end,
+            L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, DV,
+            D_ROPE, BLOCK_N, PAGE_SIZE, IS_PAGED, TILE_PAGE, part == 1, IS_CAUSAL, V_IN_K,
+            UPCAST, DOT_PRECISION)
+
+    m_empty = l_i == 0.0
+    l_safe = tl.where(m_empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    m_o = m_r[:, None]
+    if SPLIT:
+        # the partials [splits, B, S_q, H, DV] and [splits, B, H, S_q], contiguous
+        H = G * (tl.num_programs(1) // n_row_tiles)
+        i_run = i_split * tl.num_programs(2) + i_b
+        o_pr = (i_run * S_q + o_i) * H + o_h
+        tl.store(o_part + o_pr[:, None] * DV + o_dv[None, :], b_o, mask=m_o)
+        tl.store(lse_part + (i_run * H + o_h) * S_q + o_i, b_lse2, mask=m_r)
+    else:
+        tl.store(o + i_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh
+                 + o_dv[None, :], round_to(b_o, o.dtype.element_ty), mask=m_o)
+        tl.store(lse + i_b * stride_lb + o_h * stride_lh + o_i, b_lse2 * LN2, mask=m_r)
