@@ -251,9 +251,11 @@ def _append_launch(k: TensorMeta, v: TensorMeta, k_cache: TensorMeta, v_cache: T
 def rotary_per_query(mods: Modifiers, capacity) -> bool:
     """Whether the queries are rotated each at its own position (cache_seqlens[b] + i)
     rather than all at cache_seqlens[b]: flash-attn's rule, causal or a window bound, a
-    bound at or past the cache's capacity counting as none."""
+    bound at or past the cache's capacity counting as none; FlashAttention-3's with a
+    chunk (local attention there)."""
     left, right = mods.bounds
-    return 0 <= left < capacity or 0 <= right < capacity or mods.causal
+    return (0 <= left < capacity or 0 <= right < capacity or mods.causal
+            or mods.attention_chunk > 0)
 
 
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
