@@ -314,7 +314,8 @@ def attention_with_kvcache_reference(
     puts it). With ``rotary_cos``, ``rotary_sin`` the new keys are rotated at their
     positions and the queries at ``cache_seqlens[b] + i`` where causal, a window bound
     below the capacity or a chunk is set, else all at ``cache_seqlens[b]`` (flash-attn's
-    rule; :func:`rotary`). Chunks count positions from each sequence's first gathered key. out (B, S_q, H, DV) and lse (B, H, S_q) in ``compute_dtype``.
+    rule; :func:`rotary`). Chunks count positions from each sequence's first gathered key.
+    out (B, S_q, H, DV) and lse (B, H, S_q) in ``compute_dtype``.
     ``sinks`` (H,) join each query's softmax as in attention_reference (a sequence with no
     key: out 0, lse = sink). A float8_e4m3fn cache is appended to as the kernel quantizes
     and each sequence's keys read as ``k_cache * k_descale[b, h]`` (values with

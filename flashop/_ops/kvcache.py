@@ -116,8 +116,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
         sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, q_descale,
         causal=causal, scale=scale,
         window_size_left=window_size_left, window_size_right=window_size_right,
-        attention_chunk=attention_chunk, softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
-        out_dtype=out_dtype)
+        attention_chunk=attention_chunk, softcap=softcap, rotary_interleaved=rotary_interleaved,
+        num_splits=num_splits, out_dtype=out_dtype)
 
 
 def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None,

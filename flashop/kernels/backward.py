@@ -312,7 +312,8 @@ def attention_bwd_dkdv_kernel(
                     start_n, o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap_log2,
                     alibi_log2, left, right, chunk,
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
-                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+                    ATTN_MASK_KIND,
                     DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
                     FOLD_SCALE)
         if HAS_GATE:
@@ -333,7 +334,8 @@ def _dq_key_tiles(
     qk_scale, softcap_log2, alibi_log2, left, right, chunk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
@@ -394,7 +396,8 @@ def _dq_key_ranges(
     qk_scale, softcap_log2, alibi_log2, left, right, chunk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
@@ -538,8 +541,8 @@ def attention_bwd_dq_kernel(
         attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m,
         m_m, lo, u_lo, u_hi, hi, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right,
         chunk, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-        dropout_p, DROPOUT, FOLD_SCALE, False)
+        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
+        seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE, False)
     b_dq = b_dq * sm_scale
     tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], round_to(b_dq, dq.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))

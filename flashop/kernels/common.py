@@ -301,7 +301,8 @@ def attention_scores(
     b_qk, qk_scale, o_q, o_k, m_q, m_k, S_q, S_k, left, right, chunk, softcap_log2, alibi_log2,
     b_gk, p_attn_mask, stride_amq, stride_amk,
     EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Scores in base-2 units of one tile of ``q . k`` products ``b_qk``, -inf where masked;

@@ -97,9 +97,9 @@ def _fwd_key_tiles(
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
 
-    ``EDGE_TILE`` tiles may cross the window (causal) or chunk bounds or the end of the keys; the others
-    are inside for every row of the program and skip that masking. Where ``TMA``, ``k``
-    and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
+    ``EDGE_TILE`` tiles may cross the window (causal) or chunk bounds or the end of the keys;
+    the others are inside for every row of the program and skip that masking. Where ``TMA``,
+    ``k`` and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
     read rows past S_k and columns past D as 0. Where ``IS_PAGED``, key ``j`` is row
     ``j % PAGE_SIZE`` of page ``block_table[j // PAGE_SIZE]`` (``block_table`` at this
     sequence's row; pages ``stride_kb`` / ``stride_vb`` apart): a tile's one page id where
