@@ -25,7 +25,7 @@ from flashop.testing import (
     accuracy, check_attention, check_attention_varlen, differentiable_inputs, dropout_mask,
 )
 from helpers import (
-    DEVICE, DKDV_KEYS, DKDV_QUERIES, FWD_KEYS, FWD_QUERIES, Case, TestCase, check_case,
+    DEVICE, DKDV_KEYS, DKDV_QUERIES, FWD_KEYS, FWD_QUERIES, INPUTS, Case, TestCase, check_case,
     error_message, head_counts, input_scales, lengths, make_inputs, make_modifiers,
     poisoned_outputs, window_bound,
 )
@@ -46,9 +46,9 @@ def chunks(longest: int):
 
 @st.composite
 def chunked_cases(draw, most_heads=3 if not ON_GPU else 8, most_seq=MAX_SEQ):
-    """A chunked call in a drawn dtype with random other modifiers: causal or not (then the
-    chunk is two-sided), a window, softcap, ALiBi, the gate (causal), an attn_mask, sinks,
-    grouped-query heads, S_q != S_k, large scores."""
+    """A chunked call (its dtype Case.in_dtype's) with random other modifiers: causal or not
+    (then the chunk is two-sided), a window, softcap, ALiBi, the gate (causal), an
+    attn_mask, sinks, grouped-query heads, S_q != S_k, large scores."""
     B, H_kv, G = head_counts(draw, most_heads, groups=(1, 2))
     S_q = draw(lengths(DKDV_QUERIES + 1, most_seq))
     S_k = draw(lengths(DKDV_KEYS + 1, most_seq))
@@ -58,29 +58,30 @@ def chunked_cases(draw, most_heads=3 if not ON_GPU else 8, most_seq=MAX_SEQ):
     mask = draw(st.sampled_from([None, None, torch.bool, torch.float32]))
     return Case(
         B=B, S_q=S_q, S_k=S_k, H_kv=H_kv, G=G, D=D, DV=draw(st.sampled_from([D, 16])),
-        dtype=draw(st.sampled_from(DTYPES)), causal=causal,
+        dtype=None, causal=causal,
         window_size=(draw(window_bound(S_k)),
                      draw(st.sampled_from([-1, 0])) if causal else draw(window_bound(S_k))),
         attention_chunk=draw(chunks(max(S_q, S_k))),
         softcap=draw(st.sampled_from([0.0, 0.0, 3.0])),
         alibi=draw(st.sampled_from([None, (H,), (B, H)])),
-        gate=draw(st.sampled_from([None, torch.float32])) if causal else None,
+        gate=draw(st.sampled_from([None, torch.float32, INPUTS])) if causal else None,
         mask=mask, mask_shape=None if mask is None else (1, H, S_q, S_k),
         mask_grad=mask is torch.float32 and draw(st.booleans()),
-        sinks=draw(st.sampled_from([None, torch.float32])),
+        sinks=draw(st.sampled_from([None, torch.float32, INPUTS])),
         **input_scales(draw, D),
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)  # one test per dtype: they run in parallel
 @given(case=chunked_cases(), seed=st.integers(0, 2**16))
-@example(case=Case(B=1, S_q=50, S_k=50, H_kv=1, G=2, D=16, DV=16, dtype=torch.bfloat16,
-                   causal=True, attention_chunk=16), seed=0)
-@example(case=Case(B=2, S_q=45, S_k=60, H_kv=2, G=1, D=8, DV=8, dtype=torch.float16,
+@example(case=Case(B=1, S_q=50, S_k=50, H_kv=1, G=2, D=16, DV=16, dtype=None, causal=True,
+                   attention_chunk=16), seed=0)
+@example(case=Case(B=2, S_q=45, S_k=60, H_kv=2, G=1, D=8, DV=8, dtype=None,
                    attention_chunk=17, window_size=(5, 3)), seed=0)
-def test_chunked_matches_reference(case, seed):
+def test_chunked_matches_reference(dtype, case, seed):
     """out, lse and every gradient (dq, dk, dv, dg, dattn_mask, dsinks) under the accuracy
     rule, outputs poisoned."""
-    check_case(case, seed)
+    check_case(case.in_dtype(dtype), seed)
 
 
 def _case(S_q, S_k, C, causal=True, **changes):
@@ -413,9 +414,11 @@ def test_compiles_with_fullgraph(packed):
 class TestChunkErrors(TestCase):
     def test_messages(self):
         q = torch.randn(1, 8, 2, 16, dtype=torch.float16, device=DEVICE)
-        self.assertExpectedInline(error_message(flashop.attention, q, q, q, attention_chunk=-1), """\
+        self.assertExpectedInline(error_message(
+            flashop.attention, q, q, q, attention_chunk=-1), """\
 flashop.attention: attention_chunk must be an int >= 0 (the chunk's length in keys: each query attends only the keys of its chunk; 0 turns chunking off), got -1""")  # noqa: B950
-        self.assertExpectedInline(error_message(flashop.attention, q, q, q, attention_chunk=2.5), """\
+        self.assertExpectedInline(error_message(
+            flashop.attention, q, q, q, attention_chunk=2.5), """\
 flashop.attention: attention_chunk must be an int >= 0 (the chunk's length in keys: each query attends only the keys of its chunk; 0 turns chunking off), got 2.5""")  # noqa: B950
         cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
         self.assertExpectedInline(error_message(
