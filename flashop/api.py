@@ -46,8 +46,8 @@ def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g
         refused = [f"dropout_p={dropout_p}" if what == "dropout_p" else what for what in refused]
         raise ValueError(
             f"{op}: {', '.join(refused)} is not supported with float8_e4m3fn inputs (the fp8 "
-            f"forward takes causal, window_size, softcap, alibi_slopes, sinks, grouped-query "
-            f"heads and packed batches); run this call on 16-bit inputs")
+            f"forward takes causal, window_size, attention_chunk, softcap, alibi_slopes, sinks, "
+            f"grouped-query heads and packed batches); run this call on 16-bit inputs")
     return True
 
 
@@ -104,8 +104,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
             only; docs/fp8.md): (B, H_kv) float32 factors, None for 1; query head ``h``
             of batch entry ``b`` is ``q * q_descale[b, h // (H // H_kv)]``, key/value head
             ``h_kv`` is ``k * k_descale[b, h_kv]`` (FlashAttention-3's scaling). fp8 calls
-            take causal, window_size, softcap, alibi_slopes and sinks (fp32), not
-            attn_mask, g or dropout; a backward through them raises.
+            take causal, window_size, attention_chunk, softcap, alibi_slopes and sinks
+            (fp32), not attn_mask, g or dropout; a backward through them raises.
         out_dtype: the output's dtype of an fp8 call: torch.bfloat16 (None) or
             torch.float16.
 

@@ -470,3 +470,20 @@ def test_gpu_packed_and_decode_chunks():
                                              device=DEVICE),
                   block_table=table.view(4, 64).to(torch.int32), causal=True,
                   attention_chunk=1024)
+
+
+def test_chunk_keys_the_decoding_checks_and_plans():
+    """Two decoding calls of one signature but their chunks (and one without) are checked
+    and planned apart: each against the reference."""
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    dtype, B, H_kv, D = torch.float16, 2, 1, 16
+    k_cache, v_cache = (_randn(B, 64, H_kv, D, dtype=dtype, gen=gen) for _ in range(2))
+    q = _randn(B, 1, 2, D, dtype=dtype, gen=gen)
+    lengths = torch.tensor([50, 61], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for chunk in (8, 16, 0):
+        _check_decode(q, k_cache, v_cache, None, None, dtype, cache_seqlens=lengths,
+                      causal=True, attention_chunk=chunk)
+        outs.append(flashop.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                   causal=True, attention_chunk=chunk))
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
