@@ -321,7 +321,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             torch.float16; the new keys and values and the rotary tables are then in it.
         num_splits: how many programs share each sequence's keys (split-KV, "flash
             decoding"); 0 chooses from the GPU's size, the batch, H_kv and the cache's
-            capacity (never from the lengths, so a call needs no host synchronization).
+            capacity, or the keys a chunk holds (never from the lengths, so a call needs
+            no host synchronization).
         return_lse: also return lse.
 
     Sequence b attends its first ``cache_seqlens[b] + S_new`` keys; a sequence with no key

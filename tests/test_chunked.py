@@ -487,3 +487,22 @@ def test_chunk_keys_the_decoding_checks_and_plans():
         outs.append(flashop.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                                    causal=True, attention_chunk=chunk))
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
+def test_decoding_splits_share_the_chunks_keys(monkeypatch):
+    """The split count as on an H200 (132 SMs): a decoding step over a 128k-key cache shares
+    its query's chunk among the splits (chunks of 8192: 33 splits of two 128-key tiles;
+    chunks of 1024: 5), where without a chunk the splits share the capacity (61)."""
+    from flashop._launch import kvcache as launch_decode
+    from flashop._launch.common import tensor_meta
+
+    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
+    monkeypatch.setattr(launch_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch_decode, "max_shared_memory", lambda index: 227 * 1024)
+    q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.empty(1, 131072, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    metas = tuple(map(tensor_meta, (q, cache, cache) + (None,) * 12))
+    splits = [launch_decode._make_plan(metas, (modifiers(causal=causal, attention_chunk=chunk),
+                                               None, 0, True)).decode.grid[0]
+              for causal, chunk in ((True, 0), (True, 8192), (True, 1024), (False, 8192))]
+    assert splits == [61, 33, 5, 65]

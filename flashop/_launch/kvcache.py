@@ -294,9 +294,16 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         t = fit_shared_memory(t, block_d, block_dv, itemsize,
                               max_shared_memory(q.device.index))
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
-    num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, block_d,
+    # the most keys a program's queries attend, which the splits share: the capacity, or
+    # under a chunk what their S_q positions' chunks hold (causal: from the first one's
+    # chunk start to the last position; else up to the last one's chunk end)
+    keys = int(capacity)
+    if mods.attention_chunk:
+        spans = mods.attention_chunk * (1 if mods.causal else 2) + int(S_q)
+        keys = min(keys, spans)
+    num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), keys, t, block_d,
                              block_dv, itemsize, q.device)
-    t = short_run_tiles(t, int(capacity), num_splits, page_size)
+    t = short_run_tiles(t, keys, num_splits, page_size)
     split = num_splits > 1
     parts = merge = None
     sp = lp = (0, 0, 0, 0)
