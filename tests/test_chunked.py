@@ -122,14 +122,17 @@ def test_causal_chunks_attend_their_chunk_up_to_the_query():
     assert keep.int().tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
 
 
-def test_two_query_tiles_per_program_and_dq_by_atomics():
+def test_split_query_tiles_descriptors_and_dq_by_atomics():
     """The forward's split query tile (Tiles.split_m: two tiles whose second alone runs the
-    keys past the first's) and the backward adding dQ by atomics in the dK/dV kernel."""
+    keys past the first's), its key tiles through tensor descriptors (FLASHOP_TMA=1), and
+    the backward adding dQ by atomics in the dK/dV kernel."""
     split = Tiles(128, 32, 4, 2, split_m=True) if ON_GPU else Tiles(32, 16, split_m=True)
     case = _case(90, 90, 20, alibi=(2,))
     with tiles.force("fwd", split):
         check_case(case)
         check_case(dataclasses.replace(case, causal=False, attention_chunk=9))
+    with flashop.config.override(tma=True):
+        check_case(dataclasses.replace(case, S_q=50, attention_chunk=33))
     check_case(case, deterministic_backward=False)
 
 
