@@ -264,10 +264,10 @@ def query_tile_range(start_n, S_q, S_k, left, right, chunk, HAS_LEFT: tl.constex
 
     Key ``j`` is attended by the query positions ``key_start(j, right) <= p < key_end(j,
     left)`` (the bounds swapped: ``j - right <= p <= j + left``, and the chunk of ``j``),
-    query ``i`` at position ``i + S_k - S_q``; both grow with ``j``, so the tile's first
-    key gives the first query and the tile's rows that every key of it is attended by
-    end there, its last key the last query and the start of those rows. Query tiles past
-    S_q need no mask here: their rows load zeros and add nothing; nor do keys past S_k.
+    query ``i`` at position ``i + S_k - S_q``; both grow with ``j``: the tile's first key
+    gives its first query and the end of the queries that attend every key of the tile,
+    its last key gives its last query and the start of those queries. Query tiles past S_q
+    need no mask here: their rows load zeros and add nothing; nor do keys past S_k.
     """
     off = S_k - S_q
     n_last = start_n + BLOCK_N - 1
