@@ -309,14 +309,27 @@ def test_decode_loop_step_by_step():
 # --- the kernels that decline chunks, the doors, what stays as it was ----------------------------
 
 
-def test_gluon_and_warp_specialized_kernels_decline_chunks():
-    """A chunk is a modifier: the Gluon forward and backward (plain calls, dropout aside) and
-    the warp-specialized forward (no flag set) never take it; its calls keep one query tile
-    per program, as under a window's left bound."""
+def test_gluon_and_warp_specialized_kernels_decline_chunks(monkeypatch):
+    """A chunk is a modifier: the Gluon forward and backward (plain calls, dropout aside;
+    here made available on this device and forced on) and the warp-specialized forward (no
+    flag set) never take it; its calls keep one query tile per program, as under a window's
+    left bound."""
+    from flashop._launch import gluon
+
     seed = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     for mods in (modifiers(attention_chunk=8), modifiers(causal=True, attention_chunk=8),
                  modifiers(attention_chunk=8, dropout_p=0.1, dropout_seed=seed)):
         assert not mods.is_plain and not mods.is_plain_but_dropout
+    monkeypatch.setattr(gluon, "available", lambda device: True)
+    q = torch.empty(1, 256, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    with flashop.config.override(gluon=True):
+        for causal in (False, True):
+            plain, chunked = modifiers(causal=causal), modifiers(causal=causal,
+                                                                 attention_chunk=64)
+            assert launch.forward_takes_gluon(q, q, q, None, plain, None)
+            assert not launch.forward_takes_gluon(q, q, q, None, chunked, None)
+            assert launch.gluon_backward_order(q, q, q, q, plain, False, None, True) is not None
+            assert launch.gluon_backward_order(q, q, q, q, chunked, False, None, True) is None
     q = torch.empty(1, 256, 2, 128, dtype=torch.float16, device=DEVICE)
     flags = dict(launch._PLAIN_FLAGS[True])
     with flashop.config.override(warp_specialize=True):
