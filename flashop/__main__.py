@@ -129,10 +129,11 @@ def self_check(device: str, full: bool, summary: Summary) -> None:
 
 def modifier_check(device: str, summary: Summary) -> None:
     """Per dtype, under the same accuracy rule: every score modifier at once (dense, float
-    mask with its gradient); a packed batch with a gate and a window; learned sinks with a
+    mask with its gradient); a packed batch with a gate, a window and chunks; learned sinks
+    with a
     boolean mask and dropout (against the reference given the kernels' own keep-mask); and
-    decoding over a paged key/value cache with an append (out and lse; the cache after the
-    append bit for bit)."""
+    decoding over a paged key/value cache with an append, chunked (out and lse; the cache
+    after the append bit for bit)."""
     import flashop
     from flashop.testing import check_attention, check_attention_varlen, differentiable_inputs
 
@@ -166,17 +167,17 @@ def modifier_check(device: str, summary: Summary) -> None:
         g = torch.nn.functional.logsigmoid(randn(sum(lens_k), H, dt=torch.float32) + 2)
         for t in (q, k, v, g):
             t.requires_grad_()
-        options = dict(causal=True, window_size=(20, 0))
+        options = dict(causal=True, window_size=(20, 0), attention_chunk=24)
         out, lse = flashop.attention_varlen_with_lse(q, k, v, cu_q, cu_k, 60, 60, None, g,
                                                      **options)
         dout, dlse = randn(*out.shape), randn(*lse.shape, dt=torch.float32)
         grads = torch.autograd.grad((out, lse), (q, k, v, g), (dout, dlse))
-        results.append(("packed lengths q 0/37/1/60, k 5/50/1/60, gate, window 20",
+        results.append(("packed q 0/37/1/60, k 5/50/1/60, gate, window 20, chunk 24",
                         check_attention_varlen(q, k, v, cu_q, cu_k, dout, dlse, out, lse,
                                                grads, None, g, **options)))
         results.append(("sinks (grad), boolean mask, dropout 0.2, causal",
                         _training_check(randn, gen, device, dtype)))
-        results.append(("paged cache (pages of 16), append 3, GQA, causal, window 30",
+        results.append(("paged cache (pages of 16), append 3, GQA, causal, chunk 24",
                         _cache_check(randn, gen, device, dtype)))
         for name, rs in results:
             worst = max(r.error / r.bound if r.bound else 0.0 for r in rs)
@@ -208,9 +209,9 @@ def _training_check(randn, gen, device: str, dtype: torch.dtype) -> list:
 
 
 def _cache_check(randn, gen, device: str, dtype: torch.dtype) -> list:
-    """attention_with_kvcache over a paged cache, appending 3 new keys: out and lse under the
-    rule against the fp64 reference and plain PyTorch; both caches after the append equal
-    the reference's append bit for bit."""
+    """attention_with_kvcache over a paged cache, appending 3 new keys, causal chunks of 24
+    keys: out and lse under the rule against the fp64 reference and plain PyTorch; both
+    caches after the append equal the reference's append bit for bit."""
     import flashop
     from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
     from flashop.testing import accuracy
@@ -221,7 +222,7 @@ def _cache_check(randn, gen, device: str, dtype: torch.dtype) -> list:
     table = torch.randperm(B * pages + 2, device=device, generator=gen)[:B * pages]
     options = dict(cache_seqlens=torch.tensor([0, 20, 60], device=device, dtype=torch.int32),
                    block_table=table.view(B, pages).to(torch.int32), causal=True,
-                   window_size=(30, 0))
+                   attention_chunk=24)
     expected = kvcache_append_reference(k_cache, v_cache, k, v, options["cache_seqlens"],
                                         None, options["block_table"])
     ref, plain = (attention_with_kvcache_reference(q, k_cache, v_cache, k, v, **options,

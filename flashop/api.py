@@ -19,11 +19,11 @@ from flashop._ops.checks import window_bounds
 from flashop._ops.checks_kvcache import check_no_grad
 
 
-def _options(op: str, causal, scale, window_size, softcap, **more) -> dict:
+def _options(op: str, causal, scale, window_size, softcap, attention_chunk=0, **more) -> dict:
     """The operators' keyword options of the API's arguments."""
     left, right = window_bounds(op, window_size)
     return dict(causal=causal, scale=scale, window_size_left=left, window_size_right=right,
-                softcap=softcap, **more)
+                attention_chunk=attention_chunk, softcap=softcap, **more)
 
 
 def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g=None,
@@ -46,8 +46,8 @@ def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g
         refused = [f"dropout_p={dropout_p}" if what == "dropout_p" else what for what in refused]
         raise ValueError(
             f"{op}: {', '.join(refused)} is not supported with float8_e4m3fn inputs (the fp8 "
-            f"forward takes causal, window_size, softcap, alibi_slopes, sinks, grouped-query "
-            f"heads and packed batches); run this call on 16-bit inputs")
+            f"forward takes causal, window_size, attention_chunk, softcap, alibi_slopes, sinks, "
+            f"grouped-query heads and packed batches); run this call on 16-bit inputs")
     return True
 
 
@@ -55,7 +55,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
               sinks: Optional[Tensor] = None, *, causal: bool = False,
               scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-              softcap: float = 0.0, dropout_p: float = 0.0,
+              attention_chunk: int = 0, softcap: float = 0.0, dropout_p: float = 0.0,
               deterministic: bool = False, q_descale: Optional[Tensor] = None,
               k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
               out_dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -80,6 +80,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         window_size: ``(left, right)``: query ``i`` attends keys ``j`` with
             ``i + S_k - S_q - left <= j <= i + S_k - S_q + right``; -1 leaves that side
             unbounded. Key tiles outside the window are skipped.
+        attention_chunk: chunked attention (FlashAttention-3's ``attention_chunk``, Llama 4's
+            local layers): if > 0, query ``i`` attends only the keys of its chunk of
+            ``attention_chunk`` positions, ``j // attention_chunk == p // attention_chunk``
+            with ``p = i + S_k - S_q`` (a query before key 0 attends none), within the
+            window and causal bounds: with ``causal=True``, keys ``(p // C) * C <= j <= p``;
+            without, the whole chunk on both sides. Key tiles outside the chunk are
+            skipped. 0 (the default) turns it off.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` (after scaling,
             before the additive terms and masks).
         sinks: (H,) attention sinks (gpt-oss; transformers' ``s_aux``), float32 or the
@@ -97,8 +104,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
             only; docs/fp8.md): (B, H_kv) float32 factors, None for 1; query head ``h``
             of batch entry ``b`` is ``q * q_descale[b, h // (H // H_kv)]``, key/value head
             ``h_kv`` is ``k * k_descale[b, h_kv]`` (FlashAttention-3's scaling). fp8 calls
-            take causal, window_size, softcap, alibi_slopes and sinks (fp32), not
-            attn_mask, g or dropout; a backward through them raises.
+            take causal, window_size, attention_chunk, softcap, alibi_slopes and sinks
+            (fp32), not attn_mask, g or dropout; a backward through them raises.
         out_dtype: the output's dtype of an fp8 call: torch.bfloat16 (None) or
             torch.float16.
 
@@ -111,7 +118,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         last dimension causes a copy.
     """
     return attention_with_lse(q, k, v, attn_mask, alibi_slopes, g, sinks, causal=causal,
-                              scale=scale, window_size=window_size, softcap=softcap,
+                              scale=scale, window_size=window_size,
+                              attention_chunk=attention_chunk, softcap=softcap,
                               dropout_p=dropout_p, deterministic=deterministic,
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                               out_dtype=out_dtype)[0]
@@ -121,7 +129,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                        sinks: Optional[Tensor] = None, *, causal: bool = False,
                        scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-                       softcap: float = 0.0, dropout_p: float = 0.0,
+                       attention_chunk: int = 0, softcap: float = 0.0, dropout_p: float = 0.0,
                        deterministic: bool = False, q_descale: Optional[Tensor] = None,
                        k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
                        out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
@@ -139,9 +147,9 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tens
     if _takes_fp8(op, q, descales, out_dtype, attn_mask, g, dropout_p):
         return eager.attention_fp8(q, k, v, None, None, None, None, *descales, alibi_slopes,
                                    sinks, **_options(op, causal, scale, window_size, softcap,
-                                                     out_dtype=out_dtype))
-    options = _options(op, causal, scale, window_size, softcap, dropout_p=dropout_p,
-                       deterministic=deterministic)
+                                                     attention_chunk, out_dtype=out_dtype))
+    options = _options(op, causal, scale, window_size, softcap, attention_chunk,
+                       dropout_p=dropout_p, deterministic=deterministic)
     return eager.attention(q, k, v, None, None, None, None, attn_mask, alibi_slopes, g, sinks,
                            **options)
 
@@ -151,7 +159,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                      sinks: Optional[Tensor] = None, *, causal: bool = False,
                      scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-                     softcap: float = 0.0, dropout_p: float = 0.0,
+                     attention_chunk: int = 0, softcap: float = 0.0, dropout_p: float = 0.0,
                      deterministic: bool = False,
                      block_table: Optional[Tensor] = None, q_descale: Optional[Tensor] = None,
                      k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None,
@@ -169,9 +177,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         max_seqlen_q, max_seqlen_k: Python ints, the longest sequence's lengths (they size
             the grid; a smaller value leaves tokens unattended).
         alibi_slopes: (H,) or (batch, H); g: (total_k, H) log-decays (the cumulative sum
-            restarts at each sequence); sinks (H,); causal, scale, window_size, softcap,
-            dropout_p, deterministic: as :func:`attention`, applied within each sequence,
-            aligned to its own end.
+            restarts at each sequence); sinks (H,); causal, scale, window_size,
+            attention_chunk, softcap, dropout_p, deterministic: as :func:`attention`,
+            applied within each sequence, aligned to its own end (chunks counted from each
+            sequence's first key).
         block_table: (batch, max_blocks) int32, paged prefill (flash-attn's
             ``flash_attn_varlen_func(..., block_table=...)``): k and v are then paged
             caches (num_blocks, page_size, H_kv, D / DV), page_size a power of two from 16
@@ -190,8 +199,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     """
     return attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, g,
-        sinks, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p, deterministic=deterministic, block_table=block_table,
+        sinks, causal=causal, scale=scale, window_size=window_size,
+        attention_chunk=attention_chunk, softcap=softcap, dropout_p=dropout_p,
+        deterministic=deterministic, block_table=block_table,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)[0]
 
 
@@ -200,7 +210,8 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
                               alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                               sinks: Optional[Tensor] = None, *, causal: bool = False,
                               scale: Optional[float] = None,
-                              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                              window_size: Sequence[int] = (-1, -1),
+                              attention_chunk: int = 0, softcap: float = 0.0,
                               dropout_p: float = 0.0, deterministic: bool = False,
                               block_table: Optional[Tensor] = None,
                               q_descale: Optional[Tensor] = None,
@@ -211,7 +222,7 @@ def attention_varlen_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
     """As :func:`attention_varlen`, also returning lse, (H, total_q) float32 (FlashAttention's
     packed layout); both differentiable (without a block_table)."""
     op = "flashop.attention_varlen"
-    options = _options(op, causal, scale, window_size, softcap)
+    options = _options(op, causal, scale, window_size, softcap, attention_chunk)
     descales = (q_descale, k_descale, v_descale)
     if _takes_fp8(op, q, descales, out_dtype, g=g, dropout_p=dropout_p,
                   block_table=block_table):
@@ -244,8 +255,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            rotary_cos: Optional[Tensor] = None,
                            rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = True,
                            causal: bool = False, scale: Optional[float] = None,
-                           window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                           alibi_slopes: Optional[Tensor] = None,
+                           window_size: Sequence[int] = (-1, -1), attention_chunk: int = 0,
+                           softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                            sinks: Optional[Tensor] = None, num_splits: int = 0,
                            k_descale: Optional[Tensor] = None,
                            v_descale: Optional[Tensor] = None,
@@ -292,17 +303,18 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             rotary_dim dims is applied inside the kernels, as flash-attn's
             ``flash_attn_with_kvcache`` applies it: new key ``s`` rotated at position
             ``cache_seqlens[b] + s`` before it is written, query ``i`` at
-            ``cache_seqlens[b] + i`` where causal or a window bound is set (below the
-            capacity), else every query at ``cache_seqlens[b]``.
+            ``cache_seqlens[b] + i`` where causal, a window bound (below the capacity) or a
+            chunk is set, else every query at ``cache_seqlens[b]``.
         rotary_interleaved: pairs dims (0, 1), (2, 3), ... (GPT-J) where True, else
             (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ... (GPT-NeoX, Llama).
         causal: bottom-right aligned over the sequence's ``L = cache_seqlens[b] + S_new``
             keys: query ``i`` attends key ``j`` iff ``j <= i + L - S_q``.
-        scale, window_size, softcap, alibi_slopes: as :func:`attention`, with ``S_k = L``
-            per sequence (ALiBi distance ``|i + L - S_q - j|``). ``scale`` defaults to
-            1/sqrt(576) over an MLA cache, as FlashMLA's; MLA takes causal, scale,
-            num_splits, cache_batch_idx and cache_leftpad, and refuses the other options by
-            name.
+        scale, window_size, attention_chunk, softcap, alibi_slopes: as :func:`attention`,
+            with ``S_k = L`` per sequence (ALiBi distance ``|i + L - S_q - j|``; chunks
+            counted from the sequence's first key, after ``cache_leftpad``). ``scale``
+            defaults to 1/sqrt(576) over an MLA cache, as FlashMLA's; MLA takes causal,
+            scale, num_splits, cache_batch_idx and cache_leftpad, and refuses the other
+            options by name.
         sinks: (H,) attention sinks, float32 or q's dtype, as :func:`attention`: head
             ``h``'s logit joins every query's softmax once (however many splits), and lse
             includes it.
@@ -319,7 +331,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             torch.float16; the new keys and values and the rotary tables are then in it.
         num_splits: how many programs share each sequence's keys (split-KV, "flash
             decoding"); 0 chooses from the GPU's size, the batch, H_kv and the cache's
-            capacity (never from the lengths, so a call needs no host synchronization).
+            capacity, or the keys a chunk holds (never from the lengths, so a call needs
+            no host synchronization).
         return_lse: also return lse.
 
     Sequence b attends its first ``cache_seqlens[b] + S_new`` keys; a sequence with no key
@@ -339,7 +352,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
-    options = _options("flashop.attention_with_kvcache", causal, scale, window_size, softcap)
+    options = _options("flashop.attention_with_kvcache", causal, scale, window_size, softcap,
+                       attention_chunk)
     out, lse = eager.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
         sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, q_descale,

@@ -33,7 +33,7 @@ from torch import Tensor
 
 import flashop  # registers torch.ops.flashop.*
 from flashop._launch.options import modifiers
-from flashop._ops.checks import check_attention_inputs, window_bounds
+from flashop._ops.checks import check_attention_chunk, check_attention_inputs, window_bounds
 
 __all__ = ["shard_sequence", "gather_sequence", "ring_attention", "ring_attention_with_lse"]
 
@@ -380,7 +380,8 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
                             group: Optional[dist.ProcessGroup] = None, causal: bool = False,
                             scale: Optional[float] = None,
                             window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                            alibi_slopes: Optional[Tensor] = None) -> tuple:
+                            alibi_slopes: Optional[Tensor] = None,
+                            attention_chunk: int = 0) -> tuple:
     """As :func:`ring_attention`, also returning this rank's rows of the log-sum-exp,
     (B, H, S / W) float32 in natural-log units (as :func:`flashop.attention_with_lse`);
     both outputs are differentiable."""
@@ -401,6 +402,13 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
             f"got q {tuple(q.shape)}; shard a sequence of a multiple of 2 * world_size = "
             f"{2 * ring.size} tokens with flashop.distributed.shard_sequence")
     window = window_bounds(op, window_size)
+    check_attention_chunk(op, attention_chunk)
+    if attention_chunk:
+        raise ValueError(
+            f"{op}: attention_chunk={attention_chunk} is not supported: ring attention's calls "
+            f"see blocks of the zigzag layout, not the whole sequence's chunk boundaries; run "
+            f"chunked layers with flashop.attention(..., attention_chunk=...) on sequences "
+            f"split at chunk boundaries (each chunk attends only itself, so no ring is needed)")
     check_attention_inputs(q, k, v, scale,
                            modifiers(None, alibi_slopes, None, causal, *window, softcap),
                            interpreting=flashop.INTERPRETING, op=op)
@@ -416,7 +424,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None,
                    causal: bool = False, scale: Optional[float] = None,
                    window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                   alibi_slopes: Optional[Tensor] = None) -> Tensor:
+                   alibi_slopes: Optional[Tensor] = None, attention_chunk: int = 0) -> Tensor:
     """Attention of this rank's query shard to the whole sequence, whose key/value shards
     travel around the ring of the group's ranks; differentiable in q, k and v.
 
@@ -429,6 +437,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.Proc
         causal, scale, window_size, softcap, alibi_slopes: as :func:`flashop.attention`, in
             the whole sequence's positions (query i attends key j iff j <= i under causal,
             and i - left <= j <= i + right under a window; ALiBi adds -slope * |i - j|).
+        attention_chunk: 0 only; chunked attention raises (see ring_attention_with_lse).
 
     Returns:
         (B, S / W, H, DV), this rank's rows of the output, in the zigzag layout (the same
@@ -440,4 +449,5 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.Proc
     """
     return ring_attention_with_lse(q, k, v, group=group, causal=causal, scale=scale,
                                    window_size=window_size, softcap=softcap,
-                                   alibi_slopes=alibi_slopes)[0]
+                                   alibi_slopes=alibi_slopes,
+                                   attention_chunk=attention_chunk)[0]

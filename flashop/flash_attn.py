@@ -22,6 +22,11 @@ which may add dQ by atomics (``flashop.attention``'s ``deterministic``).
 ``flash_attn_with_kvcache`` (decoding over a dense or paged KV cache, appending new keys and
 values in place, with flash-attn's rotary embedding inside the call and its left-padded
 caches) runs ``flashop.attention_with_kvcache``.
+
+The functions FlashAttention-3 gives ``attention_chunk`` (``flash_attn_func``,
+``flash_attn_qkvpacked_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache``) take
+it as a keyword, with its meaning (chunked attention, ``flashop.attention``'s
+``attention_chunk``), forward and backward (FlashAttention-3's backward refuses it).
 """
 
 from __future__ import annotations
@@ -45,10 +50,10 @@ def _window(window_size: Sequence[int]) -> tuple:
 
 
 def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-           alibi_slopes, deterministic, return_attn_probs, **descales):
+           alibi_slopes, deterministic, return_attn_probs, **more):
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
                    softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic,
-                   **descales)
+                   **more)
     if return_attn_probs:
         out, lse = api.attention_with_lse(q, k, v, None, alibi_slopes, **options)
         return out, lse, None
@@ -57,11 +62,11 @@ def _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
 
 def _packed(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, block_table=None, **descales):
+            return_attn_probs, block_table=None, **more):
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     options = dict(causal=causal, scale=softmax_scale, window_size=_window(window_size),
                    softcap=softcap, dropout_p=float(dropout_p), deterministic=deterministic,
-                   **descales)
+                   **more)
     if block_table is not None:  # paged prefill: forward only
         options["block_table"] = block_table
     if return_attn_probs:
@@ -79,26 +84,29 @@ def _unstack(name: str, packed: Tensor, dim: int, count: int, layout: str) -> tu
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, q_descale=None, k_descale=None, v_descale=None):
+                    return_attn_probs=False, q_descale=None, k_descale=None, v_descale=None,
+                    attention_chunk=0):
     """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_k, headdim), ``nheads % nheads_k == 0``. Returns out
     (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse (batch, nheads, seqlen_q),
     None)`` with ``return_attn_probs=True``. float8_e4m3fn q, k, v with FlashAttention-3's
     ``q_descale``, ``k_descale``, ``v_descale`` (batch, nheads_k) run the fp8 forward
-    (bf16 out; docs/fp8.md)."""
+    (bf16 out; docs/fp8.md). ``attention_chunk`` (FlashAttention-3's): chunked attention."""
     return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, deterministic, return_attn_probs,
-                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                  attention_chunk=attention_chunk)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, attention_chunk=0):
     """flash-attn's ``flash_attn_qkvpacked_func``: qkv (batch, seqlen, 3, nheads, headdim)."""
     name = "flash_attn_qkvpacked_func"
     q, k, v = _unstack(name, qkv, 2, 3, "qkv (batch, seqlen, 3, nheads, headdim)")
     return _dense(name, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                  alibi_slopes, deterministic, return_attn_probs)
+                  alibi_slopes, deterministic, return_attn_probs,
+                  attention_chunk=attention_chunk)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -116,7 +124,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None,
-                           q_descale=None, k_descale=None, v_descale=None):
+                           q_descale=None, k_descale=None, v_descale=None, attention_chunk=0):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, nheads, headdim), k and v
     (total_k, nheads_k, headdim), ``cu_seqlens_q/k`` (batch + 1,) int32, ``max_seqlen_q/k``
     ints. Returns out (total_q, nheads, headdim), or ``(out, softmax_lse (nheads, total_q),
@@ -124,11 +132,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     int32, k and v are paged caches (num_blocks, page_block_size, nheads_k, headdim) and
     sequence b's keys (as many as cu_seqlens_k counts) are its first keys in its pages:
     paged prefill, forward only (flashop.attention_varlen). float8_e4m3fn inputs with
-    ``q_descale``, ``k_descale``, ``v_descale`` (batch, nheads_k) run the fp8 forward."""
+    ``q_descale``, ``k_descale``, ``v_descale`` (batch, nheads_k) run the fp8 forward.
+    ``attention_chunk``: chunked attention, restarting in every sequence."""
     return _packed("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs, block_table,
-                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                   attention_chunk=attention_chunk)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -166,7 +176,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, k_descale=None, v_descale=None,
-                            q_descale=None):
+                            q_descale=None, attention_chunk=0):
     """flash-attn's ``flash_attn_with_kvcache`` on :func:`flashop.attention_with_kvcache`:
     q (batch, seqlen, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache,
     nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with
@@ -192,6 +202,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are appended, and attention reads the cache times the descales. Over such a cache q may
     be ``torch.float8_e4m3fn`` too, with ``q_descale`` (batch, nheads_k) float32: the
     output is then bfloat16, and new keys and values must be bfloat16.
+
+    ``attention_chunk`` (FlashAttention-3's): chunked attention over each sequence's keys,
+    chunks counted from its first key (after ``cache_leftpad``).
     """
     name = "flashop.flash_attn.flash_attn_with_kvcache"
     if cache_seqlens is None:
@@ -209,6 +222,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             rotary_interleaved=rotary_interleaved, causal=causal,
-            scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
+            scale=softmax_scale, window_size=_window(window_size),
+            attention_chunk=attention_chunk, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits, k_descale=k_descale,
             v_descale=v_descale, q_descale=q_descale, return_lse=return_softmax_lse)

@@ -42,10 +42,11 @@ def fp8_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional
 
 
 def keys_in_bounds(S_q: int, S_k: int, causal: bool, window_size: Sequence[int],
-                   device=None) -> Tensor:
-    """(S_q, S_k) bool: whether query i may attend key j under the causal and window bounds,
-    aligned bottom-right (``i + S_k - S_q - left <= j <= i + S_k - S_q + right``; causal:
-    right = 0; -1: no bound)."""
+                   device=None, attention_chunk: int = 0) -> Tensor:
+    """(S_q, S_k) bool: whether query i may attend key j under the causal, window and chunk
+    bounds, aligned bottom-right: with p = i + S_k - S_q, ``p - left <= j <= p + right``
+    (causal: right = 0; -1: no bound) and, where ``attention_chunk`` C > 0, ``j // C == p //
+    C`` (floor division: a query before key 0 attends no key)."""
     i = torch.arange(S_q, device=device)[:, None] + (S_k - S_q)
     j = torch.arange(S_k, device=device)[None, :]
     left, right = window_size
@@ -56,6 +57,9 @@ def keys_in_bounds(S_q: int, S_k: int, causal: bool, window_size: Sequence[int],
         keep = keep & (j <= i + right)
     if left >= 0:
         keep = keep & (j >= i - left)
+    if attention_chunk > 0:
+        keep = keep & (torch.div(j, attention_chunk, rounding_mode="floor")
+                       == torch.div(i, attention_chunk, rounding_mode="floor"))
     return keep
 
 
@@ -63,7 +67,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                         alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                         sinks: Optional[Tensor] = None, *, causal: bool = False,
                         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-                        softcap: float = 0.0, dropout_p: float = 0.0,
+                        attention_chunk: int = 0, softcap: float = 0.0, dropout_p: float = 0.0,
                         dropout_mask: Optional[Tensor] = None,
                         compute_dtype: Optional[torch.dtype] = torch.float32,
                         p_e4m3: bool = False) -> tuple[Tensor, Tensor]:
@@ -84,7 +88,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         s += -slope_h * |i + off - j|  (alibi_slopes)  +  G[i + off] - G[j]  (g; G = cumsum)
           +  attn_mask[i, j]  (float)
         masked (-inf) unless  i + off - left <= j <= i + off + right  (window_size; causal:
-        right = 0; -1: no bound)  and  attn_mask[i, j]  (bool)
+        right = 0; -1: no bound),  j // C == (i + off) // C  (attention_chunk C > 0; floor
+        division)  and  attn_mask[i, j]  (bool)
 
     ``sinks`` (H,): head h's logit joins every row's softmax as one more score that attends
     nothing: ``P = exp(s - lse)`` with ``lse = log(sum_j exp(s_j) + exp(sinks[h]))``.
@@ -121,7 +126,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         pad = max(S_q - S_k, 0)
         G_q = torch.nn.functional.pad(G, (pad, 0))[..., S_k + pad - S_q:]
         s = s + G_q[..., :, None] - G[..., None, :]
-    keep = keys_in_bounds(S_q, S_k, causal, window_size, q.device).expand(B, H, S_q, S_k)
+    keep = keys_in_bounds(S_q, S_k, causal, window_size, q.device, attention_chunk).expand(
+        B, H, S_q, S_k)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             keep = keep & attn_mask
@@ -299,7 +305,7 @@ def attention_with_kvcache_reference(
         rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
         rotary_interleaved: bool = True, causal: bool = False,
         scale: Optional[float] = None, window_size: Sequence[int] = (-1, -1),
-        softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+        attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
         sinks: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
         v_descale: Optional[Tensor] = None, q_descale: Optional[Tensor] = None,
         out_dtype: Optional[torch.dtype] = None,
@@ -310,9 +316,10 @@ def attention_with_kvcache_reference(
     position ``cache_leftpad[b]``: L less that many), and :func:`attention_reference`
     attends over them (query i at key position i + L - S_q, as its bottom-right alignment
     puts it). With ``rotary_cos``, ``rotary_sin`` the new keys are rotated at their
-    positions and the queries at ``cache_seqlens[b] + i`` where causal or a window bound
-    below the capacity is set, else all at ``cache_seqlens[b]`` (flash-attn's rule;
-    :func:`rotary`). out (B, S_q, H, DV) and lse (B, H, S_q) in ``compute_dtype``.
+    positions and the queries at ``cache_seqlens[b] + i`` where causal, a window bound
+    below the capacity or a chunk is set, else all at ``cache_seqlens[b]`` (flash-attn's
+    rule; :func:`rotary`). Chunks count positions from each sequence's first gathered key.
+    out (B, S_q, H, DV) and lse (B, H, S_q) in ``compute_dtype``.
     ``sinks`` (H,) join each query's softmax as in attention_reference (a sequence with no
     key: out 0, lse = sink). A float8_e4m3fn cache is appended to as the kernel quantizes
     and each sequence's keys read as ``k_cache * k_descale[b, h]`` (values with
@@ -334,7 +341,8 @@ def attention_with_kvcache_reference(
     page = k_cache.shape[1]
     capacity = page * block_table.shape[1] if block_table is not None else page
     if rotary_cos is not None:
-        per_query = causal or any(0 <= w < capacity for w in window_size)
+        per_query = (causal or any(0 <= w < capacity for w in window_size)
+                     or attention_chunk > 0)
         offsets = torch.arange(S_q, device=q.device) if per_query else q.new_zeros(
             S_q, dtype=torch.long)
         q = rotary(q, rotary_cos, rotary_sin, cache_seqlens[:, None] + offsets,
@@ -356,7 +364,8 @@ def attention_with_kvcache_reference(
             slopes = slopes[b]
         o, l = attention_reference(q[b:b + 1], kb[None], vb[None], None, slopes, None, sinks,
                                    causal=causal, scale=scale, window_size=window_size,
-                                   softcap=softcap, compute_dtype=compute_dtype)
+                                   attention_chunk=attention_chunk, softcap=softcap,
+                                   compute_dtype=compute_dtype)
         outs.append(o)
         lses.append(l)
     dtype = q.dtype if compute_dtype is None else compute_dtype

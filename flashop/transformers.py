@@ -36,9 +36,20 @@ are read through transposed views, GQA without repeating K/V):
 Attention sinks (gpt-oss's ``s_aux``, one logit per query head joining the softmax's
 denominator) are flashop's ``sinks``, on every path. Attention dropout runs flashop's
 dropout with the model's ``dropout`` in training (``module.training``) and none in
-evaluation, as transformers' eager attention does. Not supported, raising an error that
-names them: masks combined with extra mask functions (e.g. bidirectional image-token
-overlays). Chunked attention (Llama 4) is not represented.
+evaluation, as transformers' eager attention does.
+
+Chunked attention (Llama 4's ``"chunked_attention"`` layers, ``config.attention_chunk_size``):
+transformers passes such layers a mask and no keyword; the attention function reads the
+chunk from the layer's type (``config.layer_types[module.layer_idx]``) and runs every path
+above with ``attention_chunk``, chunks counted from each sequence's first real token, as
+transformers' chunked mask counts them. A chunked layer's cache keeps only the last
+``chunk - 1`` tokens, so its first key is in general not at a chunk's start: the mask
+function (which transformers gives the chunk as ``local_size``, and the keys' position
+``kv_offset``) then also masks the keys before the first chunk start, which no query
+attends, so that the keys left start a chunk.
+
+Not supported, raising an error that names them: masks combined with extra mask functions
+(e.g. bidirectional image-token overlays).
 """
 
 from __future__ import annotations
@@ -60,9 +71,39 @@ __all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "attention_mask", "decode
 # --- the mask function ----------------------------------------------------------------------
 
 
+def _mask_chunk(config, local_size) -> int:
+    """The chunk of a chunked layer's mask (create_chunked_causal_mask gives it as
+    ``local_size``; sliding-window masks give their window there), 0 for other masks."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None) or ()
+    if not chunk or local_size != chunk or "chunked_attention" not in types:
+        return 0
+    if "sliding_attention" in types and getattr(config, "sliding_window", None) == chunk:
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}: this model's sliding window and "
+            f"attention chunk are both {chunk}, so flashop cannot tell their masks apart; use "
+            f"attn_implementation='sdpa' for it")
+    return int(chunk)
+
+
+def _chunk_starts(chunk: int, kv_length: int, kv_offset: int,
+                  attention_mask: Optional[Tensor], device) -> Tensor:
+    """(batch or 1, kv_length) bool: the key slots from the first that starts a chunk (slot
+    j holds position kv_offset + j, counted from the row's first real token as transformers'
+    chunked mask counts it); the slots before it are attended by no query."""
+    slots = torch.arange(kv_length, device=device)
+    if attention_mask is None:
+        return (slots >= (-kv_offset) % chunk)[None]
+    padding = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True)  # leading zeros
+    first = torch.where(padding >= kv_offset, padding - kv_offset,
+                        torch.remainder(padding - kv_offset, chunk))
+    return slots >= first
+
+
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                    mask_function=None, attention_mask: Optional[Tensor] = None,
-                   use_vmap: bool = False, device=None, **kwargs) -> Optional[Tensor]:
+                   use_vmap: bool = False, device=None, local_size=None, config=None,
+                   **kwargs) -> Optional[Tensor]:
     """transformers' mask function for flashop: None, a (batch, L) boolean key mask, or for a
     one-query step whose valid keys are each row's first ones, (batch,) int32 key counts.
 
@@ -76,6 +117,9 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     for a one-query step, holds no left padding (generate() builds a static cache's masks
     outside its compiled forward, so compiled decoding gets counts too), and a static cache's
     length for a multi-token step without a padding mask.
+
+    A chunked layer's keys that start past position 0 (``kv_offset``, its cache full) get a
+    boolean mask without the keys before their first chunk start (_chunk_starts).
     """
     if use_vmap:
         # set by transformers when a model adds mask functions of its own (or_/and_mask_function)
@@ -85,6 +129,14 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             f"represent; use attn_implementation='sdpa' for it")
     if attention_mask is not None and attention_mask.dim() == 1:
         return attention_mask  # counts made by this function, passed back in by the model
+    chunk = _mask_chunk(config, local_size)
+    if chunk and kv_offset and (attention_mask is not None or kv_offset % chunk):
+        starts = _chunk_starts(chunk, kv_length, kv_offset, attention_mask, device)
+        if attention_mask is not None:
+            return attention_mask[:, -kv_length:].bool() & starts
+        valid = q_offset + q_length - kv_offset  # keys written so far (a static cache's)
+        return (starts & (torch.arange(kv_length, device=device) < valid)).expand(
+            batch_size, kv_length)
     if attention_mask is not None:
         mask = attention_mask[:, -kv_length:].bool()
         if torch.compiler.is_compiling() or (q_length != 1 and mask.shape[1] != kv_length):
@@ -130,9 +182,24 @@ def _window_size(sliding_window: Optional[int]) -> tuple[int, int]:
     return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
 
 
+def _attention_chunk(module: torch.nn.Module) -> int:
+    """The attention chunk of a chunked layer (``"chunked_attention"`` in
+    ``config.layer_types`` at the module's ``layer_idx``: ``config.attention_chunk_size``),
+    0 for every other layer."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if types is None or index is None or index >= len(types):
+        return 0
+    if types[index] != "chunked_attention":
+        return 0
+    return int(getattr(config, "attention_chunk_size", None) or 0)
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], *,
                      scale: Optional[float], window: Optional[int], softcap: float,
-                     sinks: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+                     sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
+                     chunk: int = 0) -> Tensor:
     """One query per sequence (a decoding step) against the cached keys: q (B, 1, H, D),
     k/v (B, S_k, H_kv, D) (transposed views of transformers' (B, H_kv, S, D) caches),
     ``key_mask`` as :func:`attention_mask` returns it: None (all S_k keys), (B,) int32
@@ -148,7 +215,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]
     keys, while the split-KV decoding kernel spreads them over the GPU; both read each key
     once; ``sinks`` ((H,)) go with either. A boolean mask (left padding, which the decoding
     kernel cannot skip) runs ``flashop.attention`` with the mask, as does anything needing a
-    gradient or ``dropout_p > 0``.
+    gradient or ``dropout_p > 0``. ``chunk``: the layer's attention chunk, counted from the
+    first attended slot (the first key, or a boolean mask's first True).
     """
     window_size = _window_size(window)
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
@@ -159,18 +227,24 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]
             counts = k.shape[1] if key_mask is None else key_mask
             return flashop.attention_with_kvcache(q, k, v, cache_seqlens=counts, causal=True,
                                                   scale=scale, window_size=window_size,
-                                                  softcap=softcap, sinks=sinks)
+                                                  attention_chunk=chunk, softcap=softcap,
+                                                  sinks=sinks)
         if key_mask is None:
-            return flashop.attention(q, k, v, causal=True, window_size=window_size, **options)
+            return flashop.attention(q, k, v, causal=True, window_size=window_size,
+                                     attention_chunk=chunk, **options)
         key_mask = _key_mask(key_mask, k.shape[1])
     L = key_mask.shape[1]
     k, v = k[:, :L], v[:, :L]
     keep = key_mask
+    slots = torch.arange(L, device=key_mask.device)
+    # the query sits at its sequence's last attended slot
+    last = torch.where(key_mask, slots, -1).amax(dim=1, keepdim=True)
     if window is not None:
-        # the query sits at its sequence's last attended slot
-        slots = torch.arange(L, device=key_mask.device)
-        last = torch.where(key_mask, slots, -1).amax(dim=1, keepdim=True)
         keep = keep & (slots > last - window)
+    if chunk:
+        first = torch.where(key_mask, slots, L).amin(dim=1, keepdim=True)
+        keep = keep & (torch.div(slots - first, chunk, rounding_mode="floor")
+                       == torch.div(last - first, chunk, rounding_mode="floor"))
     return flashop.attention(q, k, v, keep[:, None, None, :], **options)
 
 
@@ -234,12 +308,15 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     common = dict(scale=scaling, softcap=softcap, sinks=s_aux,
                   dropout_p=_dropout_p(module, dropout))
     if attention_mask is not None and attention_mask.dim() == 4:
-        # a mask built by the caller holds causality and windows itself
+        # a mask built by the caller holds causality, windows and chunks itself
         return flashop.attention(q, k, v, attention_mask, **common), None
     window = sliding_window if causal else None
-    options = dict(causal=causal, window_size=_window_size(window), **common)
+    chunk = _attention_chunk(module)
+    options = dict(causal=causal, window_size=_window_size(window), attention_chunk=chunk,
+                   **common)
     if q.shape[1] == 1 and causal:
-        return decode_attention(q, k, v, attention_mask, window=window, **common), None
+        return decode_attention(q, k, v, attention_mask, window=window, chunk=chunk,
+                                **common), None
     if attention_mask is not None and attention_mask.dim() == 1:
         attention_mask = _key_mask(attention_mask, k.shape[1])
     if attention_mask is not None:

@@ -110,6 +110,7 @@ class Case:
     layout: str = "contiguous"  # "contiguous" | "bhsd" (heads-major storage) | "padded"
     # score modifiers (docs/modifiers.md)
     window_size: tuple = (-1, -1)
+    attention_chunk: int = 0
     softcap: float = 0.0
     alibi: Optional[tuple] = None  # shape of alibi_slopes: (H,) or (B, H)
     gate: Optional[torch.dtype] = None  # dtype of g (B, S_k, H)
@@ -138,7 +139,7 @@ class Case:
     def options(self) -> dict:
         """Keyword options of flashop.attention."""
         return dict(causal=self.causal, scale=self.scale, window_size=self.window_size,
-                    softcap=self.softcap)
+                    attention_chunk=self.attention_chunk, softcap=self.softcap)
 
     def op_options(self) -> dict:
         """Keyword options of the torch.ops.flashop operators (the window as two ints)."""

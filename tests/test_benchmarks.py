@@ -242,3 +242,20 @@ def test_train_model_prints_a_row_per_configuration_and_refusals_as_na(tmp_path,
         rows = list(csv.DictReader(f))
     assert [r["provider"] for r in rows] == ["sdpa", refused]
     assert f"{float(rows[0]['loss']):.4f}" == ran[8] and rows[1]["note"] == na[9].rstrip(" |")
+
+
+def test_modifiers_counts_a_chunks_pairs_and_its_share_of_causal():
+    """benchmarks/modifiers.py's chunked variant: the pairs causal chunks attend (chunks of 4
+    over 8 tokens: twice 1 + 2 + 3 + 4), and its times as shares of flashop's causal time."""
+    import modifiers
+    assert modifiers.attended_pairs(8, True, (-1, -1)) == 36
+    assert modifiers.attended_pairs(8, True, (-1, -1), chunk=4) == 20
+    assert modifiers.attended_pairs(8, False, (-1, -1), chunk=4) == 32
+    name = modifiers.chunk_variant(4)
+    assert name in modifiers.variants(8, 2, 1, "cpu", chunk=4)
+    rows = [dict(N=8, provider=provider, variant=variant, ms=ms, **{"pass": "fwd"})
+            for provider, variant, ms in (("flashop", "causal", 2.0), ("flashop", name, 0.5),
+                                          ("flex", name, 1.0))]
+    assert modifiers.chunk_shares(rows, name) == [
+        "N=     8 causal chunk 4 flashop  fwd    0.500 ms = 0.250 x flashop's causal (2.000 ms)",
+        "N=     8 causal chunk 4 flex     fwd    1.000 ms = 0.500 x flashop's causal (2.000 ms)"]

@@ -361,7 +361,8 @@ def test_schema_declares_the_cache_mutation():
         "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? cache_leftpad=None, "
         "Tensor? k_descale=None, Tensor? v_descale=None, Tensor? q_descale=None, *, "
         "bool causal=False, float? scale=None, SymInt window_size_left=-1, "
-        "SymInt window_size_right=-1, float softcap=0., bool rotary_interleaved=True, "
+        "SymInt window_size_right=-1, SymInt attention_chunk=0, float softcap=0., "
+        "bool rotary_interleaved=True, "
         "SymInt num_splits=0, ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 
 

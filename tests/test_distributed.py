@@ -143,6 +143,8 @@ def _check_errors(W):
         fd.gather_sequence(x[:, :5])
     with pytest.raises(ValueError, match="same length"):
         fd.ring_attention(x[:, :6], x[:, :6], x[:, :4])
+    with pytest.raises(ValueError, match="attention_chunk=4 is not supported"):
+        fd.ring_attention(x[:, :6], x[:, :6], x[:, :6], attention_chunk=4)
     if W > 1:
         with pytest.raises(ValueError, match="must be even"):
             fd.ring_attention(x[:, :5], x[:, :5], x[:, :5])

@@ -17,14 +17,17 @@ _TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
 _REQUIRED = inspect.Parameter.empty
 # FlashAttention-3's descales of fp8 inputs, after flash-attn 2.x's parameters
 _FP8 = [("q_descale", None), ("k_descale", None), ("v_descale", None)]
+# FlashAttention-3's chunked attention, last, in the functions that take it there
+_CHUNK = [("attention_chunk", 0)]
 SIGNATURES = {
-    "flash_attn_func": [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _TAIL + _FP8,
-    "flash_attn_qkvpacked_func": [("qkv", _REQUIRED)] + _TAIL,
+    "flash_attn_func": ([("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _TAIL + _FP8
+                        + _CHUNK),
+    "flash_attn_qkvpacked_func": [("qkv", _REQUIRED)] + _TAIL + _CHUNK,
     "flash_attn_kvpacked_func": [("q", _REQUIRED), ("kv", _REQUIRED)] + _TAIL,
     "flash_attn_varlen_func": (
         [(n, _REQUIRED) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
                                   "max_seqlen_q", "max_seqlen_k")]
-        + _TAIL + [("block_table", None)] + _FP8),
+        + _TAIL + [("block_table", None)] + _FP8 + _CHUNK),
     "flash_attn_varlen_qkvpacked_func": (
         [(n, _REQUIRED) for n in ("qkv", "cu_seqlens", "max_seqlen")] + _TAIL),
     "flash_attn_varlen_kvpacked_func": (
@@ -40,7 +43,7 @@ SIGNATURES = {
            ("return_softmax_lse", False)]
         # FlashAttention-3's descales of an fp8 cache, after flash-attn 2.x's parameters,
         # then its queries' (which came later, so that the others keep their places)
-        + [("k_descale", None), ("v_descale", None), ("q_descale", None)]),
+        + [("k_descale", None), ("v_descale", None), ("q_descale", None)] + _CHUNK),
 }
 
 

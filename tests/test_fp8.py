@@ -52,19 +52,20 @@ CASES = {
     "causal_gqa": dict(G=2, causal=True),
     "window_softcap": dict(S_q=150, window_size=(40, 7), softcap=5.0),
     "alibi_sinks_dv": dict(G=2, DV=32, causal=True, alibi=True, sinks=True),
+    "chunks": dict(G=2, S_q=150, attention_chunk=48, window_size=(40, -1)),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_fp8_attention_against_dequantized_reference(name):
     opts = dict(B=2, S_q=200, S_k=200, H_kv=1, G=1, D=64, DV=64, causal=False,
-                window_size=(-1, -1), softcap=0.0, alibi=False, sinks=False)
+                window_size=(-1, -1), attention_chunk=0, softcap=0.0, alibi=False, sinks=False)
     opts.update(CASES[name])
     B, S_q, S_k, H_kv, G, D, DV = (opts[n] for n in ("B", "S_q", "S_k", "H_kv", "G", "D", "DV"))
     q, k, v, qd, kd, vd = fp8_inputs(B, S_q, S_k, H_kv, G, D, DV)
     H = H_kv * G
     extra = dict(causal=opts["causal"], window_size=opts["window_size"],
-                 softcap=opts["softcap"])
+                 attention_chunk=opts["attention_chunk"], softcap=opts["softcap"])
     if opts["alibi"]:
         extra["alibi_slopes"] = torch.rand(H, device=DEVICE) * 0.3
     if opts["sinks"]:
@@ -242,7 +243,7 @@ class TestFp8Errors(TestCase):
         self.assertExpectedInline(
             error_message(flashop.attention, self.q, self.k, self.v, dropout_p=0.1,
                           attn_mask=torch.ones(16, 16, dtype=torch.bool, device=DEVICE)),
-            """flashop.attention: attn_mask, dropout_p=0.1 is not supported with float8_e4m3fn inputs (the fp8 forward takes causal, window_size, softcap, alibi_slopes, sinks, grouped-query heads and packed batches); run this call on 16-bit inputs""")
+            """flashop.attention: attn_mask, dropout_p=0.1 is not supported with float8_e4m3fn inputs (the fp8 forward takes causal, window_size, attention_chunk, softcap, alibi_slopes, sinks, grouped-query heads and packed batches); run this call on 16-bit inputs""")
 
     def test_descales_with_16_bit_inputs(self):
         x = torch.randn(1, 16, 2, 32, device=DEVICE, dtype=torch.bfloat16)

@@ -472,6 +472,7 @@ class TestLatentCacheErrors(TestCase):
     def test_options_refused_by_name(self):
         t = torch.zeros(2, device=DEVICE)
         self.assertExpectedInline(self.message(window_size=(8, 0)), """flashop.attention_with_kvcache: window_size=(8, 0) is not supported over MLA's latent cache (head dim 576, v_cache = k_cache[..., :512]); attend the whole cache (window_size=(-1, -1))""")  # noqa: B950
+        self.assertExpectedInline(self.message(attention_chunk=64), """flashop.attention_with_kvcache: attention_chunk=64 is not supported over MLA's latent cache (head dim 576, v_cache = k_cache[..., :512]); attend the whole cache (attention_chunk=0)""")  # noqa: B950
         self.assertExpectedInline(self.message(softcap=30.0), """flashop.attention_with_kvcache: softcap=30.0 is not supported over MLA's latent cache (head dim 576, v_cache = k_cache[..., :512]); pass softcap=0.0""")  # noqa: B950
         self.assertExpectedInline(self.message(alibi_slopes=t), """flashop.attention_with_kvcache: alibi_slopes is not supported over MLA's latent cache (head dim 576, v_cache = k_cache[..., :512]); pass alibi_slopes=None""")  # noqa: B950
         self.assertExpectedInline(self.message(sinks=t), """flashop.attention_with_kvcache: sinks is not supported over MLA's latent cache (head dim 576, v_cache = k_cache[..., :512]); pass sinks=None""")  # noqa: B950

@@ -251,7 +251,8 @@ def test_schema():
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
         "Tensor block_table, Tensor? alibi_slopes=None, Tensor? sinks=None, *, "
         "bool causal=False, float? scale=None, SymInt window_size_left=-1, "
-        "SymInt window_size_right=-1, float softcap=0.) -> (Tensor, Tensor)")
+        "SymInt window_size_right=-1, SymInt attention_chunk=0, float softcap=0.) -> "
+        "(Tensor, Tensor)")
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def _aligned_copy_at(x: torch.Tensor, offset: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("change", [
     "shape", "stride", "dtype", "alignment", "aliasing", "causal", "scale", "window",
-    "softcap", "switch", "deterministic", "forced tiles", "dout's strides"])
+    "chunk", "softcap", "switch", "deterministic", "forced tiles", "dout's strides"])
 def test_each_keyed_item_takes_its_own_plan(change, checked):
     """After a signature's plan is made, a call that differs from it in one keyed item runs
     the checks again (a new plan), and its results equal the operator's bit for bit."""
@@ -116,6 +116,8 @@ def test_each_keyed_item_takes_its_own_plan(change, checked):
         options = dict(causal=True, scale=0.5)
     elif change == "window":
         options = dict(causal=True, window_size=(7, 0))
+    elif change == "chunk":
+        options = dict(causal=True, attention_chunk=8)
     elif change == "softcap":
         options = dict(causal=True, softcap=3.0)
     elif change == "switch":

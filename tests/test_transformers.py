@@ -18,7 +18,8 @@ from helpers import DEVICE  # noqa: E402
 
 from transformers import (  # noqa: E402
     AttentionInterface, AutoModelForCausalLM, CompileConfig, DataCollatorWithFlattening,
-    Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
+    DynamicCache, Gemma2Config, GptOssConfig, Llama4TextConfig, LlamaConfig, MistralConfig,
+    Qwen2Config,
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
@@ -52,6 +53,13 @@ def tiny_config(kind: str, **changes):
                                         rope_parameters={"rope_type": "default",
                                                          "rope_theta": 10000.0},
                                         **dict(_COMMON, hidden_size=64)),
+        # a chunked layer (chunks of 4 tokens; its cache keeps the last 3) and a full one;
+        # 2 experts, the second layer's MLP a mixture of them
+        "llama4": lambda: Llama4TextConfig(num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=8, attention_chunk_size=4,
+                                           no_rope_layers=[1, 0], intermediate_size_mlp=64,
+                                           num_local_experts=2, num_experts_per_tok=1,
+                                           interleave_moe_layer_step=2, **_COMMON),
     }
     config = configs[kind]()
     for name, value in changes.items():
@@ -118,7 +126,7 @@ def test_registered_under_a_name_transformers_does_not_send_to_flash_attn(tmp_pa
     assert tiny_model("qwen2").config._attn_implementation == name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2", "gpt_oss", "llama4"])
 def test_left_padded_logits_match_eager(kind):
     """Left-padded batch (one row padded, one full; S=12 > the window of 4): flashop's
     logits at the real tokens against a float64 per-row reference, eager's as the bound."""
@@ -133,7 +141,7 @@ def test_left_padded_logits_match_eager(kind):
     assert_accurate("logits", out, ref, plain)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["qwen2", "gpt_oss", "llama4"])
 def test_training_step_gradients_match_eager(kind):
     """A padded batch's loss backward in train mode (no dropout): every parameter's gradient,
     gpt-oss's sinks' included, within 3x eager's error to a float64 per-row reference."""
@@ -161,11 +169,12 @@ def test_training_step_gradients_match_eager(kind):
 
 
 @pytest.mark.parametrize("kind,cache", [("mistral", "dynamic"), ("gemma2", "static"),
-                                        ("gpt_oss", "dynamic")])
+                                        ("gpt_oss", "dynamic"), ("llama4", "static")])
 def test_greedy_generate_gives_eagers_tokens(kind, cache):
     """Left-padded prompts, 4 new tokens past the window of 4: the dynamic cache (Mistral's
     sliding layers; gpt-oss's with sinks) and the static cache (Gemma 2's zero-filled full
-    and rolling sliding layers, which must not be attended past their current length)."""
+    and rolling sliding layers, which must not be attended past their current length; Llama
+    4's rolling chunked layers, whose keys start a chunk only now and then)."""
     model = tiny_model(kind)
     ids, mask = left_padded_batch([5, 7], 7, seed=3)
     options = dict(max_new_tokens=4, do_sample=False, cache_implementation=cache)
@@ -234,11 +243,13 @@ def test_static_cache_generate_compiled_by_inductor_on_gpu(lengths):
     assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
 
 
-def test_packed_sequences_match_separate_runs():
+@pytest.mark.parametrize("kind", ["mistral", "llama4"])
+def test_packed_sequences_match_separate_runs(kind):
     """DataCollatorWithFlattening's one-row batch: with its cu_seq_lens/max_length kwargs,
     compiled with fullgraph (no host reads), and with position_ids alone, the logits equal
-    each sequence run alone."""
-    model = tiny_model("mistral")
+    each sequence run alone (Llama 4's chunks restart in every sequence; its layers do not
+    pass position_ids on, so it has the kwargs' path alone)."""
+    model = tiny_model(kind)
     gen = torch.Generator().manual_seed(5)
     sequences = [torch.randint(1, 100, (n,), generator=gen).tolist() for n in (5, 8, 3)]
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
@@ -250,14 +261,17 @@ def test_packed_sequences_match_separate_runs():
         torch._dynamo.reset()
         forward = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
         packed = forward(**inputs).logits[0]
-        by_positions = model(inputs["input_ids"], position_ids=inputs["position_ids"]).logits[0]
+        if kind != "llama4":
+            by_positions = model(inputs["input_ids"],
+                                 position_ids=inputs["position_ids"]).logits[0]
         model.set_attn_implementation("eager")
         plain = torch.cat([model(torch.tensor([s], device=DEVICE)).logits[0]
                            for s in sequences])
         model.double()
         ref = torch.cat([model(torch.tensor([s], device=DEVICE)).logits[0] for s in sequences])
     assert_accurate("logits (cu_seq_lens)", packed, ref, plain)
-    assert_accurate("logits (position_ids)", by_positions, ref, plain)
+    if kind != "llama4":
+        assert_accurate("logits (position_ids)", by_positions, ref, plain)
 
 
 def test_training_with_attention_dropout_is_reproducible():
@@ -399,3 +413,55 @@ def test_decode_attention_counts_match_the_masked_path():
     assert [name for name, _ in recorded.calls] == ["attention_forward"]
     # the dense forward on the mask the counts make: within the same fp32 rounding bound
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sliding", [True, False], ids=["chunked-cache", "full-cache"])
+def test_llama4_chunked_layers_decode_as_the_whole_sequence(sliding):
+    """Llama 4's chunked layers (chunks of 4 tokens) decoding a left-padded batch one token
+    per step with a dynamic cache: the model's (its chunked layers keep their last 3 tokens,
+    so that their first key rarely starts a chunk, and the mask function masks the keys
+    before the first that does), or one that keeps every token (the decoding step's mask
+    then holds every key of the row, the attention restricts it to the query's chunk). Each
+    step's logits against the float64 forward of each whole row, eager's steps as the
+    bound."""
+    model = tiny_model("llama4")
+    assert [ft._attention_chunk(layer.self_attn) for layer in model.model.layers] == [4, 0]
+    ids, mask = left_padded_batch([9, 12], 12, seed=11)
+    prefill = 5
+    steps = {}
+    with torch.no_grad():
+        for implementation in (ft.ATTN_IMPLEMENTATION, "eager"):
+            model.set_attn_implementation(implementation)
+            cache = DynamicCache(config=model.config) if sliding else DynamicCache()
+            # the cache positionally: transformers renamed the argument (past_key_values,
+            # cache from 5.2x on)
+            logits = [model(ids[:, :prefill], mask[:, :prefill], positions(mask)[:, :prefill],
+                            cache, use_cache=True).logits]
+            for t in range(prefill, ids.shape[1]):
+                logits.append(model(ids[:, t:t + 1], mask[:, :t + 1],
+                                    positions(mask)[:, t:t + 1], cache,
+                                    use_cache=True).logits)
+            steps[implementation] = torch.cat(logits, dim=1)[mask.bool()]
+        ref = torch.cat(per_row_reference(model, ids, mask, lambda b, x: x))
+    assert_accurate("logits", steps[ft.ATTN_IMPLEMENTATION], ref, steps["eager"])
+
+
+def test_mask_function_masks_the_keys_before_a_chunk_start():
+    """The mask function of a chunked layer whose keys start at position kv_offset (a full
+    chunked cache): the slots before the first chunk start are masked, counted from each
+    row's first real token; other layers' masks and offsets of a whole chunk are as
+    before."""
+    config = tiny_config("llama4")
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool, device=DEVICE)
+    # 4 keys at positions 6..9: row 0's tokens count from position 2 (chunks 2-5, 6-9),
+    # row 1's from 0 (chunks 4-7, 8-11)
+    out = ft.attention_mask(2, 1, 4, q_offset=9, kv_offset=6, attention_mask=mask,
+                            local_size=4, config=config)
+    assert out.tolist() == [[True, True, True, True], [False, False, True, True]]
+    out = ft.attention_mask(2, 1, 4, q_offset=9, kv_offset=6, local_size=4, config=config)
+    assert out.tolist() == [[False, False, True, True]] * 2
+    assert ft.attention_mask(2, 1, 4, q_offset=11, kv_offset=8, local_size=4,
+                             config=config) is None
+    assert ft.attention_mask(2, 1, 4, q_offset=9, kv_offset=6, local_size=None,
+                             config=config) is None

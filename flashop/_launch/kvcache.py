@@ -287,9 +287,11 @@ def plain_append_launch(k: TensorMeta, v: Optional[TensorMeta], k_cache: TensorM
 def rotary_per_query(mods: Modifiers, capacity) -> bool:
     """Whether the queries are rotated each at its own position (cache_seqlens[b] + i)
     rather than all at cache_seqlens[b]: flash-attn's rule, causal or a window bound, a
-    bound at or past the cache's capacity counting as none."""
+    bound at or past the cache's capacity counting as none; FlashAttention-3's with a
+    chunk (local attention there)."""
     left, right = mods.bounds
-    return 0 <= left < capacity or 0 <= right < capacity or mods.causal
+    return (0 <= left < capacity or 0 <= right < capacity or mods.causal
+            or mods.attention_chunk > 0)
 
 
 def input_strides(q: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta) -> dict:
@@ -337,9 +339,16 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         t = fit_shared_memory(t, block_d, block_dv, itemsize,
                               max_shared_memory(q.device.index))
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
-    num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, block_d,
+    # the most keys a program's queries attend, which the splits share: the capacity, or
+    # under a chunk what their S_q positions' chunks hold (causal: from the first one's
+    # chunk start to the last position; else up to the last one's chunk end)
+    keys = int(capacity)
+    if mods.attention_chunk:
+        spans = mods.attention_chunk * (1 if mods.causal else 2) + int(S_q)
+        keys = min(keys, spans)
+    num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), keys, t, block_d,
                              block_dv, itemsize, q.device)
-    t = short_run_tiles(t, int(capacity), num_splits, page_size)
+    t = short_run_tiles(t, keys, num_splits, page_size)
     split = num_splits > 1
     merge, parts, sp, lp = merge_launch(num_splits, B, S_q, H, DV, block_dv)
     decode = Planned((num_splits, H_kv * row_tiles, B), dict(

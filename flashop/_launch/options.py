@@ -31,6 +31,7 @@ class Modifiers:
     causal: bool = False
     window_size_left: int = -1  # -1: unbounded
     window_size_right: int = -1
+    attention_chunk: int = 0  # 0: off; else each query attends the keys of its chunk only
     softcap: float = 0.0
     alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) fp32
     g: Optional[torch.Tensor] = None  # (B, S_k, H) log-decay gate
@@ -59,7 +60,7 @@ class Modifiers:
         """No modifier but (possibly) causal and dropout."""
         return self.is_plain or (
             self.dropout and self.window_size_left == self.window_size_right == -1
-            and self.softcap == 0.0
+            and self.attention_chunk == 0 and self.softcap == 0.0
             and all(x is None for x in (self.alibi_slopes, self.g, self.attn_mask, self.sinks)))
 
 
@@ -69,18 +70,20 @@ PLAIN = {False: Modifiers(), True: Modifiers(causal=True)}
 
 def modifiers(attn_mask=None, alibi_slopes=None, g=None, causal=False, window_size_left=-1,
               window_size_right=-1, softcap=0.0, sinks=None, dropout_p=0.0,
-              dropout_seed=None) -> Modifiers:
+              dropout_seed=None, attention_chunk=0) -> Modifiers:
     """The Modifiers of an operator's arguments, ``dropout_p`` rounded as the kernels draw
     it; the shared PLAIN value where there are none. ``dropout_seed`` is dropped where
     there is no dropout."""
     dropout_p = round_dropout_p(dropout_p)
     if dropout_p == 0.0:
         if (attn_mask is None and alibi_slopes is None and g is None and sinks is None
-                and window_size_left == -1 and window_size_right == -1 and softcap == 0.0):
+                and window_size_left == -1 and window_size_right == -1 and softcap == 0.0
+                and attention_chunk == 0):
             return PLAIN[bool(causal)]
         dropout_seed = None
     return Modifiers(causal=causal, window_size_left=window_size_left,
-                     window_size_right=window_size_right, softcap=softcap,
+                     window_size_right=window_size_right, attention_chunk=attention_chunk,
+                     softcap=softcap,
                      alibi_slopes=alibi_slopes, g=g, attn_mask=attn_mask, sinks=sinks,
                      dropout_p=dropout_p, dropout_seed=dropout_seed)
 

@@ -18,17 +18,23 @@ LOG2E = _LOG2E.value  # log2(e): natural-log units to base 2, as the kernels def
 # take constants)
 LOG2E_FP32 = torch.tensor(LOG2E, dtype=torch.float32).item()
 
-_PLAIN = {causal: dict(softcap_log2=0.0, left=0, right=0, stride_ab=0, stride_ah=0,
-                       HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, HAS_ALIBI=False)
+_PLAIN = {causal: dict(softcap_log2=0.0, left=0, right=0, chunk=0, stride_ab=0, stride_ah=0,
+                       HAS_LEFT=False, HAS_RIGHT=causal, HAS_CHUNK=False, HAS_SOFTCAP=False,
+                       HAS_ALIBI=False)
           for causal in (False, True)}
+
+# A chunk longer than every sequence is one chunk from key 0 on: kernels take at most this
+# many keys per chunk, so that a position plus a chunk stays within int32
+MAX_CHUNK = 2 ** 30
 
 
 def score_args(mods: Modifiers, sm_scale: float, alibi: Optional[TensorMeta]) -> dict:
     """``qk_scale`` and ``softcap_log2`` (scores in base 2: ``qk_scale = scale * log2 e``,
     or ``scale / softcap`` under a softcap, whose ``softcap * log2 e`` then multiplies the
     tanh), the bounds ``left`` and ``right`` (0 where unbounded) with HAS_LEFT / HAS_RIGHT
-    (causal is a right bound of 0), HAS_SOFTCAP, and the (batch, head) strides of the
-    ALiBi slopes ``alibi`` (the slopes' meta, None without them) with HAS_ALIBI."""
+    (causal is a right bound of 0), the ``chunk`` length with HAS_CHUNK, HAS_SOFTCAP, and
+    the (batch, head) strides of the ALiBi slopes ``alibi`` (the slopes' meta, None without
+    them) with HAS_ALIBI."""
     if mods.is_plain:
         return dict(_PLAIN[mods.causal], qk_scale=sm_scale * LOG2E)
     left, right = mods.bounds
@@ -40,10 +46,11 @@ def score_args(mods: Modifiers, sm_scale: float, alibi: Optional[TensorMeta]) ->
     if alibi is not None:  # (H,) or (B, H)
         stride_ab, stride_ah = (alibi.stride[0] if len(alibi.shape) == 2 else 0,
                                 alibi.stride[-1])
+    chunk = mods.attention_chunk
     return dict(qk_scale=qk_scale, softcap_log2=softcap_log2, left=max(left, 0),
-                right=max(right, 0), stride_ab=stride_ab, stride_ah=stride_ah,
-                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=mods.softcap > 0,
-                HAS_ALIBI=alibi is not None)
+                right=max(right, 0), chunk=min(chunk, MAX_CHUNK), stride_ab=stride_ab,
+                stride_ah=stride_ah, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+                HAS_CHUNK=chunk > 0, HAS_SOFTCAP=mods.softcap > 0, HAS_ALIBI=alibi is not None)
 
 
 def sink_args(sinks: Optional[TensorMeta]) -> dict:

@@ -190,8 +190,9 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     """The forward's tiles for its modifier flags: tiles_for's, with one query tile of
     BLOCK_M / 2 rows instead of two where two measured slower or spill registers: an
     attn_mask (its loads in both tiles spill), a window's left bound (short programs whose
-    masked bands double), causal-like with fewer than SHORT_KEYS keys where S_k is known
-    (symbolic under torch.compile with dynamic shapes: no guard on it, two tiles)."""
+    masked bands double; a chunk's start is such a bound), causal-like with fewer than
+    SHORT_KEYS keys where S_k is known (symbolic under torch.compile with dynamic shapes:
+    no guard on it, two tiles)."""
     if "fwd" in _FORCED:
         return _FORCED["fwd"]
     short = is_short(S_k)
@@ -200,6 +201,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     if t.split_m:
         one = ("an attn_mask" if flags["ATTN_MASK_KIND"] != 0
                else "a window's left bound" if flags["HAS_LEFT"]
+               else "a chunk" if flags["HAS_CHUNK"]
                else f"causal over fewer than {SHORT_KEYS} keys" if short_causal else None)
         if one is not None:
             decline(why, f"two query tiles per program: not with {one}")
@@ -259,8 +261,9 @@ def prune_tiles(kind: str, block_d: int, block_dv: int, itemsize: int,
 
 # The autotuner's key: every compile-time choice that moves the best tiles, and the lengths'
 # bucket (tensor dtypes are added by Triton)
-_AUTOTUNE_KEY = ["seq_bucket", "D", "DV", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP",
-                 "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND", "IS_VARLEN", "TMA", "PAGE_SIZE"]
+_AUTOTUNE_KEY = ["seq_bucket", "D", "DV", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK",
+                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND", "IS_VARLEN", "TMA",
+                 "PAGE_SIZE"]
 
 
 def autotune_key(kernel) -> list:

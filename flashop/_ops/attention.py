@@ -2,7 +2,8 @@
 
 - ``flashop::attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, attn_mask, alibi_slopes, g, sinks, dropout_seed, *, causal, scale,
-  window_size_left, window_size_right, softcap, dropout_p) -> (out, lse, lse_log2)``: the
+  window_size_left, window_size_right, attention_chunk, softcap, dropout_p) -> (out, lse,
+  lse_log2)``: the
   forward kernels, with autograd through ``flashop::attention_backward``. A dense batch
   leaves the four packing arguments None: q (B, S_q, H, D), lse (B, H, S_q). A packed batch
   (flash_attn_varlen's layout) passes all four: q (total_q, H, D), lse (H, total_q).
@@ -10,7 +11,8 @@
   for the backward (not differentiable): converting the natural-log lse back would cost the
   recomputed probabilities about 1e-5 of relative accuracy at scores of a few hundred.
   ``dropout_seed`` (int64, one element) is required where ``dropout_p > 0``: the composites
-  draw it. The window is two ints, -1 unbounded (FlashAttention-3's and aten's spelling).
+  draw it. The window is two ints, -1 unbounded (FlashAttention-3's and aten's spelling);
+  ``attention_chunk`` an int, 0 off (FlashAttention-3's chunked attention).
 - ``flashop::attention_backward(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q,
   cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask, alibi_slopes, g, dropout_seed, *,
   ..., dropout_p, attn_mask_grad) -> (dq, dk, dv, dg, dattn_mask)``: the backward kernels,
@@ -74,14 +76,15 @@ def dropout_seed(q: Tensor, dropout_p: float) -> Optional[Tensor]:
 
 def _call(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
           attn_mask=None, alibi_slopes=None, g=None, sinks=None, dropout_seed=None, *,
-          causal=False, scale=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
-          dropout_p=0.0, deterministic=False) -> tuple[Modifiers, Optional[Packing]]:
+          causal=False, scale=None, window_size_left=-1, window_size_right=-1,
+          attention_chunk=0, softcap=0.0, dropout_p=0.0, deterministic=False
+          ) -> tuple[Modifiers, Optional[Packing]]:
     """A forward call's modifiers and packing (None: dense), checked (``deterministic``
     concerns the backward alone)."""
     check_packing_arguments("flashop.attention_forward", cu_seqlens_q, cu_seqlens_k,
                             max_seqlen_q, max_seqlen_k)
     mods = modifiers(attn_mask, alibi_slopes, g, causal, window_size_left, window_size_right,
-                     softcap, sinks, dropout_p, dropout_seed)
+                     softcap, sinks, dropout_p, dropout_seed, attention_chunk=attention_chunk)
     packed = packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_attention_inputs(q, k, v, scale, mods, packed, interpreting=INTERPRETING)
     return mods, packed
@@ -95,13 +98,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
                       sinks: Optional[Tensor] = None, dropout_seed: Optional[Tensor] = None,
                       *, causal: bool = False, scale: Optional[float] = None,
                       window_size_left: int = -1, window_size_right: int = -1,
-                      softcap: float = 0.0, dropout_p: float = 0.0,
+                      attention_chunk: int = 0, softcap: float = 0.0, dropout_p: float = 0.0,
                       deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        attn_mask, alibi_slopes, g, sinks, dropout_seed, causal=causal,
                        scale=scale, window_size_left=window_size_left,
-                       window_size_right=window_size_right, softcap=softcap,
-                       dropout_p=dropout_p, deterministic=deterministic)
+                       window_size_right=window_size_right, attention_chunk=attention_chunk,
+                       softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
 
 
 def run_forward(q, k, v, *args, scale=None, **options):
@@ -124,14 +127,15 @@ def _attention_forward_fake(q, k, v, *args, **options):
 def _backward_call(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q=None, max_seqlen_k=None, attn_mask=None, alibi_slopes=None,
                    g=None, dropout_seed=None, *, causal=False, scale=None,
-                   window_size_left=-1, window_size_right=-1, softcap=0.0, dropout_p=0.0,
-                   attn_mask_grad=False, deterministic=False
+                   window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
+                   dropout_p=0.0, attn_mask_grad=False, deterministic=False
                    ) -> tuple[Modifiers, Optional[Packing]]:
     """A backward call's modifiers and packing (None: dense), checked."""
     check_packing_arguments("flashop.attention_backward", cu_seqlens_q, cu_seqlens_k,
                             max_seqlen_q, max_seqlen_k)
     mods = modifiers(attn_mask, alibi_slopes, g, causal, window_size_left, window_size_right,
-                     softcap, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                     softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                     attention_chunk=attention_chunk)
     packed = packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
                           packed, interpreting=INTERPRETING)
@@ -147,15 +151,15 @@ def attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tens
                        alibi_slopes: Optional[Tensor] = None, g: Optional[Tensor] = None,
                        dropout_seed: Optional[Tensor] = None, *, causal: bool = False,
                        scale: Optional[float] = None, window_size_left: int = -1,
-                       window_size_right: int = -1, softcap: float = 0.0,
-                       dropout_p: float = 0.0, attn_mask_grad: bool = False,
-                       deterministic: bool = False
+                       window_size_right: int = -1, attention_chunk: int = 0,
+                       softcap: float = 0.0, dropout_p: float = 0.0,
+                       attn_mask_grad: bool = False, deterministic: bool = False
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return run_backward(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q, cu_seqlens_k,
                         max_seqlen_q, max_seqlen_k, attn_mask, alibi_slopes, g, dropout_seed,
                         causal=causal, scale=scale, window_size_left=window_size_left,
-                        window_size_right=window_size_right, softcap=softcap,
-                        dropout_p=dropout_p, attn_mask_grad=attn_mask_grad,
+                        window_size_right=window_size_right, attention_chunk=attention_chunk,
+                        softcap=softcap, dropout_p=dropout_p, attn_mask_grad=attn_mask_grad,
                         deterministic=deterministic)
 
 
@@ -322,8 +326,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, *args, **options) -> Tenso
 
 
 _OPTIONS = ("*, bool causal=False, float? scale=None, SymInt window_size_left=-1, "
-            "SymInt window_size_right=-1, float softcap=0., float dropout_p=0., "
-            "bool deterministic=False)")
+            "SymInt window_size_right=-1, SymInt attention_chunk=0, float softcap=0., "
+            "float dropout_p=0., bool deterministic=False)")
 _DENSE = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? alibi_slopes=None, "
           "Tensor? g=None, Tensor? sinks=None, ")
 _PACKED = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "

@@ -3,12 +3,14 @@ FlashAttention-3's descales; forward only.
 
 ``flashop::attention_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 q_descale, k_descale, v_descale, alibi_slopes, sinks, *, causal, scale, window_size_left,
-window_size_right, softcap, out_dtype) -> (out, lse)``: q, k, v in ``float8_e4m3fn``, dense
+window_size_right, attention_chunk, softcap, out_dtype) -> (out, lse)``: q, k, v in
+``float8_e4m3fn``, dense
 (B, S, H, D) or packed (the four packing arguments given, as ``attention_forward``'s); the
 real value of query head h of sequence b is ``q * q_descale[b, h // (H // H_kv)]``, of key
 and value head h_kv ``k * k_descale[b, h_kv]`` (values likewise), each descale (B, H_kv)
 fp32 or None for 1. out in ``out_dtype`` (bfloat16 where None), lse fp32 natural log, as the
-16-bit operators'. Causal, windows, softcap, ALiBi, GQA, packing and sinks as there; the
+16-bit operators'. Causal, windows, chunks, softcap, ALiBi, GQA, packing and sinks as
+there (the same forward kernel); the
 gate, attn_mask and dropout are not taken.
 
 An operator of its own rather than arguments of ``attention_forward``: it is forward-only
@@ -39,11 +41,11 @@ OP = "flashop.attention"
 def _fp8_call(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, q_descale=None, k_descale=None, v_descale=None,
               alibi_slopes=None, sinks=None, *, causal=False, scale=None, window_size_left=-1,
-              window_size_right=-1, softcap=0.0, out_dtype=None):
+              window_size_right=-1, attention_chunk=0, softcap=0.0, out_dtype=None):
     """An fp8 call's Modifiers, Packing (None: dense) and descales, checked."""
     check_packing_arguments(OP, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
-                     softcap, sinks)
+                     softcap, sinks, attention_chunk=attention_chunk)
     packed = packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     descales = (q_descale, k_descale, v_descale)
     check_fp8_inputs(q, k, v, descales, out_dtype, scale, mods, packed,
@@ -60,13 +62,13 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
                   alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None, *,
                   causal: bool = False, scale: Optional[float] = None,
                   window_size_left: int = -1, window_size_right: int = -1,
-                  softcap: float = 0.0,
+                  attention_chunk: int = 0, softcap: float = 0.0,
                   out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     return run_attention_fp8(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale,
         v_descale, alibi_slopes, sinks, causal=causal, scale=scale,
         window_size_left=window_size_left, window_size_right=window_size_right,
-        softcap=softcap, out_dtype=out_dtype)
+        attention_chunk=attention_chunk, softcap=softcap, out_dtype=out_dtype)
 
 
 def run_attention_fp8(q, k, v, *args, scale=None, out_dtype=None, **options):

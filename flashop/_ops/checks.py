@@ -230,6 +230,7 @@ def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] =
             f"{op}: causal=True attends no key after the query, but window_size=({left}, "
             f"{right}) asks for {right} after it; pass window_size=({left}, 0) (or -1) with "
             f"causal=True, or causal=False for a two-sided window")
+    check_attention_chunk(op, mods.attention_chunk)
     if not (math.isfinite(mods.softcap) and mods.softcap >= 0):
         raise ValueError(f"{op}: softcap must be a finite float >= 0 (0 turns it off), "
                          f"got {mods.softcap}")
@@ -272,6 +273,16 @@ def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] =
                 f"kernels' 32-bit offsets within a head; use window_size / causal instead, "
                 f"or split the queries")
     check_training_options(q, mods, op, H)
+
+
+def check_attention_chunk(op: str, chunk) -> None:
+    """``attention_chunk``: an int >= 0 (0: off), FlashAttention-3's."""
+    if not (isinstance(chunk, (int, torch.SymInt)) and not isinstance(chunk, bool)
+            and chunk >= 0):
+        raise ValueError(
+            f"{op}: attention_chunk must be an int >= 0 (the chunk's length in keys: each "
+            f"query attends only the keys of its chunk; 0 turns chunking off), got "
+            f"{chunk!r}")
 
 
 def check_training_options(q, mods, op: str, H) -> None:

@@ -95,6 +95,9 @@ def check_latent_options(op: str, mods, k_cache, rotary_cos, k_descale, v_descal
         if left != -1 or right != -1:
             refused.append((f"window_size=({left}, {right})", "attend the whole cache "
                             "(window_size=(-1, -1))"))
+        if mods.attention_chunk:
+            refused.append((f"attention_chunk={mods.attention_chunk}",
+                            "attend the whole cache (attention_chunk=0)"))
         if mods.softcap != 0.0:
             refused.append((f"softcap={mods.softcap}", "pass softcap=0.0"))
         for name in ("alibi_slopes", "sinks"):

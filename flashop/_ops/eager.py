@@ -51,8 +51,8 @@ def _zero_rows(lse: Tensor) -> Tensor:
 
 
 # the forward's keyword options, in the order its plans' keys take them
-_OPTIONS = ("causal", "scale", "window_size_left", "window_size_right", "softcap",
-            "dropout_p", "deterministic")
+_OPTIONS = ("causal", "scale", "window_size_left", "window_size_right", "attention_chunk",
+            "softcap", "dropout_p", "deterministic")
 # the forward's inputs that may take a gradient, as _DirectAttention takes them, and their
 # places in FORWARD_INPUTS
 _DIFFERENTIABLE = ("q", "k", "v", "attn_mask", "alibi_slopes", "g", "sinks")

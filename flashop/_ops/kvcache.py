@@ -4,7 +4,8 @@
 ``flashop::attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, k, v,
 cache_batch_idx, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad,
 k_descale, v_descale, q_descale, *, causal, scale, window_size_left, window_size_right,
-softcap, rotary_interleaved, num_splits, out_dtype) -> (out, lse)``: appends k, v (when
+attention_chunk, softcap, rotary_interleaved, num_splits, out_dtype) -> (out, lse)``: appends
+k, v (when
 given; the keys rotated where rotary_cos and rotary_sin are given, as the queries then are;
 quantized as ``k / k_descale[b, h]`` into a float8_e4m3fn cache) into the caches in place,
 then attends over each sequence's first ``cache_seqlens[b] + S_new`` keys (from row
@@ -20,7 +21,8 @@ autograd: inference only.
 
 ``flashop::attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
 max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, sinks, *, causal, scale,
-window_size_left, window_size_right, softcap) -> (out, lse)``: packed queries over paged
+window_size_left, window_size_right, attention_chunk, softcap) -> (out, lse)``: packed
+queries over paged
 caches that it only reads (``flashop.attention_varlen(..., block_table=...)``), run by the
 packed forward kernel reading the pages. An operator of its own rather than a
 ``block_table`` argument of the training operator ``attention_forward``: it is forward-only
@@ -64,15 +66,16 @@ MAX_PASSED = 1024
 def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
              block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
              cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None, *,
-             causal=False, scale=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
-             rotary_interleaved=True, num_splits=0, out_dtype=None):
+             causal=False, scale=None, window_size_left=-1, window_size_right=-1,
+             attention_chunk=0, softcap=0.0, rotary_interleaved=True, num_splits=0,
+             out_dtype=None):
     """The call's Modifiers and its tensors' aliasing (checks_mla.cache_aliasing: whether the
     values are the keys' leading columns), its inputs checked (check_kvcache_inputs). The
     checks read shapes, strides, dtypes, devices, the aliasing and the options only: an
     eager call whose signature (eager_meta, the aliasing, the options) passed before passes
     again without them."""
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
-                     softcap, sinks)
+                     softcap, sinks, attention_chunk=attention_chunk)
     aliasing = cache_aliasing(k_cache, v_cache, k, v)
     metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                        alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
@@ -80,7 +83,7 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
     key = None
     if metas is not None:
         key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
-               softcap, out_dtype, aliasing, metas)
+               attention_chunk, softcap, out_dtype, aliasing, metas)
         if key in _PASSED:
             return mods, aliasing
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
@@ -109,16 +112,17 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            v_descale: Optional[Tensor] = None,
                            q_descale: Optional[Tensor] = None, *, causal: bool = False,
                            scale: Optional[float] = None, window_size_left: int = -1,
-                           window_size_right: int = -1, softcap: float = 0.0,
-                           rotary_interleaved: bool = True, num_splits: int = 0,
+                           window_size_right: int = -1, attention_chunk: int = 0,
+                           softcap: float = 0.0, rotary_interleaved: bool = True,
+                           num_splits: int = 0,
                            out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     return run_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table, alibi_slopes,
         sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale, q_descale,
         causal=causal, scale=scale,
         window_size_left=window_size_left, window_size_right=window_size_right,
-        softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
-        out_dtype=out_dtype)
+        attention_chunk=attention_chunk, softcap=softcap, rotary_interleaved=rotary_interleaved,
+        num_splits=num_splits, out_dtype=out_dtype)
 
 
 def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None,
@@ -183,10 +187,10 @@ def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=N
 
 def _paged_call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 block_table, alibi_slopes=None, sinks=None, *, causal=False, scale=None,
-                window_size_left=-1, window_size_right=-1, softcap=0.0):
+                window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0):
     """A paged prefill's Modifiers and Packing (with its block table), checked."""
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
-                     softcap, sinks)
+                     softcap, sinks, attention_chunk=attention_chunk)
     packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale, mods,
                               interpreting=INTERPRETING)
@@ -199,13 +203,13 @@ def attention_varlen_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqle
                            block_table: Tensor, alibi_slopes: Optional[Tensor] = None,
                            sinks: Optional[Tensor] = None, *, causal: bool = False,
                            scale: Optional[float] = None, window_size_left: int = -1,
-                           window_size_right: int = -1,
+                           window_size_right: int = -1, attention_chunk: int = 0,
                            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     return run_attention_varlen_paged(
         q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         block_table, alibi_slopes, sinks, causal=causal, scale=scale,
         window_size_left=window_size_left, window_size_right=window_size_right,
-        softcap=softcap)
+        attention_chunk=attention_chunk, softcap=softcap)
 
 
 def run_attention_varlen_paged(q, k_cache, v_cache, *args, scale=None, **options):

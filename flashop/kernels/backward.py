@@ -120,10 +120,10 @@ def _lse_rows(lse_log2):
 def _dkdv_query_tiles(
     b_dk, b_dv, b_dgk, b_k, b_v, b_gk, q, do, lse_log2, delta, attn_mask, dq_acc,
     stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, start_n, o_n, m_n, lo, hi,
-    S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right,
+    S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
@@ -157,9 +157,9 @@ def _dkdv_query_tiles(
         b_st = score_dot(b_k, dot_operand(b_qt, UPCAST), DOT_PRECISION)
         b_st, b_tt = attention_scores(
             b_st, qk_scale, o_m[None, :], o_n[:, None], m_m[None, :], m_n[:, None], S_q, S_k,
-            left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
-            EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
-            not FOLD_SCALE)
+            left, right, chunk, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq,
+            stride_amk, EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_GATE, ATTN_MASK_KIND, not FOLD_SCALE)
         b_pt = exp2_shifted(b_st, qk_scale, b_lse[None, :], FOLD_SCALE)
         # dO tile [BLOCK_M, BLOCK_DV]
         b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
@@ -220,11 +220,12 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_dgkb, stride_dgkh,
     stride_dqab, stride_dqas, stride_dqah,
-    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket,
+    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, chunk, dropout_p, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, PARTS: tl.constexpr = 3,
 ):
@@ -277,8 +278,8 @@ def attention_bwd_dkdv_kernel(
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    lo, u_lo, u_hi, hi = query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
-                                          BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, hi = query_tile_range(start_n, S_q, S_k, left, right, chunk, HAS_LEFT,
+                                          HAS_RIGHT, HAS_CHUNK, BLOCK_M, BLOCK_N)
     for i_g in range(0, G):
         i_h = i_hk * G + i_g
         p_q = q + i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
@@ -301,12 +302,12 @@ def attention_bwd_dkdv_kernel(
             p_attn_mask = attn_mask + i_b * stride_amb + i_h * stride_amh
         # [BLOCK_N]
         b_dgk = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # [lo, u_lo) masked (causal bound), [u_lo, u_full) unmasked without row masks (the
-        # tiles wholly inside S_q), [u_full, u_hi) unmasked with them (the last, partial
-        # one), [u_hi, hi) masked (a window's left bound)
+        # [lo, u_lo) masked (causal bound, a chunk's start), [u_lo, u_full) unmasked without
+        # row masks (the tiles wholly inside S_q), [u_full, u_hi) unmasked with them (the
+        # last, partial one), [u_hi, hi) masked (a window's left bound, a chunk's end)
         u_full = tl.maximum(u_lo, tl.minimum(u_hi, (S_q // BLOCK_M) * BLOCK_M))
         for part in tl.static_range(4):
-            if (part != 0 or HAS_RIGHT) and (part != 3 or HAS_LEFT):
+            if (part != 0 or HAS_RIGHT or HAS_CHUNK) and (part != 3 or HAS_LEFT or HAS_CHUNK):
                 if part == 0:
                     start_m, end_m = lo, u_lo
                 elif part == 1:
@@ -319,9 +320,10 @@ def attention_bwd_dkdv_kernel(
                     b_dk, b_dv, b_dgk, b_k, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_attn_mask,
                     p_dqa, stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas,
                     start_n, o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap_log2,
-                    alibi_log2, left, right,
+                    alibi_log2, left, right, chunk,
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
-                    HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+                    HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+                    ATTN_MASK_KIND,
                     DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
                     FOLD_SCALE, PARTS)
         if HAS_GATE and PARTS & 2:
@@ -341,10 +343,11 @@ def attention_bwd_dkdv_kernel(
 def _dq_key_tiles(
     b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
     stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, hi, S_q, S_k,
-    qk_scale, softcap_log2, alibi_log2, left, right,
+    qk_scale, softcap_log2, alibi_log2, left, right, chunk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
@@ -373,9 +376,9 @@ def _dq_key_tiles(
             b_gk = tl.load(g_cum + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         b_s, b_t = attention_scores(
             b_s, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
-            left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
-            EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
-            not FOLD_SCALE)
+            left, right, chunk, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq,
+            stride_amk, EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_GATE, ATTN_MASK_KIND, not FOLD_SCALE)
         b_p = exp2_shifted(b_s, qk_scale, b_lse[:, None], FOLD_SCALE)
         if DROPOUT:
             b_keep = dropout_keep(seed, i_b, i_h, o_m, start_n, dropout_p, BLOCK_N, False)
@@ -402,10 +405,11 @@ def _dq_key_tiles(
 def _dq_key_ranges(
     b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks, stride_vs,
     stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, u_lo, u_hi, hi, S_q, S_k,
-    qk_scale, softcap_log2, alibi_log2, left, right,
+    qk_scale, softcap_log2, alibi_log2, left, right, chunk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
@@ -413,26 +417,29 @@ def _dq_key_ranges(
     """_dq_key_tiles over a query tile's key ranges (key_tile_range): the left edge tiles, the
     tiles every row attends, the right edge tiles; returns (dQ unscaled, b_dgq)."""
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if HAS_LEFT:
+    if HAS_LEFT or HAS_CHUNK:
         b_dq, b_dgq = _dq_key_tiles(
             b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
             stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, u_lo, S_q,
-            S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+            S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV,
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+            ATTN_MASK_KIND,
             ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
             FOLD_SCALE, DELTA_PASS)
     b_dq, b_dgq = _dq_key_tiles(
         b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
         stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, u_lo, u_hi, S_q,
-        S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-        False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+        S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV,
+        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+        ATTN_MASK_KIND,
         ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE,
         DELTA_PASS)
     b_dq, b_dgq = _dq_key_tiles(
         b_dq, b_dgq, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
         stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, u_hi, hi, S_q, S_k,
-        qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+        qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+        True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+        ATTN_MASK_GRAD,
         UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE, DELTA_PASS)
     return b_dq, b_dgq
 
@@ -453,11 +460,12 @@ def attention_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_os, stride_oh,
     stride_dlb, stride_dlh, stride_dls,
-    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, dropout_p, H, seq_bucket,
+    S_q, S_k, G, sm_scale, qk_scale, softcap_log2, left, right, chunk, dropout_p, H, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
+    ATTN_MASK_GRAD: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
@@ -523,8 +531,8 @@ def attention_bwd_dq_kernel(
     if ATTN_MASK_GRAD:
         dattn_mask += (i_b * H + i_h) * S_q * S_k
 
-    lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
-                                        BLOCK_M, BLOCK_N)
+    lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, chunk, HAS_LEFT,
+                                        HAS_RIGHT, HAS_CHUNK, BLOCK_M, BLOCK_N)
     if ATTN_MASK_GRAD:
         # a broadcast mask's gradient sums dS over keys and rows; a row's dS sums to its lse
         # cotangent, so delta's rounding (from the output stored in q's dtype) is what such a
@@ -534,19 +542,19 @@ def attention_bwd_dq_kernel(
         _, b_sum = _dq_key_ranges(
             b_sum, b_q, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
             stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, lo, u_lo, u_hi, hi,
-            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-            ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p,
-            DROPOUT, FOLD_SCALE, True)
+            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
+            BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h,
+            dropout_p, DROPOUT, FOLD_SCALE, True)
         b_delta = b_sum - b_dlse
     tl.store(delta + row, b_delta, mask=m_m)
     b_dq, b_dgq = _dq_key_ranges(
         tl.zeros([BLOCK_M], dtype=tl.float32), b_q, b_do, b_lse, b_delta, k, v, g_cum,
         attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m,
-        m_m, lo, u_lo, u_hi, hi, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D,
-        DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-        dropout_p, DROPOUT, FOLD_SCALE, False)
+        m_m, lo, u_lo, u_hi, hi, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right,
+        chunk, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
+        seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE, False)
     b_dq = b_dq * sm_scale
     tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], round_to(b_dq, dq.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))

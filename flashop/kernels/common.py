@@ -168,33 +168,74 @@ def heaviest_tiles_first():
 
 
 @triton.jit
-def key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
-                   HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys that the query tile [start_m, start_m + BLOCK_M) attends: ``(lo, u_lo, u_hi, hi)``.
+def chunk_start(pos, chunk):
+    """The first position of the chunk of ``chunk`` positions that holds ``pos``:
+    floor(pos / chunk) * chunk, and -chunk for every position before 0 (a query before the
+    first key, whose chunk holds no key). Integer division truncates on a GPU and floors
+    under the interpreter, so the dividend is made >= 0 first."""
+    return (tl.maximum(pos + chunk, 0) // chunk) * chunk - chunk
 
-    Query ``i`` attends key ``j`` iff ``i + S_k - S_q - left <= j <= i + S_k - S_q + right``
-    (bounds only where ``HAS_LEFT`` / ``HAS_RIGHT``; causal is ``right = 0``). Tiles in
-    ``[u_lo, u_hi)`` are inside the window for every row and need no mask; tiles in
-    ``[lo, u_lo)`` and ``[u_hi, hi)`` need the window and/or key-length mask; tiles outside
-    ``[lo, hi)`` are never visited. Tile starts are multiples of BLOCK_N.
+
+@triton.jit
+def key_start(pos, left, chunk, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """The first key the query at position ``pos`` may attend: ``pos - left`` under a left
+    bound, the chunk's start under a chunk, the later of the two under both (one of them
+    is set). It grows with ``pos``. With ``left`` a right bound it is, by symmetry, the
+    first query position that may attend the key at ``pos``."""
+    if HAS_CHUNK:
+        start = chunk_start(pos, chunk)
+        if HAS_LEFT:
+            start = tl.maximum(start, pos - left)
+    else:
+        start = pos - left
+    return start
+
+
+@triton.jit
+def key_end(pos, right, chunk, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """One past the last key the query at position ``pos`` may attend: ``pos + right + 1``
+    under a right bound, the chunk's end under a chunk, the earlier of the two under both
+    (one of them is set). It grows with ``pos``. With ``right`` a left bound it is, by
+    symmetry, one past the last query position that may attend the key at ``pos``."""
+    if HAS_CHUNK:
+        end = chunk_start(pos, chunk) + chunk
+        if HAS_RIGHT:
+            end = tl.minimum(end, pos + right + 1)
+    else:
+        end = pos + right + 1
+    return end
+
+
+@triton.jit
+def key_range(p_first, p_last, S_k, left, right, chunk, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys that the queries at positions ``p_first .. p_last`` attend, in tiles of
+    BLOCK_N: ``(lo, u_lo, u_hi, hi)``.
+
+    Query position ``p`` attends key ``j`` iff ``key_start(p) <= j < key_end(p)`` (the
+    window's bounds ``p - left <= j <= p + right`` where ``HAS_LEFT`` / ``HAS_RIGHT``; causal
+    is ``right = 0``; the chunk ``j // chunk == p // chunk`` where ``HAS_CHUNK``) and
+    ``j < S_k``. Both bounds grow with ``p``, so the rows' keys run from the first row's
+    start to the last row's end, and a key tile is attended by every row where it starts
+    at or after the last row's start and ends at or before the first row's end. Tiles in
+    ``[u_lo, u_hi)`` are such tiles, whole (before S_k), and need no mask; tiles in
+    ``[lo, u_lo)`` and ``[u_hi, hi)`` need the bounds' and/or the key length's mask; tiles
+    outside ``[lo, hi)`` are never visited. Tile starts are multiples of BLOCK_N; ``x //
+    BLOCK_N`` truncates, so x is clamped to >= 0 first.
     """
-    off = S_k - S_q
     n_full = (S_k // BLOCK_N) * BLOCK_N  # keys in whole tiles
-    if HAS_RIGHT:
-        # the last row attends up to start_m + BLOCK_M - 1 + off + right
-        hi = tl.minimum(S_k, tl.maximum(start_m + BLOCK_M + off + right, 0))
-        # tiles ending at or before the first row's last key are inside for every row;
-        # (x // BLOCK_N) truncates, so x is clamped to >= 0 first
-        u_hi = tl.minimum((tl.maximum(start_m + off + right + 1, 0) // BLOCK_N) * BLOCK_N,
-                          n_full)
+    if HAS_RIGHT or HAS_CHUNK:
+        hi = tl.minimum(S_k, tl.maximum(key_end(p_last, right, chunk, HAS_RIGHT, HAS_CHUNK), 0))
+        end_first = key_end(p_first, right, chunk, HAS_RIGHT, HAS_CHUNK)
+        u_hi = tl.minimum((tl.maximum(end_first, 0) // BLOCK_N) * BLOCK_N, n_full)
     else:
         hi = S_k
         u_hi = n_full
-    if HAS_LEFT:
-        # the first row attends from start_m + off - left, the last row from
-        # start_m + BLOCK_M - 1 + off - left
-        lo = tl.minimum((tl.maximum(start_m + off - left, 0) // BLOCK_N) * BLOCK_N, hi)
-        u_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + off - left, 0), BLOCK_N) * BLOCK_N
+    if HAS_LEFT or HAS_CHUNK:
+        start_first = key_start(p_first, left, chunk, HAS_LEFT, HAS_CHUNK)
+        lo = tl.minimum((tl.maximum(start_first, 0) // BLOCK_N) * BLOCK_N, hi)
+        start_last = key_start(p_last, left, chunk, HAS_LEFT, HAS_CHUNK)
+        u_lo = tl.cdiv(tl.maximum(start_last, 0), BLOCK_N) * BLOCK_N
         u_lo = tl.minimum(tl.maximum(u_lo, lo), hi)
         u_hi = tl.minimum(tl.maximum(u_hi, u_lo), hi)
     else:
@@ -204,28 +245,48 @@ def key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
 
 
 @triton.jit
-def query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
-                     HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Queries that attend some key of the tile [start_n, start_n + BLOCK_N):
-    ``(lo, u_lo, u_hi, hi)`` as in :func:`key_tile_range`, with query tiles of BLOCK_M.
+def key_tile_range(start_m, S_q, S_k, left, right, chunk, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Keys that the query tile [start_m, start_m + BLOCK_M) attends: key_range's ``(lo,
+    u_lo, u_hi, hi)`` for its rows, query ``i`` at position ``i + S_k - S_q``."""
+    off = S_k - S_q
+    return key_range(start_m + off, start_m + BLOCK_M - 1 + off, S_k, left, right, chunk,
+                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, BLOCK_N)
 
-    Key ``j`` is attended by queries ``j - off - right <= i <= j - off + left``
-    (``off = S_k - S_q``). Query tiles past S_q need no mask here: their rows load zeros and
-    add nothing.
+
+@triton.jit
+def query_tile_range(start_n, S_q, S_k, left, right, chunk, HAS_LEFT: tl.constexpr,
+                     HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Queries that attend some key of the tile [start_n, start_n + BLOCK_N):
+    ``(lo, u_lo, u_hi, hi)`` as in :func:`key_range`, with query tiles of BLOCK_M.
+
+    Key ``j`` is attended by the query positions ``key_start(j, right) <= p < key_end(j,
+    left)`` (the bounds swapped: ``j - right <= p <= j + left``, and the chunk of ``j``),
+    query ``i`` at position ``i + S_k - S_q``; both grow with ``j``: the tile's first key
+    gives its first query and the end of the queries that attend every key of the tile,
+    its last key gives its last query and the start of those queries. Query tiles past S_q
+    need no mask here: their rows load zeros and add nothing; nor do keys past S_k.
     """
     off = S_k - S_q
-    if HAS_RIGHT:
-        lo = tl.minimum((tl.maximum(start_n - off - right, 0) // BLOCK_M) * BLOCK_M, S_q)
+    n_last = start_n + BLOCK_N - 1
+    if HAS_RIGHT or HAS_CHUNK:
+        first = key_start(start_n, right, chunk, HAS_RIGHT, HAS_CHUNK) - off
+        lo = tl.minimum((tl.maximum(first, 0) // BLOCK_M) * BLOCK_M, S_q)
         # the first query that attends every key of the tile, rounded up to a tile start
-        u_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - off - right, 0), BLOCK_M) * BLOCK_M
+        first_all = key_start(n_last, right, chunk, HAS_RIGHT, HAS_CHUNK) - off
+        u_lo = tl.cdiv(tl.maximum(first_all, 0), BLOCK_M) * BLOCK_M
         u_lo = tl.maximum(tl.minimum(u_lo, S_q), lo)
     else:
         lo = 0
         u_lo = 0
-    if HAS_LEFT:
-        hi = tl.minimum(S_q, tl.maximum(start_n + BLOCK_N - off + left, 0))
+    if HAS_LEFT or HAS_CHUNK:
+        hi = tl.minimum(S_q, tl.maximum(key_end(n_last, left, chunk, HAS_LEFT, HAS_CHUNK) - off,
+                                        0))
         # tiles whose last row still attends the tile's first key
-        u_hi = (tl.maximum(start_n - off + left + 1, 0) // BLOCK_M) * BLOCK_M
+        end_all = key_end(start_n, left, chunk, HAS_LEFT, HAS_CHUNK) - off
+        u_hi = (tl.maximum(end_all, 0) // BLOCK_M) * BLOCK_M
         lo = tl.minimum(lo, hi)
         u_lo = tl.minimum(u_lo, hi)
         u_hi = tl.minimum(tl.maximum(u_hi, u_lo), hi)
@@ -237,10 +298,11 @@ def query_tile_range(start_n, S_q, S_k, left, right, HAS_LEFT: tl.constexpr,
 
 @triton.jit
 def attention_scores(
-    b_qk, qk_scale, o_q, o_k, m_q, m_k, S_q, S_k, left, right, softcap_log2, alibi_log2, b_gk,
-    p_attn_mask, stride_amq, stride_amk,
+    b_qk, qk_scale, o_q, o_k, m_q, m_k, S_q, S_k, left, right, chunk, softcap_log2, alibi_log2,
+    b_gk, p_attn_mask, stride_amq, stride_amk,
     EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Scores in base-2 units of one tile of ``q . k`` products ``b_qk``, -inf where masked;
@@ -253,8 +315,9 @@ def attention_scores(
     the base-2 lse it keeps for the backward goes without it. ``qk_scale`` is ``scale *
     log2 e``, or ``scale / softcap`` when ``HAS_SOFTCAP``. In order (docs/modifiers.md):
     softcap, ALiBi (``alibi_log2 = -slope * log2 e``), gate, additive ``attn_mask``
-    (``ATTN_MASK_KIND`` 1), then the masks: window/causal and key length where ``EDGE_TILE``
-    (a tile crossing a bound or the keys' end), boolean ``attn_mask`` (``ATTN_MASK_KIND`` 2).
+    (``ATTN_MASK_KIND`` 1), then the masks: window/causal, chunk and key length where
+    ``EDGE_TILE`` (a tile crossing a bound or the keys' end), boolean ``attn_mask``
+    (``ATTN_MASK_KIND`` 2).
 
     Every kernel must round a score alike: the backward recomputes P = exp2(s - lse) against
     the forward's lse. So the additive terms are summed by explicit FMAs, and the scaled
@@ -299,10 +362,13 @@ def attention_scores(
         b_s = tl.where(b_keep != 0, b_s, float("-inf"))
     if EDGE_TILE:
         m_keep = m_k
+        o_pos = o_q + (S_k - S_q)  # the queries' positions among the keys
         if HAS_RIGHT:
-            m_keep = m_keep & (o_k <= o_q + (S_k - S_q) + right)
+            m_keep = m_keep & (o_k <= o_pos + right)
         if HAS_LEFT:
-            m_keep = m_keep & (o_k >= o_q + (S_k - S_q) - left)
+            m_keep = m_keep & (o_k >= o_pos - left)
+        if HAS_CHUNK:
+            m_keep = m_keep & (chunk_start(o_k, chunk) == chunk_start(o_pos, chunk))
         b_s = tl.where(m_keep, b_s, float("-inf"))
     return b_s, t
 

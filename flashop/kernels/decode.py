@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import (
-    LN2, LOG2E, attention_scores, dot_operand, load_tile, round_to, to_e4m3,
+    LN2, LOG2E, attention_scores, dot_operand, key_range, load_tile, round_to, to_e4m3,
 )
 from flashop.kernels.decode_steps import cache_rows, softmax_step
 
@@ -181,10 +181,11 @@ def kvcache_append_kernel(
 def _decode_key_tiles(
     acc, l_i, m_i, b_q, k_cache, v_cache, block_table, o_i, m_r, alibi2, start, end, L_read,
     L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, softcap_log2, left,
-    right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    right, chunk, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FP8_CACHE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [start, end) (multiples of BLOCK_N from a multiple of BLOCK_N)
@@ -192,7 +193,7 @@ def _decode_key_tiles(
     this KV head (and, dense, this sequence's row); ``block_table`` at this sequence's
     pages: where ``TILE_PAGE`` (the tiles lie in one page) each tile's one page id is
     loaded, else each key's (a vector, which the pipeliner prefetches). ``EDGE_TILE`` tiles
-    may reach past the ``L_read`` readable keys or cross the window / causal bounds; the
+    may reach past the ``L_read`` readable keys or cross the window / causal / chunk bounds; the
     others are inside for every row and skip that masking. Where ``FP8_CACHE`` each K and V
     tile is converted to the query tile's dtype (exact; the scales are the caller's)."""
     o_d = tl.arange(0, BLOCK_D)
@@ -213,8 +214,8 @@ def _decode_key_tiles(
         b_qk = tl.dot(b_q, dot_operand(b_kt, UPCAST), input_precision=DOT_PRECISION)
         b_s, _ = attention_scores(
             b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
-            left, right, softcap_log2, alibi2[:, None], 0.0, k_cache, 0, 0, EDGE_TILE,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, 0, True)
+            left, right, chunk, softcap_log2, alibi2[:, None], 0.0, k_cache, 0, 0, EDGE_TILE,
+            HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, False, 0, True)
         # V tile [BLOCK_N, BLOCK_DV]
         b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None],
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
@@ -240,12 +241,13 @@ def attention_decode_kernel(
     stride_pp, stride_pb, stride_ps, stride_ph,
     stride_lpp, stride_lpb, stride_lph,
     stride_tb, stride_ab, stride_ah, stride_sh, stride_rs, stride_kdb, stride_vdb,
-    S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right, seqlen_ro,
+    S_q, S_new, capacity, G, qk_scale, softcap_log2, left, right, chunk, seqlen_ro,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     SPLIT: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_PER_QUERY: tl.constexpr, FP8_CACHE: tl.constexpr, HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -256,7 +258,9 @@ def attention_decode_kernel(
 
     A program's query tile is BLOCK_M rows ``r = i * G + g`` of the G query heads of one KV
     head (grouped-query heads packed: each key tile is read once for all of them) at S_q
-    positions. The keys the tile attends (window / causal bounds, at most ``capacity``) are
+    positions. The keys the tile attends (window / causal bounds; where ``HAS_CHUNK``, the
+    chunk of ``chunk`` positions of each query, positions counted from the sequence's first
+    key; at most ``capacity``) are
     cut into ``splits`` runs of whole key tiles, one per program; a run past the keys is
     empty. Where ``SPLIT``, each program writes its run's normalized output (fp32) to
     ``o_part`` [split, b, i, h] and its base-2 lse to ``lse_part`` [split, b, h, i] (-inf
@@ -333,18 +337,8 @@ def attention_decode_kernel(
     # the keys of the tile's first and last query: [lo, hi), unmasked in [u_lo, u_hi)
     i_first = start_r // G
     i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
-    hi = L_read
-    u_hi = (L_read // BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, tl.maximum(i_last + off + right + 1, 0))
-        u_hi = tl.minimum(u_hi, (tl.maximum(i_first + off + right + 1, 0) // BLOCK_N)
-                          * BLOCK_N)
-    lo = 0
-    u_lo = 0
-    if HAS_LEFT:
-        lo = (tl.minimum(tl.maximum(i_first + off - left, 0), hi) // BLOCK_N) * BLOCK_N
-        u_lo = tl.cdiv(tl.maximum(i_last + off - left, 0), BLOCK_N) * BLOCK_N
-    hi = tl.maximum(hi, lo)
+    lo, u_lo, u_hi, hi = key_range(i_first + off, i_last + off, tl.maximum(L_read, 0), left,
+                                   right, chunk, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, BLOCK_N)
     # this split's run of key tiles
     tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), n_splits)
     s_lo = tl.minimum(lo + i_split * tiles_per_split * BLOCK_N, hi)
@@ -374,10 +368,11 @@ def attention_decode_kernel(
         m_i = tl.where(i_split == 0, b_sink.to(tl.float32) * LOG2E, float("-inf"))
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # [s_lo, s_mid_lo) edge tiles (a window's left bound), [s_mid_lo, s_mid_hi) inside,
+    # [s_lo, s_mid_lo) edge tiles (a window's left bound, a chunk's start), [s_mid_lo,
+    # s_mid_hi) inside,
     # [s_mid_hi, s_hi) edge tiles (the keys' end, a right bound)
     for part in tl.static_range(3):
-        if part != 0 or HAS_LEFT:
+        if part != 0 or HAS_LEFT or HAS_CHUNK:
             if part == 0:
                 start, end = s_lo, s_mid_lo
             elif part == 1:
@@ -387,8 +382,9 @@ def attention_decode_kernel(
             acc, l_i, m_i = _decode_key_tiles(
                 acc, l_i, m_i, b_q, k_base, v_base, block_table, o_i, m_r, alibi2, start,
                 end, L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-                qk_scale, softcap_log2, left, right, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                PAGE_SIZE, IS_PAGED, TILE_PAGE, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                qk_scale, softcap_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                PAGE_SIZE, IS_PAGED, TILE_PAGE, part != 1, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                HAS_SOFTCAP,
                 HAS_ALIBI, FP8_CACHE, UPCAST, DOT_PRECISION)
 
     m_empty = l_i == 0.0

@@ -25,8 +25,9 @@ P_SHIFT = tl.constexpr(8.807354922057604)  # log2(448)
 @triton.jit
 def _fwd_scores(
     b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k, qk_scale,
-    softcap_log2, alibi_log2, left, right, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -35,8 +36,9 @@ def _fwd_scores(
     b_qk = score_dot(b_q, dot_operand(b_kt, UPCAST), DOT_PRECISION)
     b_s, _ = attention_scores(
         b_qk, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
-        left, right, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk, EDGE_TILE,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, not FOLD_SCALE)
+        left, right, chunk, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
+        EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+        ATTN_MASK_KIND, not FOLD_SCALE)
     return b_s
 
 
@@ -82,9 +84,10 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
 def _fwd_key_tiles(
     acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks, stride_vs,
     stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale,
-    softcap_log2, alibi_log2, left, right, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    softcap_log2, alibi_log2, left, right, chunk, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
     FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
@@ -94,9 +97,9 @@ def _fwd_key_tiles(
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
 
-    ``EDGE_TILE`` tiles may cross the window (causal) bounds or the end of the keys; the others
-    are inside for every row of the program and skip that masking. Where ``TMA``, ``k``
-    and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
+    ``EDGE_TILE`` tiles may cross the window (causal) or chunk bounds or the end of the keys;
+    the others are inside for every row of the program and skip that masking. Where ``TMA``,
+    ``k`` and ``v`` are tensor descriptors of this (batch, head)'s keys and values, whose loads
     read rows past S_k and columns past D as 0. Where ``IS_PAGED``, key ``j`` is row
     ``j % PAGE_SIZE`` of page ``block_table[j // PAGE_SIZE]`` (``block_table`` at this
     sequence's row; pages ``stride_kb`` / ``stride_vb`` apart): a tile's one page id where
@@ -139,14 +142,15 @@ def _fwd_key_tiles(
         # [TILE_M, BLOCK_N]
         b_s = _fwd_scores(
             b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k,
-            qk_scale, softcap_log2, alibi_log2, left, right, EDGE_TILE, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP,
-            HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
+            qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE, HAS_LEFT,
+            HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE,
+            UPCAST, DOT_PRECISION)
         if SPLIT_M:
             b_s2 = _fwd_scores(
                 b_q2, b_kt, b_gk, o_m2, m_m2, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k,
-                qk_scale, softcap_log2, alibi_log2, left, right, EDGE_TILE, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION)
+                qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE, HAS_LEFT,
+                HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+                FOLD_SCALE, UPCAST, DOT_PRECISION)
         if TMA:
             b_v = v.load([start_n, 0])
         else:
@@ -233,10 +237,11 @@ def attention_fwd_kernel(
     stride_gb, stride_gs, stride_gh,
     stride_amb, stride_amh, stride_amq, stride_amk,
     stride_lb, stride_lh, stride_sh, stride_tb, stride_dsb,
-    S_q, S_k, G, qk_scale, softcap_log2, left, right, dropout_p, seq_bucket, capacity,
+    S_q, S_k, G, qk_scale, softcap_log2, left, right, chunk, dropout_p, seq_bucket, capacity,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, HAS_SINK: tl.constexpr,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr,
@@ -261,7 +266,10 @@ def attention_fwd_kernel(
     not read: it is the autotuner's key for the lengths (flashop/_launch/tiles.py).
     Where ``SPLIT_M``, the program's BLOCK_M query rows are two tiles of BLOCK_M / 2, whose
     softmax and matmuls interleave over the same key tiles (see _fwd_key_tiles); under a
-    right bound, the key tiles past the first tile's last key run for the second alone.
+    right bound or a chunk, the key tiles past the first tile's last key run for the second
+    alone. Where ``HAS_CHUNK``, query i (at position p = i + S_k - S_q) attends only the
+    keys of its chunk of ``chunk`` positions, ``j // chunk == p // chunk`` (with the window's
+    bounds), and the key tiles outside every row's chunk are skipped (key_tile_range).
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
     (see _fwd_fold; the launcher's rule is choice.folds_scale: 16-bit or fp8 inputs, a
     positive scale and no modifier between the product and the softmax; the backward
@@ -392,19 +400,20 @@ def attention_fwd_kernel(
         attn_mask += i_b * stride_amb + i_h * stride_amh
 
     # the key tiles of all BLOCK_M rows
-    lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
-                                        BLOCK_M, BLOCK_N)
-    # [lo, u_lo) masked (a window's left bound), [u_lo, u_hi) unmasked, [u_hi, hi) masked;
-    # with two query tiles under a right bound, the first tile's keys end before the
-    # second's: [u_hi, mid) for both tiles, [mid, hi) for the second alone
+    lo, u_lo, u_hi, hi = key_tile_range(start_m, S_q, S_k, left, right, chunk, HAS_LEFT,
+                                        HAS_RIGHT, HAS_CHUNK, BLOCK_M, BLOCK_N)
+    # [lo, u_lo) masked (a window's left bound, a chunk's start), [u_lo, u_hi) unmasked,
+    # [u_hi, hi) masked; with two query tiles under a right bound or a chunk, the first
+    # tile's keys end before the second's: [u_hi, mid) for both tiles, [mid, hi) for the
+    # second alone
     mid = hi
-    if SPLIT_M and HAS_RIGHT:
+    if SPLIT_M and (HAS_RIGHT or HAS_CHUNK):
         # the first tile's last key: the key range's end for its TILE_M rows
-        _, _, _, hi_a = key_tile_range(start_m, S_q, S_k, left, right, HAS_LEFT, HAS_RIGHT,
-                                       TILE_M, BLOCK_N)
+        _, _, _, hi_a = key_tile_range(start_m, S_q, S_k, left, right, chunk, HAS_LEFT,
+                                       HAS_RIGHT, HAS_CHUNK, TILE_M, BLOCK_N)
         mid = tl.minimum(tl.maximum(tl.cdiv(hi_a, BLOCK_N) * BLOCK_N, u_hi), hi)
     for part in tl.static_range(3):
-        if part != 0 or HAS_LEFT:
+        if part != 0 or HAS_LEFT or HAS_CHUNK:
             if part == 0:
                 start_n, end_n = lo, u_lo
             elif part == 1:
@@ -415,20 +424,22 @@ def attention_fwd_kernel(
                 acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks,
                 stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2,
                 start_n, end_n,
-                S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-                BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+                S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
+                BLOCK_DV, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP,
+                HAS_ALIBI, HAS_GATE,
                 ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
                 dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
                 FP8)
-    if SPLIT_M and HAS_RIGHT:
+    if SPLIT_M and (HAS_RIGHT or HAS_CHUNK):
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
             acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, k, v, g_cum, attn_mask, stride_ks,
             stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid,
             hi,
-            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, D, DV, BLOCK_D, BLOCK_DV,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
+            BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_GATE,
             ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
             dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
                 FP8)

@@ -67,8 +67,10 @@ def _mla_key_tiles(
         # no window's left bound, softcap, ALiBi, gate or mask
         b_s, _ = attention_scores(
             b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
-            0, 0, 0.0, 0.0, 0.0, k_cache, 0, 0, EDGE_TILE, False, IS_CAUSAL, False, False,
-            False, 0, True)
+            left=0, right=0, chunk=0, softcap_log2=0.0, alibi_log2=0.0, b_gk=0.0,
+            p_attn_mask=k_cache, stride_amq=0, stride_amk=0, EDGE_TILE=EDGE_TILE,
+            HAS_LEFT=False, HAS_RIGHT=IS_CAUSAL, HAS_CHUNK=False, HAS_SOFTCAP=False,
+            HAS_ALIBI=False, HAS_GATE=False, ATTN_MASK_KIND=0, SCALED=True)
         b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
         if V_IN_K:  # the values: the same latent block, read once for both products
             b_v = b_kl
