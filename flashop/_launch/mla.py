@@ -40,11 +40,13 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int) -> DecodeTiles:
     pages of ``page`` keys (0: dense), 576-dim rows.
 
     Each program holds a [BLOCK_M, 512] fp32 accumulator: 64 rows at most (8 warps: 128
-    registers a thread for it), fewer for fewer rows (16 at least, tl.dot's). 64 keys per
-    step (FlashMLA's tile), 2 stages: with the query tile that is 184 KiB of shared memory
-    at 32 rows; 64 rows take 32 keys (216 KiB with 64). A paged tile that lies in one page
-    loads its one page id. fp32: 16 keys. Under the interpreter, small tiles. These are a
-    starting point for the GPU sweep (benchmarks/decode.py --mla --sweep)."""
+    registers a thread for it), fewer for fewer rows (16 at least, tl.dot's). The sweep's
+    winners on an H200 (benchmarks/decode.py --mla --sweep, benchmarks/tuning/
+    2026-11-29-h200-mla-tiles.csv): up to 32 rows, 32 keys per step in 2 stages with 4
+    warps (0.73 of copy bandwidth at H = 16, against 0.64 with 64 keys); 64 rows, 64 keys
+    in one stage with 8 warps (the query tile and two stages of 64 keys pass Hopper's
+    shared memory). A paged tile that lies in one page loads its one page id. fp32: 16
+    keys. Under the interpreter, small tiles."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(16, 16)
@@ -52,8 +54,8 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int) -> DecodeTiles:
     if dtype == torch.float32:
         return DecodeTiles(min(block_m, 32), 16, 4, 2)
     if block_m <= 32:
-        return DecodeTiles(block_m, 64, 4, 2)
-    return DecodeTiles(64, 32, 8, 2)
+        return DecodeTiles(block_m, 32, 4, 2)
+    return DecodeTiles(64, 64, 8, 1)
 
 
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
