@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from flashop import api
-from flashop._launch import attention as launch
+from flashop._launch import attention as launch, kvcache as launch_kvcache
 from flashop._launch.choice import Choice
 from flashop._ops import attention as ops, attention_fp8 as fp8_ops, kvcache as kvcache_ops
 from flashop._ops.checks import window_bounds
@@ -87,21 +87,50 @@ def _attention_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                                              deterministic=deterministic))
 
 
+def _kvcache(fn, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, causal=False,
+             scale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+             return_lse=False, **tensors_and_options) -> Explanation:
+    op = "flashop.attention_with_kvcache"
+    call = _describe(f"flashop.{fn.__name__}", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                     block_table=tensors_and_options.get("block_table"))
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    options = api._options(op, causal, scale, window_size, softcap,
+                           attention_chunk=attention_chunk)
+    plan, mla = kvcache_ops.run_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k, v, **tensors_and_options, **options,
+        plan_only=True)
+    kernel = "mla_decode_kernel" if mla else "attention_decode_kernel"
+    choice = launch_kvcache.plan_choice(plan, kernel)
+    if mla:
+        choice.why.append("MLA's latent cache (head dims 576 and 512): its own kernel, each "
+                          "cached row read once for both products")
+    asked = tensors_and_options.get("num_splits", 0)
+    choice.why.append(f"splits: as num_splits={asked} asks" if asked else
+                      "splits: num_splits=0, chosen from the GPU's size, the batch, the key/"
+                      "value heads and the keys a query can attend (never the lengths)")
+    return Explanation(call, choice)
+
+
 _EXPLAINERS = {api.attention: _attention, api.attention_with_lse: _attention,
                api.attention_varlen: _attention_varlen,
-               api.attention_varlen_with_lse: _attention_varlen}
+               api.attention_varlen_with_lse: _attention_varlen,
+               api.attention_with_kvcache: _kvcache}
 
 
 def explain(fn: Callable, *args, **kwargs) -> Explanation:
     """What ``fn(*args, **kwargs)`` would run, and why, without running it: ``fn`` is
-    ``flashop.attention``, ``attention_with_lse``, ``attention_varlen`` or
-    ``attention_varlen_with_lse``, and the arguments are the call's own (they are checked
-    as the call checks them: a bad call raises the call's error).
+    ``flashop.attention``, ``attention_with_lse``, ``attention_varlen``,
+    ``attention_varlen_with_lse`` or ``attention_with_kvcache``, and the arguments are the
+    call's own (they are checked as the call checks them: a bad call raises the call's
+    error; a decode call's new keys are not written).
 
     Returns an :class:`Explanation`: the forward's kernels, tiles and options and the
     backward's (where the call has one), each with the rules that ruled something out
     (the Gluon kernels, the warp-specialized kernel, tensor descriptors, two query tiles
-    per program, dQ by atomics, the dK/dV kernel's parts). ``print()`` it::
+    per program, dQ by atomics, the dK/dV kernel's parts); for a decode call, its kernels,
+    tiles and splits. ``print()`` it::
 
         print(flashop.explain(flashop.attention, q, k, v, causal=True))
     """

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashop
-from flashop._launch import attention as launch_attention, gluon, launches
+from flashop._launch import attention as launch_attention, gluon, kvcache, launches, mla
 from helpers import DEVICE, TestCase, error_message
 
 ON_GPU = DEVICE == "cuda"
@@ -90,6 +90,44 @@ def test_the_explanation_is_what_the_call_launches(name, deterministic, switches
         assert ran == _kernel_names(told.backward), str(told)
 
 
+def _decode_launched(run) -> list:
+    """The kernels a decode call launches (its planned launches), by name."""
+    names = []
+    originals = {module: module.launch_planned for module in (kvcache, mla)}
+
+    def recorder(module):
+        def launch(kernel, planned, **per_call):
+            names.append(getattr(kernel, "fn", kernel).__name__)
+            return originals[module](kernel, planned, **per_call)
+        return launch
+
+    with mock.patch.object(kvcache, "launch_planned", recorder(kvcache)), \
+            mock.patch.object(mla, "launch_planned", recorder(mla)):
+        run()
+    return names
+
+
+@pytest.mark.parametrize("mla_cache", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_a_decode_explanation_is_what_the_call_launches(mla_cache, splits):
+    """A decode call's explained kernels are those it launches, and explain writes nothing
+    into the cache."""
+    D, DV, H, H_kv = (576, 512, 16, 1) if mla_cache else (64, 64, 8, 2)
+    q = _t(2, 1, H, D)
+    pages = _t(8, 16, H_kv, D)
+    table = torch.arange(8, device=DEVICE, dtype=torch.int32).view(2, 4)
+    new = _t(2, 1, H_kv, D)
+    lens = torch.tensor([20, 41], device=DEVICE, dtype=torch.int32)
+    v_cache = pages[..., :DV] if mla_cache else _t(8, 16, H_kv, DV)
+    args = (q, pages, v_cache, new, None if mla_cache else new[..., :DV])
+    options = dict(cache_seqlens=lens, block_table=table, causal=True, num_splits=splits)
+    before = pages.clone()
+    told = flashop.explain(flashop.attention_with_kvcache, *args, **options)
+    assert torch.equal(pages, before)
+    ran = _decode_launched(lambda: flashop.attention_with_kvcache(*args, **options))
+    assert ran == _kernel_names(told.forward), str(told)
+
+
 def test_explain_launches_nothing_and_checks_as_the_call_does():
     q, k, v = CALLS["plain"][0]()
     with mock.patch.object(launches, "launch_now", side_effect=AssertionError("launched")):
@@ -108,7 +146,7 @@ class TestExplain(TestCase):
         self.assertExpectedInline(
             error_message(flashop.explain, torch.nn.functional.scaled_dot_product_attention,
                           q, k, v).split(";")[0],
-            """flashop.explain: explains calls of flashop.attention, flashop.attention_with_lse, flashop.attention_varlen, flashop.attention_varlen_with_lse""")  # noqa: B950
+            """flashop.explain: explains calls of flashop.attention, flashop.attention_with_lse, flashop.attention_varlen, flashop.attention_varlen_with_lse, flashop.attention_with_kvcache""")  # noqa: B950
 
     @pytest.mark.skipif(ON_GPU, reason="the interpreter's tiles and reasons")
     def test_explanations_under_the_interpreter(self):

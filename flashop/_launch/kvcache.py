@@ -20,6 +20,7 @@ from flashop._launch.common import (
     next_power_of_2, on_inputs_device, resolve_scale, sm_count, tensor_meta, unit_stride_last,
 )
 from flashop._launch.calls import eager_meta
+from flashop._launch.choice import Choice
 from flashop._launch.launches import Planned, launch_planned
 from flashop._launch.options import Modifiers
 from flashop._launch.scores import score_args, sink_args
@@ -400,14 +401,15 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_interleaved: bool = True,
                            k_descale: Optional[torch.Tensor] = None,
                            v_descale: Optional[torch.Tensor] = None,
-                           q_descale: Optional[torch.Tensor] = None
+                           q_descale: Optional[torch.Tensor] = None, plan_only: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v into the caches (in place; the keys rotated where rotary_cos is given;
     quantized to an fp8 cache's e4m3 with the descales), then attend; returns (out, lse) as
     kvcache_outputs allocates them. ``q_descale`` (B, H_kv), where given, scales the scores
     with k_descale (the queries' descale, q itself converted to 16 bits). ``num_splits`` 0
     picks the splits (auto_splits). The launches' arguments but the tensors are planned
-    once per signature of eager calls (_plan; traced calls plan each time)."""
+    once per signature of eager calls (_plan; traced calls plan each time). ``plan_only``:
+    return the plan (a _Plan) and launch nothing (flashop.explain)."""
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = index_tensors(
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     if k is not None:
@@ -435,6 +437,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     metas = eager_meta(*tensors)
     plan = (_plan(metas, options) if metas is not None
             else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    if plan_only:
+        return plan
     if plan.append is not None:
         launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
                        v_cache=v_cache, cache_seqlens=cache_seqlens,
@@ -464,3 +468,22 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)
     return out, lse
+
+
+def plan_choice(plan: _Plan, kernel: str) -> Choice:
+    """A decode call's plan as flashop.explain tells it: the append, the split-KV attention
+    kernel ``kernel`` with its tiles and splits, the merge."""
+    kernels = []
+    if plan.append is not None:
+        kernels.append(("kvcache_append_kernel", None))
+    if plan.decode is None:
+        return Choice("nothing to attend (an empty output)", kernels)
+    d = plan.decode.static
+    kernels.append((kernel, f"{d['BLOCK_M']}x{d['BLOCK_N']} tiles (query rows x keys), "
+                            f"{d['num_warps']} warps, {d['num_stages']} stage"
+                            f"{'s' if d['num_stages'] > 1 else ''}"))
+    splits = plan.decode.grid[0]
+    if plan.merge is not None:
+        kernels.append(("attention_decode_merge_kernel", None))
+    return Choice("split-KV decode" if splits > 1 else "decode", kernels,
+                  {"splits of each sequence's keys": splits})

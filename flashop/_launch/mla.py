@@ -116,14 +116,15 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
                                 block_table: Optional[torch.Tensor], scale: Optional[float],
                                 mods: Modifiers, num_splits: int,
                                 cache_leftpad: Optional[torch.Tensor] = None,
-                                values_in_keys: bool = True
+                                values_in_keys: bool = True, plan_only: bool = False
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k (B, S_new, H_kv, D) into k_cache in place, then attend; returns (out
     (B, S_q, H, DV), lse) as kvcache_outputs allocates them. Where ``values_in_keys``
     (v_cache is k_cache[..., :DV], MLA's latent cache) each row is written once, all D
     dims, and read once for both products; else ``v`` (None: k[..., :DV]) is appended to
     v_cache too and the values are read from it. ``mods`` holds causal alone (the checks
-    refuse the other modifiers). ``num_splits`` 0 picks the splits (auto_splits)."""
+    refuse the other modifiers). ``num_splits`` 0 picks the splits (auto_splits).
+    ``plan_only``: return the plan and launch nothing (flashop.explain)."""
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = index_tensors(
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     if k is not None:
@@ -138,6 +139,8 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
     metas = eager_meta(*tensors)
     plan = (_plan(metas, options) if metas is not None
             else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    if plan_only:
+        return plan
     if plan.append is not None:
         launch_planned(kvcache_append_kernel, plan.append, k=k, v=v, k_cache=k_cache,
                        v_cache=None if values_in_keys else v_cache,

@@ -130,26 +130,31 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
                                sinks=None, rotary_cos=None, rotary_sin=None,
                                cache_leftpad=None, k_descale=None, v_descale=None,
                                q_descale=None, *, scale=None, num_splits=0,
-                               rotary_interleaved=True, out_dtype=None, **options):
+                               rotary_interleaved=True, out_dtype=None, plan_only=False,
+                               **options):
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
     Also run directly by the eager path (flashop/_ops/eager.py). MLA's head dims (576, 512)
     go to the latent-cache kernel, which reads each row once where v_cache is
-    k_cache[..., :512] (the checks' aliasing)."""
+    k_cache[..., :512] (the checks' aliasing). ``plan_only``: the launcher's plan and
+    whether it is MLA's, launching nothing (flashop.explain)."""
     mods, aliasing = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
                             block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
                             cache_leftpad, k_descale, v_descale, q_descale, scale=scale,
                             num_splits=num_splits, rotary_interleaved=rotary_interleaved,
                             out_dtype=out_dtype, **options)
     if is_mla(k_cache, v_cache):
-        return launch_mla.attention_with_latent_cache(
+        result = launch_mla.attention_with_latent_cache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
-            mods, num_splits, cache_leftpad, values_in_keys=aliasing[0] is True)
+            mods, num_splits, cache_leftpad, values_in_keys=aliasing[0] is True,
+            plan_only=plan_only)
+        return (result, True) if plan_only else result
     if q.dtype == FP8_CACHE_DTYPE:
         q = q.to(compute_dtype(q, out_dtype))  # exact: every e4m3 value is a 16-bit one
-    return launch.attention_with_kvcache(
+    result = launch.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, mods,
         num_splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, k_descale,
-        v_descale, q_descale)
+        v_descale, q_descale, plan_only=plan_only)
+    return (result, False) if plan_only else result
 
 
 _lib = torch.library.Library("flashop", "FRAGMENT")  # kept: its registrations live with it
