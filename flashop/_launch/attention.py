@@ -23,12 +23,13 @@ from flashop._launch.launches import launch_kernel
 from flashop._launch.options import PLAIN, Modifiers, Packing
 from flashop._launch.scores import LOG2E, LOG2E_FP32, score_args, sink_args
 from flashop.kernels import INTERPRETING
-from flashop.kernels.backward import (
-    attention_bwd_cast_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
-    attention_bwd_preprocess_kernel,
+from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from flashop.kernels.backward_buffer import (
+    attention_bwd_cast_kernel, attention_bwd_preprocess_kernel,
 )
 from flashop.kernels.dropout import dropout_mask_kernel
-from flashop.kernels.forward import attention_fwd_kernel, attention_fwd_ws_kernel
+from flashop.kernels.forward import attention_fwd_kernel
+from flashop.kernels.forward_ws import attention_fwd_ws_kernel
 from flashop.kernels.layout import keys_last_kernel
 
 

@@ -63,7 +63,7 @@ def _tiles_text(t: tiles.Tiles) -> str:
 def folds_scale(qk_scale: float, flags: dict, dtype: torch.dtype) -> bool:
     """Whether the kernels fold ``qk_scale`` into their exponent's FMA (FOLD_SCALE): P =
     exp2(fma(q.k, qk_scale, -shift)), one instruction per score (see
-    flashop/kernels/forward.py's _fwd_fold), where the scale is positive (the row max of the
+    flashop/kernels/forward.py's fwd_fold), where the scale is positive (the row max of the
     unscaled scores then scales to the scaled scores' max), no modifier comes between the
     product and the softmax (softcap, ALiBi, gate, a float attn_mask) and the inputs are
     16-bit or fp8. The forward and both backward kernels take the same rule, as the Gluon

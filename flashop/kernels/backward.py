@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward: preprocess, dK/dV and dQ, deterministic (no atomics) by default.
+"""FlashAttention-2 backward: dK/dV and dQ, deterministic (no atomics) by default.
 
 Scores are recomputed from q, k and the forward's base-2 log-sum-exp (``lse_log2``); the
 N x N probabilities are never stored. ``lse_log2`` and ``delta`` are contiguous (B, H, S_q)
@@ -9,11 +9,10 @@ fp32.
   kernel.
 - ``attention_bwd_dkdv_kernel``: one program per key tile of one key/value head; it loops
   over the G query heads of its group, so dK and dV are summed over the group in registers.
-- ``attention_bwd_preprocess_kernel``: delta alone, where the dQ kernel does not run: with
-  ``DQ_ATOMIC`` (opt-in, see flashop/_launch/attention.py) the dK/dV kernel adds dQ into an
-  fp32 buffer by atomics instead (not bitwise reproducible), and the Gluon backward adds
-  into such buffers too; the preprocess kernel zeroes them, and
-  ``attention_bwd_cast_kernel`` then writes them out in the gradients' dtype.
+- With ``DQ_ATOMIC`` (opt-in, see flashop/_launch/choice.py) the dK/dV kernel adds dQ into
+  an fp32 buffer by atomics instead (not bitwise reproducible), and no dQ kernel runs:
+  backward_buffer.py's kernels compute delta and zero the buffer before it, and write the
+  buffer out after it.
 
 With a softcap, dS is multiplied by its derivative ``1 - tanh^2`` before the dQ and dK
 products. The gate's gradient is split in two halves written by the kernels that own the
@@ -34,79 +33,11 @@ key for the lengths (flashop/_launch/tiles.py).
 import triton
 import triton.language as tl
 
+from flashop.kernels.backward_buffer import delta_rows
 from flashop.kernels.common import (
     LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted, key_tile_range,
     load_tile, query_tile_range, round_to, score_dot,
 )
-
-
-@triton.jit
-def attention_bwd_preprocess_kernel(
-    o, do, dlse, delta,
-    stride_ob, stride_os, stride_oh,
-    stride_dob, stride_dos, stride_doh,
-    stride_dlb, stride_dlh, stride_dls,
-    S_q, H, zero, zero_n, zero_chunk,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr,
-):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i]; and the fp32
-    buffer ``zero`` of ``zero_n`` elements (the accumulators that the kernels after this one
-    add into) zeroed, ``zero_chunk`` elements by each program (0: none)."""
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
-    # this program's chunk of the buffer
-    i_p = (i_b * H + i_h) * tl.num_programs(0) + i_m
-    z_start = i_p * zero_chunk
-    z_end = tl.minimum(z_start + zero_chunk, zero_n)
-    for z in range(z_start, z_end, ZERO_BLOCK):
-        o_z = z + tl.arange(0, ZERO_BLOCK)
-        tl.store(zero + o_z, tl.zeros([ZERO_BLOCK], tl.float32), mask=o_z < z_end)
-    # 64-bit rows: a packed batch comes here as one sequence of all its tokens
-    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_dv = tl.arange(0, BLOCK_DV)
-    m_m = o_m < S_q
-    m_dv = o_dv < DV
-    # [BLOCK_M, BLOCK_DV]
-    b_o = tl.load(o + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_os + o_dv[None, :],
-                  mask=m_m[:, None] & m_dv[None, :], other=0.0)
-    b_do = tl.load(do + i_b * stride_dob + i_h * stride_doh + o_m[:, None] * stride_dos
-                   + o_dv[None, :], mask=m_m[:, None] & m_dv[None, :], other=0.0)
-    b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + o_m * stride_dls, mask=m_m,
-                     other=0.0)
-    tl.store(delta + (i_b * H + i_h) * S_q + o_m, _delta_rows(b_o, b_do, b_dlse), mask=m_m)
-
-
-@triton.jit
-def attention_bwd_cast_kernel(acc, dq, dk, dv, n_q, n_kv, dq_scale, KV: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    """The gradients that the kernels added into the fp32 buffer ``acc`` (dQ's ``n_q``
-    elements, then, where ``KV``, dK's and dV's ``n_kv`` each), in the contiguous outputs'
-    dtype: dQ times ``dq_scale``, dK and dV as they are (``dk`` and ``dv`` None where not
-    ``KV``). Grid: (blocks of the longest, 3 where ``KV``, else 1)."""
-    i_blk = tl.program_id(0).to(tl.int64)
-    which = tl.program_id(1)
-    o = i_blk * BLOCK + tl.arange(0, BLOCK)
-    if which == 0:
-        m_q = o < n_q
-        # an fp32 product, as torch's in-place multiply by a Python float (Inductor passes
-        # the float as fp64)
-        b_dq = tl.load(acc + o, mask=m_q, other=0.0) * tl.cast(dq_scale, tl.float32)
-        tl.store(dq + o, round_to(b_dq, dq.dtype.element_ty), mask=m_q)
-    elif KV:
-        m_kv = o < n_kv
-        b_kv = tl.load(acc + n_q + (which - 1) * n_kv + o, mask=m_kv, other=0.0)
-        if which == 1:
-            tl.store(dk + o, round_to(b_kv, dk.dtype.element_ty), mask=m_kv)
-        else:
-            tl.store(dv + o, round_to(b_kv, dv.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit
-def _delta_rows(b_o, b_do, b_dlse):
-    """delta = rowsum(dO * O) - dlse of a [BLOCK_M, BLOCK_DV] tile, in fp32."""
-    return tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1) - b_dlse
 
 
 @triton.jit
@@ -519,7 +450,7 @@ def attention_bwd_dq_kernel(
                     o_dv[None, :] < DV, True, BLOCK_DV != DV)
     b_dlse = tl.load(dlse + i_b * stride_dlb + i_h * stride_dlh + (q_start + o_m) * stride_dls,
                      mask=m_m, other=0.0)
-    b_delta = _delta_rows(b_o, b_do, b_dlse)
+    b_delta = delta_rows(b_o, b_do, b_dlse)
 
     alibi_log2 = 0.0
     if HAS_ALIBI:

@@ -11,8 +11,7 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted,
-    heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, rounded_product,
-    score_dot,
+    heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, score_dot,
 )
 
 # fp8 inputs: P is scaled by 448 (e4m3's largest value, 2^P_SHIFT) before its cast to e4m3
@@ -32,7 +31,7 @@ def _fwd_scores(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
-    ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (_fwd_fold does it)."""
+    ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (fwd_fold does it)."""
     b_qk = score_dot(b_q, dot_operand(b_kt, UPCAST), DOT_PRECISION)
     b_s, _ = attention_scores(
         b_qk, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
@@ -43,7 +42,7 @@ def _fwd_scores(
 
 
 @triton.jit
-def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
+def fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
               FOLD_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
               b_keep, DROPOUT: tl.constexpr, FP8: tl.constexpr):
     """Fold one tile of scores and its value tile into the running (acc, l_i, m_i): the
@@ -52,7 +51,7 @@ def _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
     scaled once per row (the same value, rounding being monotonic) and the scale goes into
     the exponent's argument, one FMA per score instead of a multiply and a subtraction.
     Where ``DROPOUT``, only the probabilities ``b_keep`` keeps reach acc (the denominator
-    l_i counts them all; the 1 / (1 - p) is applied at the end, _fwd_rows_out). Where
+    l_i counts them all; the 1 / (1 - p) is applied at the end, fwd_rows_out). Where
     ``FP8`` (e4m3 values), P is 2^P_SHIFT times the probabilities (see P_SHIFT), in e4m3."""
     # [rows]
     if FOLD_SCALE:
@@ -163,11 +162,11 @@ def _fwd_key_tiles(
             if SPLIT_M:
                 b_keep2 = dropout_keep(seed, i_b, i_h, o_m2, start_n, dropout_p, BLOCK_N,
                                        False)
-        acc, l_i, m_i = _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale,
+        acc, l_i, m_i = fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale,
                                   EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
                                   DOT_PRECISION, b_keep, DROPOUT, FP8)
         if SPLIT_M:
-            acc2, l_i2, m_i2 = _fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
+            acc2, l_i2, m_i2 = fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
                                          EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
                                          DOT_PRECISION, b_keep2, DROPOUT, FP8)
     return acc, l_i, m_i, acc2, l_i2, m_i2
@@ -178,7 +177,7 @@ def _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h, k_star
                stride_gh, HAS_GATE: tl.constexpr):
     """The sink of the rows ``o_m`` in the kernels' frame of scores, base 2: the sink itself,
     less the queries' gate G_i where ``HAS_GATE`` (the scores leave G_i out, see
-    attention_scores; _fwd_rows_out adds it back to lse)."""
+    attention_scores; fwd_rows_out adds it back to lse)."""
     b_sink = tl.zeros(o_m.shape, dtype=tl.float32) + sink_log2
     if HAS_GATE:
         # torch<2.13: the gate's pointer is offset here, not returned (see common.py's end)
@@ -190,7 +189,7 @@ def _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h, k_star
 
 
 @triton.jit
-def _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os,
+def fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os,
                   stride_gs, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr,
                   dropout_p, DROPOUT: tl.constexpr, v_scale, FP8: tl.constexpr):
     """Store the output rows ``o_m`` (acc / l, and / (1 - dropout_p) where ``DROPOUT``;
@@ -271,7 +270,7 @@ def attention_fwd_kernel(
     keys of its chunk of ``chunk`` positions, ``j // chunk == p // chunk`` (with the window's
     bounds), and the key tiles outside every row's chunk are skipped (key_tile_range).
     Where ``FOLD_SCALE``, the scale multiplies the row max and goes into the exponent's FMA
-    (see _fwd_fold; the launcher's rule is choice.folds_scale: 16-bit or fp8 inputs, a
+    (see fwd_fold; the launcher's rule is choice.folds_scale: 16-bit or fp8 inputs, a
     positive scale and no modifier between the product and the softmax; the backward
     kernels fold alike).
     Where ``TMA``, the key and value tiles are read through tensor descriptors (Hopper's
@@ -444,118 +443,8 @@ def attention_fwd_kernel(
             dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
                 FP8)
 
-    _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
+    fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
     if SPLIT_M:
-        _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_os,
+        fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, g_cum, o_m2, m_m2, S_q, S_k, stride_os,
                       stride_gs, DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
-
-
-@triton.jit
-def _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """One query tile of attention_fwd_ws_kernel against one key tile, none of it masked:
-    its scores, then _fwd_fold."""
-    b_s = score_dot(b_q, b_kt, DOT_PRECISION)
-    if not FOLD_SCALE:
-        b_s = rounded_product(b_s, qk_scale)
-    return _fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, False, FOLD_SCALE, UPCAST,
-                     DOT_PRECISION, 0, False, FP8)
-
-
-@triton.jit
-def attention_fwd_ws_kernel(
-    q, k, v, o, lse, lse_log2,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh, q_descale, k_descale, v_descale, stride_dsb, stride_vd,
-    S_q, S_k, G, qk_scale, seq_bucket,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    Q_HEAD_MAJOR: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    """The plain forward (no modifier, no window or causal bound, dense inputs) with its key
-    loop warp-specialized: Triton's Hopper pass gives the tensor-descriptor loads a producer
-    warp group and each of the program's two query tiles (BLOCK_M / 2 rows) a consumer warp
-    group, so that one tile's softmax runs while the other's matmuls do (FlashAttention-3's
-    ping-pong). Same outputs as attention_fwd_kernel.
-
-    Needs S_k to be a multiple of BLOCK_N: the loop has no masked tile (triton 3.6's pass
-    accepts one loop, without a branch in it, and masking every tile costs more than it saves).
-    Needs q to be
-    one 2-D array of rows: ``Q_HEAD_MAJOR``, (batch, head) slices of S_q rows of stride
-    stride_qs one after another; else (batch, seq) rows holding the H heads side by side,
-    D == BLOCK_D (choice.ws_query_layout). ``seq_bucket`` is not read (the launcher's
-    convention, see attention_fwd_kernel). Where ``FP8``, e4m3 inputs with their descales as
-    attention_fwd_kernel's, and v stored keys-last (``stride_vs`` 1, its head dim
-    ``stride_vd`` apart): its descriptor reads [BLOCK_DV, BLOCK_N] tiles, transposed for the
-    P V product."""
-    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_hk = i_h // G
-    v_scale = 1.0
-    if FP8:
-        o_ds = i_b * stride_dsb + i_hk
-        qk_scale = qk_scale * (tl.load(q_descale + o_ds) * tl.load(k_descale + o_ds))
-        v_scale = tl.load(v_descale + o_ds)
-    k += i_b * stride_kb + i_hk * stride_kh
-    v += i_b * stride_vb + i_hk * stride_vh
-    o += i_b * stride_ob + i_h * stride_oh
-    lse += i_b * stride_lb + i_h * stride_lh
-    lse_log2 += i_b * stride_lb + i_h * stride_lh
-    TILE_M: tl.constexpr = BLOCK_M // 2
-    # triton<=3.6: the queries' descriptor spans the whole tensor read as 2-D: one made over a
-    # program's
-    # (batch, head) raced with the loop under triton 3.6 (wrong outputs), and the
-    # pass refuses descriptors of more dimensions. Rows past S_q are the next sequence's (or
-    # past the tensor's end, 0): they are computed and not stored.
-    if Q_HEAD_MAJOR:  # (batch, head) slices of S_q rows one after another: columns [0, D)
-        q = tl.make_tensor_descriptor(q, shape=[tl.num_programs(2) * tl.num_programs(1) * S_q,
-                                                D], strides=[stride_qs, 1],
-                                      block_shape=[TILE_M, BLOCK_D])
-        q_row = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * S_q
-        q_col = 0
-    else:  # (batch, seq) rows of H heads side by side (D == BLOCK_D: no column of the next)
-        q = tl.make_tensor_descriptor(q, shape=[tl.num_programs(2) * S_q,
-                                                tl.num_programs(1) * D],
-                                      strides=[stride_qs, 1], block_shape=[TILE_M, BLOCK_D])
-        q_row = tl.program_id(2) * S_q
-        q_col = tl.program_id(1) * D
-    k = tl.make_tensor_descriptor(k, shape=[S_k, D], strides=[stride_ks, 1],
-                                  block_shape=[BLOCK_N, BLOCK_D])
-    if FP8:
-        v = tl.make_tensor_descriptor(v, shape=[DV, S_k], strides=[stride_vd, 1],
-                                      block_shape=[BLOCK_DV, BLOCK_N])
-    else:
-        v = tl.make_tensor_descriptor(v, shape=[S_k, DV], strides=[stride_vs, 1],
-                                      block_shape=[BLOCK_N, BLOCK_DV])
-    start_m = i_m * BLOCK_M
-    b_q = dot_operand(q.load([q_row + start_m, q_col]), UPCAST)
-    b_q2 = dot_operand(q.load([q_row + start_m + TILE_M, q_col]), UPCAST)
-    m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([TILE_M], dtype=tl.float32)
-    acc = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
-    m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
-    l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
-    acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
-    for start_n in tl.range(0, S_k, BLOCK_N, warp_specialize=True):
-        b_kt = dot_operand(tl.trans(k.load([start_n, 0])), UPCAST)
-        if FP8:
-            b_v = tl.trans(v.load([0, start_n]))
-        else:
-            b_v = v.load([start_n, 0])
-        acc, l_i, m_i = _fwd_ws_fold(acc, l_i, m_i, b_q, b_kt, b_v, qk_scale, FOLD_SCALE,
-                                     UPCAST, DOT_PRECISION, FP8)
-        acc2, l_i2, m_i2 = _fwd_ws_fold(acc2, l_i2, m_i2, b_q2, b_kt, b_v, qk_scale,
-                                        FOLD_SCALE, UPCAST, DOT_PRECISION, FP8)
-    o_m = start_m + tl.arange(0, TILE_M)
-    _fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, lse, o_m, o_m < S_q, S_q, S_k, stride_os,
-                  0, DV, BLOCK_DV, False, 0.0, False, v_scale, FP8)
-    o_m2 = o_m + TILE_M
-    _fwd_rows_out(acc2, l_i2, m_i2, o, lse, lse_log2, lse, o_m2, o_m2 < S_q, S_q, S_k,
-                  stride_os, 0, DV, BLOCK_DV, False, 0.0, False, v_scale, FP8)
