@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flashop._ops import eager
-from flashop._ops.checks import window_bounds
+from flashop._ops.checks import check_fp8_arguments_need_fp8, window_bounds
 from flashop._ops.checks_kvcache import check_no_grad
 
 
@@ -31,13 +31,8 @@ def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g
     """Whether the call runs the fp8 operator (flashop/_ops/attention_fp8.py): e4m3 inputs.
     The fp8 arguments with other inputs, or what the fp8 forward does not take, raise."""
     if q.dtype != torch.float8_e4m3fn:
-        given = [name for name, d in zip(("q_descale", "k_descale", "v_descale", "out_dtype"),
-                                         (*descales, out_dtype)) if d is not None]
-        if given:
-            raise ValueError(
-                f"{op}: {', '.join(given)} apply to float8_e4m3fn q, k, v only, got q of "
-                f"dtype {q.dtype}; drop {'them' if len(given) > 1 else 'it'}, or pass e4m3 "
-                f"inputs")
+        check_fp8_arguments_need_fp8(op, q, "q, k, v", **dict(zip(
+            ("q_descale", "k_descale", "v_descale"), descales)), out_dtype=out_dtype)
         return False
     refused = [what for what, there in (
         ("attn_mask", attn_mask is not None), ("the gate g", g is not None),

@@ -346,12 +346,11 @@ ERRORS = {
         "torch.float16; drop the descales, or pass torch.float8_e4m3fn caches"),
     "descale shape": (
         dict(k_descale=_t(2, dtype=torch.float32)),
-        "k_descale must be a float32 tensor of shape (batch, kv_heads) = (2, 2), one scale "
-        "per sequence and key/value head, got torch.float32 of shape (2,)"),
+        "k_descale must have shape (batch, kv_heads) = (2, 2) (one factor per sequence and "
+        "key/value head, FlashAttention-3's), got (2,)"),
     "descale dtype": (
         dict(v_descale=_t(2, 2)),
-        "v_descale must be a float32 tensor of shape (batch, kv_heads) = (2, 2), one scale "
-        "per sequence and key/value head, got torch.float16 of shape (2, 2)"),
+        "v_descale must be torch.float32, got torch.float16"),
     "new keys dtype": (
         dict(k=_t(2, 1, 2, 16, dtype=BF16), v=_t(2, 1, 2, 16, dtype=BF16)),
         "with an fp8 cache the new keys and values must have q's dtype torch.float16 (they "
@@ -379,12 +378,12 @@ ERRORS = {
         "torch.float32"),
     "q_descale shape": (
         dict(q=_t(2, 1, 4, 16, dtype=FP8), out_dtype=F16, q_descale=_t(2, 4, dtype=torch.float32)),
-        "q_descale must be a float32 tensor of shape (batch, kv_heads) = (2, 2), one scale "
-        "per sequence and key/value head, got torch.float32 of shape (2, 4)"),
+        "q_descale must have shape (batch, kv_heads) = (2, 2) (one factor per sequence and "
+        "key/value head, FlashAttention-3's), got (2, 4)"),
     "q_descale with 16-bit queries": (
         dict(q_descale=_t(2, 2, dtype=torch.float32)),
-        "q_descale scales fp8 (torch.float8_e4m3fn) queries, but q is torch.float16; drop "
-        "q_descale, or pass torch.float8_e4m3fn q"),
+        "q_descale applies to float8_e4m3fn queries only, got q of dtype torch.float16; "
+        "drop it, or pass float8_e4m3fn queries"),
     "out_dtype with 16-bit queries": (
         dict(out_dtype=BF16),
         "out_dtype sets the output's dtype of fp8 queries; torch.float16 queries give "

@@ -250,7 +250,7 @@ class TestFp8Errors(TestCase):
         self.assertExpectedInline(
             error_message(flashop.attention, x, x, x, k_descale=self.kd,
                           out_dtype=torch.float16),
-            """flashop.attention: k_descale, out_dtype apply to float8_e4m3fn q, k, v only, got q of dtype torch.bfloat16; drop them, or pass e4m3 inputs""")
+            """flashop.attention: k_descale, out_dtype apply to float8_e4m3fn q, k, v only, got q of dtype torch.bfloat16; drop them, or pass float8_e4m3fn q, k, v""")
 
     def test_out_dtype(self):
         self.assertExpectedInline(

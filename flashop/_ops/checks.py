@@ -36,10 +36,15 @@ def window_bounds(op: str, window_size) -> tuple[int, int]:
     except (TypeError, ValueError):
         left = right = None
     if not (isinstance(left, (int, torch.SymInt)) and isinstance(right, (int, torch.SymInt))):
-        got = tuple(window_size) if isinstance(window_size, (list, tuple)) else window_size
-        raise ValueError(f"{op}: window_size must be (left, right) with each >= 0, or -1 for "
-                         f"no bound, got {got}")
+        _bad_window(op, tuple(window_size) if isinstance(window_size, (list, tuple))
+                    else window_size)
     return left, right
+
+
+def _bad_window(op: str, got) -> None:
+    """The one message of a window that is not a pair of ints, each -1 or more."""
+    raise ValueError(f"{op}: window_size must be (left, right) with each >= 0, or -1 for no "
+                     f"bound, got {got}")
 
 
 def unbounded_if_negative(left: Optional[int], right: Optional[int]) -> tuple[int, int]:
@@ -168,16 +173,35 @@ def check_fp8_inputs(q, k, v, descales: tuple, out_dtype: Optional[torch.dtype],
     check_attention_inputs(q, k, v, scale, mods, packing, interpreting=interpreting, op=op,
                            fp8=True)
     B = q.shape[0] if packing is None else packing.batch
-    H_kv = k.shape[-2]
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
-        if d is None:
-            continue
-        if _shape(d) != (B, H_kv):
-            raise ValueError(
-                f"{op}: {name} must have shape (batch, kv_heads) = ({B}, {H_kv}) (one factor "
-                f"per sequence and key/value head, FlashAttention-3's), got {_shape(d)}")
-        _check_tensor(op, name, d, (torch.float32,), q.device)
+        check_descale(op, name, d, B, k.shape[-2], q.device)
     check_fp8_out_dtype(op, out_dtype)
+
+
+def check_descale(op: str, name: str, d: Optional[torch.Tensor], B, H_kv,
+                  device: torch.device) -> None:
+    """A descale: None, or (B, H_kv) float32 on ``device`` (FlashAttention-3's: one factor
+    per sequence and key/value head)."""
+    if d is None:
+        return
+    if _shape(d) != (B, H_kv):
+        raise ValueError(
+            f"{op}: {name} must have shape (batch, kv_heads) = ({B}, {H_kv}) (one factor "
+            f"per sequence and key/value head, FlashAttention-3's), got {_shape(d)}")
+    _check_tensor(op, name, d, (torch.float32,), device)
+
+
+def check_fp8_arguments_need_fp8(op: str, q: torch.Tensor, inputs: str, **given) -> None:
+    """The fp8 arguments (descales, out_dtype) passed with ``given`` (their names and
+    values) apply to float8_e4m3fn ``inputs`` only: with q of another dtype, each given one
+    is refused by name."""
+    names = [name for name, value in given.items() if value is not None]
+    if names and q.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"{op}: {', '.join(names)} appl{'y' if len(names) > 1 else 'ies'} to "
+            f"float8_e4m3fn {inputs} only, got q of dtype "
+            f"{q.dtype}; drop {'them' if len(names) > 1 else 'it'}, or pass float8_e4m3fn "
+            f"{inputs}")
 
 
 def check_fp8_out_dtype(op: str, out_dtype: Optional[torch.dtype]) -> None:
@@ -222,9 +246,7 @@ def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] =
     replaces g's expected (B, S_k, H)."""
     left, right = mods.window_size_left, mods.window_size_right
     if left < -1 or right < -1:
-        raise ValueError(
-            f"{op}: window_size must be (left, right) with each >= 0, or -1 for no bound, "
-            f"got ({left}, {right})")
+        _bad_window(op, (left, right))
     if mods.causal and right > 0:
         raise ValueError(
             f"{op}: causal=True attends no key after the query, but window_size=({left}, "

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from flashop._ops.checks import (
-    SUPPORTED_DTYPES, check_fp8_out_dtype, check_kernels_run_on, check_modifiers, check_offsets,
-    check_scale,
+    SUPPORTED_DTYPES, check_descale, check_fp8_arguments_need_fp8, check_fp8_out_dtype,
+    check_kernels_run_on, check_modifiers, check_offsets, check_scale,
 )
 from flashop._ops.checks_mla import (
     cache_aliasing, check_cache_aliasing, check_head_dims, check_latent_options, is_mla,
@@ -153,12 +153,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     check_rotary(op, q, k, rotary_cos, rotary_sin, capacity, compute)
     for name, descale in (("k_descale", k_descale), ("v_descale", v_descale),
                           ("q_descale", q_descale)):
-        if descale is not None and (descale.dtype != torch.float32
-                                    or _shape(descale) != (B, H_kv)):
-            raise ValueError(
-                f"{op}: {name} must be a float32 tensor of shape (batch, kv_heads) = ({B}, "
-                f"{H_kv}), one scale per sequence and key/value head, got {descale.dtype} of "
-                f"shape {_shape(descale)}")
+        check_descale(op, name, descale, B, H_kv, q.device)
     check_scale(op, scale)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"{op}: num_splits must be 0 (chosen from the GPU and the shapes) "
@@ -184,9 +179,7 @@ def check_dtypes(op: str, tensors: dict, k_descale, v_descale, q_descale=None,
     dtype the kernels compute in (compute_dtype)."""
     q, k_cache, v_cache = tensors["q"], tensors["k_cache"], tensors["v_cache"]
     if q.dtype not in _FP8_DTYPES:
-        if q_descale is not None:
-            raise ValueError(f"{op}: q_descale scales fp8 ({FP8_CACHE_DTYPE}) queries, but q "
-                             f"is {q.dtype}; drop q_descale, or pass {FP8_CACHE_DTYPE} q")
+        check_fp8_arguments_need_fp8(op, q, "queries", q_descale=q_descale)
         if out_dtype is not None and out_dtype != q.dtype:
             raise ValueError(f"{op}: out_dtype sets the output's dtype of fp8 queries; {q.dtype}"
                              f" queries give outputs in {q.dtype}, got out_dtype {out_dtype}; "
