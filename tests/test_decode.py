@@ -557,23 +557,28 @@ def test_sinks_on_another_device():
                         + re.escape("sinks on meta"), message), message
 
 
-def test_a_repeated_signature_reuses_its_checks_and_plan():
-    """A decode loop's calls share one signature: the second call takes the first's checks
-    and plan and gives the same results; a call of another signature (strides, a dtype,
-    an option) is checked and planned anew, and a bad one raises however often it comes."""
-    from flashop._launch import kvcache as launch_decode
+def test_a_repeated_signature_reuses_its_checks_and_plan(monkeypatch):
+    """A decode loop's calls share one signature: the second call replays the first's plan
+    (no checks, no launcher) and gives the same results; a call of another signature
+    (strides, a dtype, an option) is checked and planned anew, and a bad one raises however
+    often it comes."""
+    from flashop._launch import plans
     from flashop._ops import kvcache as ops_kvcache
 
+    checked = []
+    check = ops_kvcache.check_kvcache_inputs
+    monkeypatch.setattr(ops_kvcache, "check_kvcache_inputs",
+                        lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    body = ops_kvcache.planned_attention_with_kvcache
     case = CacheCase((3, 9), 1, 1, 2, 2, 16, 16, torch.float16, paged=True, capacity=32,
                      causal=True)
     (q, k_cache, v_cache, k, v), kwargs = make_call(case)
-    ops_kvcache._PASSED.clear()
     first = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                            **kwargs, return_lse=True)
-    assert launch_decode._plan.cache_info().misses == 1 and len(ops_kvcache._PASSED) == 1
+    assert len(checked) == 1 and [type(p) for p in body.plans.values()] == [plans.Plan]
     again = flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                            **kwargs, return_lse=True)
-    assert launch_decode._plan.cache_info().hits == 1 and len(ops_kvcache._PASSED) == 1
+    assert len(checked) == 1 and len(body.plans) == 1
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     # strides (q as a view of a wider tensor), an option: new signatures
     wide = torch.zeros(q.shape[:-1] + (2 * q.shape[-1],), dtype=q.dtype, device=DEVICE)
@@ -581,7 +586,7 @@ def test_a_repeated_signature_reuses_its_checks_and_plan():
     flashop.attention_with_kvcache(q_view, k_cache.clone(), v_cache.clone(), k, v, **kwargs)
     flashop.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                    **{**kwargs, "causal": False})
-    assert launch_decode._plan.cache_info().misses == 3 and len(ops_kvcache._PASSED) == 3
+    assert len(checked) == 3 and len(body.plans) == 3
     bad = {**kwargs, "cache_seqlens": kwargs["cache_seqlens"].long()}
     for _ in range(2):
         with pytest.raises(ValueError, match="cache_seqlens must be a 1-D int32 tensor"):

@@ -370,10 +370,13 @@ class PlannedBody:
     anything besides allocations, fills, copies, views and launches (a gate's cumulative
     sum, a value read on the host), and every call while autotuning (its launches bypass
     launch_now), run the body each time. The body runs with wrap_triton off (the kernels
-    launched as they are, as a triton_op's eager call does)."""
+    launched as they are, as a triton_op's eager call does). ``more_key``: a function of
+    the arguments whose value the key holds too, where the body's checks or choices read
+    more of its tensors than their signatures (whether one is a view of another's memory)."""
 
-    def __init__(self, body: Callable):
+    def __init__(self, body: Callable, more_key: Optional[Callable] = None):
         self.body = body
+        self.more_key = more_key
         self.plans: dict = {}
         functools.update_wrapper(self, body)
         _BODIES.append(self)
@@ -381,10 +384,10 @@ class PlannedBody:
     def __call__(self, *args, **options):
         return self.run(self.key(args, options), args, options)
 
-    @staticmethod
-    def key(args: tuple, options: dict) -> Optional[Key]:
+    def key(self, args: tuple, options: dict) -> Optional[Key]:
+        more = self.more_key(args) if self.more_key is not None else None
         return make_key((signature(args), tuple(options.items()),
-                         tuple([v.__class__ for v in options.values()]), environment()))
+                         tuple([v.__class__ for v in options.values()]), environment(), more))
 
     def run(self, key: Optional[Key], args: tuple, options: dict):
         """The body's call of ``args`` and ``options``, whose key (or one that tells apart

@@ -17,7 +17,6 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch._library.triton import set_wrap_triton_enabled
 
 from flashop._launch.calls import aliasing, environment, is_direct, make_key, signature
 from flashop._ops import attention as ops
@@ -163,11 +162,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch
                 "attention_with_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                                                sinks=sinks, rotary_cos=rotary_cos,
                                                rotary_sin=rotary_sin), dtype).values()
-        with set_wrap_triton_enabled(False):
-            return kvcache.run_attention_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
-                alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                v_descale, q_descale, **options)
+        return kvcache.planned_attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
+            alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale,
+            q_descale, **options)
     return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
                                           cache_batch_idx, block_table, alibi_slopes, sinks,
                                           rotary_cos, rotary_sin, cache_leftpad, k_descale,
@@ -195,8 +193,7 @@ def attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_
             q, k_cache, v_cache, sinks = autocast.cast_arguments(
                 "attention_varlen_paged", dict(q=q, k_cache=k_cache, v_cache=v_cache,
                                                sinks=sinks), dtype).values()
-        with set_wrap_triton_enabled(False):
-            return kvcache.run_attention_varlen_paged(q, k_cache, v_cache, *args, sinks,
+        return kvcache.planned_attention_varlen_paged(q, k_cache, v_cache, *args, sinks,
                                                       **options)
     return kvcache.attention_varlen_paged(q, k_cache, v_cache, *args, sinks, **options)
 

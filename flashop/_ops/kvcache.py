@@ -45,7 +45,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 from flashop._launch import attention as launch_attention
 from flashop._launch import kvcache as launch
 from flashop._launch import mla as launch_mla
-from flashop._launch.calls import eager_meta
+from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
 from flashop._ops.attention import bhsd_shapes, register_forward_only, values
@@ -57,12 +57,6 @@ from flashop.kernels import INTERPRETING
 
 _register = torch.library.custom_op if INTERPRETING else torch.library.triton_op
 
-# signatures of eager calls that passed the checks (a decode loop repeats one signature;
-# the checks are a good part of a step's host time otherwise); emptied when full
-_PASSED: set = set()
-MAX_PASSED = 1024
-
-
 def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
              block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
              cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None, *,
@@ -70,31 +64,17 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
              attention_chunk=0, softcap=0.0, rotary_interleaved=True, num_splits=0,
              out_dtype=None):
     """The call's Modifiers and its tensors' aliasing (checks_mla.cache_aliasing: whether the
-    values are the keys' leading columns), its inputs checked (check_kvcache_inputs). The
-    checks read shapes, strides, dtypes, devices, the aliasing and the options only: an
-    eager call whose signature (eager_meta, the aliasing, the options) passed before passes
-    again without them."""
+    values are the keys' leading columns), its inputs checked (check_kvcache_inputs). An
+    eager call of a signature that passed runs by its plan (planned_attention_with_kvcache),
+    without them."""
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
                      softcap, sinks, attention_chunk=attention_chunk)
     aliasing = cache_aliasing(k_cache, v_cache, k, v)
-    metas = eager_meta(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                       alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale,
-                       v_descale, q_descale)
-    key = None
-    if metas is not None:
-        key = (INTERPRETING, scale, num_splits, causal, window_size_left, window_size_right,
-               attention_chunk, softcap, out_dtype, aliasing, metas)
-        if key in _PASSED:
-            return mods, aliasing
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale, mods, num_splits, interpreting=INTERPRETING,
                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                          cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
                          q_descale=q_descale, out_dtype=out_dtype, aliasing=aliasing)
-    if key is not None:
-        if len(_PASSED) >= MAX_PASSED:
-            _PASSED.clear()
-        _PASSED.add(key)
     return mods, aliasing
 
 
@@ -156,6 +136,18 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
         v_descale, q_descale, plan_only=plan_only)
     return (result, False) if plan_only else result
 
+
+def _cache_aliasing(args: tuple) -> tuple:
+    """The aliasing of a call's caches and new keys and values (checks_mla.cache_aliasing),
+    which its plan's key holds: shapes and strides alone do not tell a view of k_cache from
+    a tensor of its own."""
+    k_cache, v_cache, _, k, v = args[1:6]
+    return cache_aliasing(k_cache, v_cache, k, v)
+
+
+# the body as the direct eager path runs it: by plans made once per signature of calls (a
+# decode loop repeats one; plans.PlannedBody, flashop/_ops/eager.py)
+planned_attention_with_kvcache = PlannedBody(run_attention_with_kvcache, _cache_aliasing)
 
 _lib = torch.library.Library("flashop", "FRAGMENT")  # kept: its registrations live with it
 autocast.register(_lib, "attention_with_kvcache")
@@ -224,6 +216,10 @@ def run_attention_varlen_paged(q, k_cache, v_cache, *args, scale=None, **options
     mods, packing = _paged_call(q, k_cache, v_cache, *args, scale=scale, **options)
     out, lse, _ = launch_attention.attention_forward(q, k_cache, v_cache, scale, mods, packing)
     return out, lse
+
+
+# the body as the direct eager path runs it, by plans (plans.PlannedBody)
+planned_attention_varlen_paged = PlannedBody(run_attention_varlen_paged)
 
 
 @attention_varlen_paged.register_fake
