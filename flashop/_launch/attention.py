@@ -159,6 +159,8 @@ class Problem:
     sm_scale: float
     modifier_args: dict
     flags: dict
+    packed: bool  # a packed batch (packing given)
+    head_dim: int  # max(D, DV): the tile table's row
 
     @classmethod
     def describe(cls, op: str, q, k, v, x, scale: Optional[float], mods: Modifiers,
@@ -177,15 +179,8 @@ class Problem:
         H, D, H_kv, DV = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
         sm_scale = resolve_scale(scale, D)
         args, flags = _modifier_args(q, k, mods, sm_scale, packing)
-        return cls(q, packing, B, S_q, S_k, H, H_kv, D, DV, sm_scale, args, flags)
-
-    @property
-    def packed(self) -> bool:
-        return self.packing is not None
-
-    @property
-    def head_dim(self) -> int:
-        return max(self.D, self.DV)
+        return cls(q, packing, B, S_q, S_k, H, H_kv, D, DV, sm_scale, args, flags,
+                   packing is not None, max(D, DV))
 
     def strides(self, prefix: str, x: torch.Tensor) -> dict:
         """``stride_<prefix>b``, ``..s``, ``..h`` of a (batch, seq, head, dim) tensor."""

@@ -109,6 +109,6 @@ def environment() -> tuple:
     """What the kernels' choice reads besides the call: flashop's switches
     (config.settings), the tiles forced for tuning (tiles.force), and
     torch.use_deterministic_algorithms' mode."""
-    return (tuple(vars(config.settings).values()), tiles.forced(),
+    return (tuple(vars(config.settings).values()), tuple(tiles.FORCED.items()),
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled())

@@ -4,7 +4,7 @@ their checks (flashop._ops) and by the launchers: its score modifiers and its pa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -39,29 +39,28 @@ class Modifiers:
     sinks: Optional[torch.Tensor] = None  # (H,) one logit per head in every denominator
     dropout_p: float = 0.0  # as the kernels draw it (round_dropout_p); 0: no dropout
     dropout_seed: Optional[torch.Tensor] = None  # int64 (1,): the Philox key, with dropout
+    # derived once, when the call's Modifiers are made (read on every call's hot path)
+    dropout: bool = field(init=False, repr=False, compare=False)
+    # no modifier but (possibly) causal and dropout
+    is_plain_but_dropout: bool = field(init=False, repr=False, compare=False)
+    # no modifier but (possibly) causal (modifiers() then gives a shared PLAIN value)
+    is_plain: bool = field(init=False, repr=False, compare=False)
+    # the keys' (left, right) bounds around each query's diagonal (-1: unbounded): the
+    # window's, with right = 0 where causal
+    bounds: tuple = field(init=False, repr=False, compare=False)
 
-    @property
-    def dropout(self) -> bool:
-        return self.dropout_p > 0
-
-    @property
-    def bounds(self) -> tuple[int, int]:
-        """The keys' (left, right) bounds around each query's diagonal (-1: unbounded):
-        the window's, with right = 0 where causal."""
-        return self.window_size_left, 0 if self.causal else self.window_size_right
-
-    @property
-    def is_plain(self) -> bool:
-        """No modifier but (possibly) causal: one of the shared PLAIN values."""
-        return self is PLAIN[self.causal]
-
-    @property
-    def is_plain_but_dropout(self) -> bool:
-        """No modifier but (possibly) causal and dropout."""
-        return self.is_plain or (
-            self.dropout and self.window_size_left == self.window_size_right == -1
+    def __post_init__(self):
+        dropout = self.dropout_p > 0
+        plain_but_dropout = (
+            self.window_size_left == self.window_size_right == -1
             and self.attention_chunk == 0 and self.softcap == 0.0
             and all(x is None for x in (self.alibi_slopes, self.g, self.attn_mask, self.sinks)))
+        object.__setattr__(self, "dropout", dropout)
+        object.__setattr__(self, "is_plain_but_dropout", plain_but_dropout)
+        # (a dropout_p that is not a probability is not plain: the checks refuse it)
+        object.__setattr__(self, "is_plain", plain_but_dropout and self.dropout_p == 0.0)
+        object.__setattr__(self, "bounds", (self.window_size_left,
+                                            0 if self.causal else self.window_size_right))
 
 
 # Calls without modifiers (but causal) share these, so the plain path adds little host time

@@ -135,35 +135,36 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
     return Tiles(64, 32, 4, 3) if hopper else Tiles(64, 32, 4, 1)
 
 
-# Tiles forced per kind by force() (benchmarks/tune.py times candidates this way)
-_FORCED: dict = {}
+# Tiles forced per kind by force() (benchmarks/tune.py times candidates this way); a plan's
+# key holds them (calls.environment)
+FORCED: dict = {}
 
 
 @contextlib.contextmanager
 def force(kind: str, tiles: Tiles):
     """Within the block, every launch of ``kind`` ("fwd", "dkdv", "dkdv_atomic", "dq") takes
     ``tiles`` instead of the table's (and the forward keeps them as they are)."""
-    saved = _FORCED.get(kind)
-    _FORCED[kind] = tiles
+    saved = FORCED.get(kind)
+    FORCED[kind] = tiles
     try:
         yield
     finally:
         if saved is None:
-            _FORCED.pop(kind)
+            FORCED.pop(kind)
         else:
-            _FORCED[kind] = saved
+            FORCED[kind] = saved
 
 
 def forced() -> tuple:
     """The tiles force() sets, by kind (a plan's key holds them: flashop/_launch/calls.py)."""
-    return tuple(_FORCED.items())
+    return tuple(FORCED.items())
 
 
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
               mask_grad: bool = False, causal: bool = False, short: bool = False) -> Tiles:
     """The tiles of ``kind`` (see _gpu_tiles for ``causal`` and ``short``)."""
-    if kind in _FORCED:
-        return _FORCED[kind]
+    if kind in FORCED:
+        return FORCED[kind]
     if INTERPRETING:
         t = _INTERPRETER_TILES[kind]
         if kind == "fwd" and two_query_tiles(head_dim):  # as on Hopper GPUs
@@ -193,8 +194,8 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     masked bands double; a chunk's start is such a bound), causal-like with fewer than
     SHORT_KEYS keys where S_k is known (symbolic under torch.compile with dynamic shapes:
     no guard on it, two tiles)."""
-    if "fwd" in _FORCED:
-        return _FORCED["fwd"]
+    if "fwd" in FORCED:
+        return FORCED["fwd"]
     short = is_short(S_k)
     t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short)
     short_causal = flags["HAS_RIGHT"] and short

@@ -31,7 +31,7 @@ def path_of(call) -> list:
         name = frame.f_code.co_filename
         if name.startswith(ROOT) and "/kernels/" not in name:
             events.append((os.path.relpath(name, ROOT), frame.f_code.co_name))
-            if frame.f_code.co_name in ("launch_now", "launch_planned"):
+            if frame.f_code.co_name in ("launch_now", "launch_planned", "replay"):
                 launched.append(True)
 
     sys.setprofile(profile)
@@ -68,6 +68,10 @@ def main():
             last = file
     print(f"flashop.attention -> first launch: {n} stops in {files} files, {back} of them "
           f"back in a file already left ({len(events)} calls)")
+    events = path_of(lambda: flashop.attention(q, q, q, causal=True))
+    n, back, files = stops(events)
+    print(f"the same call again (its plan replayed): {n} stops in {files} files, {back} of "
+          f"them back in a file already left ({len(events)} calls)")
 
 
 if __name__ == "__main__":
