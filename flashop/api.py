@@ -31,8 +31,10 @@ def _takes_fp8(op: str, q: Tensor, descales: tuple, out_dtype, attn_mask=None, g
     """Whether the call runs the fp8 operator (flashop/_ops/attention_fp8.py): e4m3 inputs.
     The fp8 arguments with other inputs, or what the fp8 forward does not take, raise."""
     if q.dtype != torch.float8_e4m3fn:
-        check_fp8_arguments_need_fp8(op, q, "q, k, v", **dict(zip(
-            ("q_descale", "k_descale", "v_descale"), descales)), out_dtype=out_dtype)
+        q_descale, k_descale, v_descale = descales
+        if not (out_dtype is q_descale is k_descale is v_descale is None):
+            check_fp8_arguments_need_fp8(op, q, "q, k, v", **dict(zip(
+                ("q_descale", "k_descale", "v_descale"), descales)), out_dtype=out_dtype)
         return False
     refused = [what for what, there in (
         ("attn_mask", attn_mask is not None), ("the gate g", g is not None),
