@@ -403,7 +403,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
     window = window_bounds(op, window_size)
     check_attention_inputs(q, k, v, scale,
                            modifiers(None, alibi_slopes, None, causal, *window, softcap),
-                           interpreting=flashop.INTERPRETING, op=op)
+                           op=op)
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         raise RuntimeError(f"{op}: alibi_slopes get no gradient (as in FlashAttention); "
                            f"detach them")
