@@ -51,6 +51,10 @@ options = dict(causal=True, window_size=(20, 0), softcap=5.0)
 def f(q, k, v, g, bias):
     return flashop.attention_with_lse(q, k, v, bias, torch.full((4,), 0.3), g, **options)
 
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return flashop.attention(q, k, v, causal=True, softcap=5.0)
+
 dout, dlse = torch.randn(2, 37, 4, 16, generator=gen), torch.randn(2, 4, 37, generator=gen)
 out, lse = f(q, k, v, g, bias)
 grads = torch.autograd.grad((out, lse), (q, k, v, g, bias), (dout, dlse))
@@ -66,6 +70,11 @@ assert "flashop.attention_forward_opaque" in "".join(code)
 assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
 assert all(torch.equal(a, b) for a, b in zip(c_grads, grads))
 print("compiled: the opaque operators, eager's bits")
+
+program = torch.export.export(Attention(), (q.detach(), k.detach(), v.detach()))
+assert torch.ops.flashop.attention_forward.default in [n.target for n in program.graph.nodes]
+assert torch.equal(program.module()(q, k, v), Attention()(q, k, v))
+print("exported: the operators, eager's bits")
 
 B, page, H_kv = 2, 16, 2
 k_cache, v_cache = (torch.randn(6, page, H_kv, 16, generator=gen) for _ in range(2))
@@ -109,10 +118,11 @@ print("opcheck: every operator")
 def test_default_routing_without_the_interpreter():
     """In a process without TRITON_INTERPRET (as on a CPU-only machine, or a GPU machine's
     CPU tensors): eager calls with modifiers meet the accuracy rule, a compiled forward and
-    backward runs the opaque operators with eager's bits, a compiled paged decoding loop
-    appends as the reference does, every operator passes opcheck; no Triton kernel is
-    launched. Inductor's caches are off: their keys do not hold flashop's Python code, so a
-    graph traced by another checkout could stand in for this one's."""
+    backward runs the opaque operators with eager's bits, an exported program holds the
+    operator and gives eager's bits, a compiled paged decoding loop appends as the reference
+    does, every operator passes opcheck; no Triton kernel is launched. Inductor's caches
+    are off: their keys do not hold flashop's Python code, so a graph traced by another
+    checkout could stand in for this one's."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     done = subprocess.run([sys.executable, "-c", _DEFAULT_ROUTING], env=env, cwd=ROOT,
@@ -120,6 +130,7 @@ def test_default_routing_without_the_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
         "eager: the accuracy rule", "compiled: the opaque operators, eager's bits",
+        "exported: the operators, eager's bits",
         "compiled decode: eager's bits, the caches appended", "opcheck: every operator"]
 
 
@@ -218,7 +229,7 @@ class _LargestTensor(TorchDispatchMode):
 def test_the_blocked_path_holds_a_tile_of_scores_at_a_time(options):
     """The CPU path's forward and backward over 2048 queries and keys of 2 heads (8M scores)
     at the default tiles, every operation they run watched: none makes a tensor of more
-    than bounds.TILE_ELEMENTS elements (256K; all 2048 keys of 1024 queries would be 2M),
+    than bounds.TILE_ELEMENTS elements (512K; all 2048 keys of the 2048 queries would be 4M),
     so no (S_q, S_k) matrix."""
     from flashop._launch import attention as launch
     from flashop._launch.options import modifiers

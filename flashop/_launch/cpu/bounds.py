@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 # scores of one tile: about this many fp32 elements (batch x heads x queries x keys)
-TILE_ELEMENTS = 1 << 18
+TILE_ELEMENTS = 1 << 19
 KEY_TILE = 256  # keys per tile, where the tile budget allows
 ALIGN = 16  # tiles start at multiples of 16 queries and keys (dropout's draws)
 
@@ -27,6 +27,11 @@ class Bounds:
     offset: int
     left: int = -1
     right: int = -1
+
+    @property
+    def bounded(self) -> bool:
+        """Whether some key is out of some query's bounds (past the lengths aside)."""
+        return self.left >= 0 or self.right >= 0
 
     def key_range(self, i0: int, i1: int, S_k: int) -> tuple[int, int]:
         """[lo, hi): the keys that some query of [i0, i1) may attend."""
@@ -58,14 +63,17 @@ def _aligned(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
 
 
-def tile_sizes(G: int, S_q: int, S_k: int) -> tuple[int, int, int]:
+def tile_sizes(G: int, S_q: int, S_k: int, bounded: bool) -> tuple[int, int, int]:
     """(M, N, pairs): tiles of M queries (times the G heads of a group) and N keys, and
     the (batch entry, key/value head) pairs a part takes, so that a tile of a part holds
-    about TILE_ELEMENTS scores; M and N multiples of ALIGN. The forward and the backward
-    take the same tiles, so that they compute each score alike (the backward's P against
-    the forward's lse)."""
+    about TILE_ELEMENTS scores; M and N multiples of ALIGN, M at most N where the keys are
+    ``bounded`` (causal, a window: blocks of fewer queries leave more key tiles out). The
+    forward and the backward take the same tiles, so that they compute each score alike
+    (the backward's P against the forward's lse)."""
     N = min(KEY_TILE, _aligned(S_k))
     M = min(_aligned(S_q), max(ALIGN, TILE_ELEMENTS // (G * N) // ALIGN * ALIGN))
+    if bounded:
+        M = min(M, N)
     if G * M * N > TILE_ELEMENTS:  # large groups: fewer keys per tile too
         N = max(ALIGN, TILE_ELEMENTS // (G * M) // ALIGN * ALIGN)
     return M, N, max(1, TILE_ELEMENTS // (G * M * N))

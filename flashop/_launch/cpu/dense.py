@@ -96,7 +96,7 @@ class Problem:
         into parts of a few (batch entry, key/value head) pairs each, whose tiles of M
         queries and N keys (bounds.tile_sizes) hold about TILE_ELEMENTS scores."""
         B, H_kv, G, S_q, S_k, _, _ = self.shape
-        M, N, pairs = tile_sizes(G, S_q, S_k)
+        M, N, pairs = tile_sizes(G, S_q, S_k, self.bounds.bounded)
         if pairs >= H_kv:
             step = pairs // H_kv
             cuts = [(b, min(b + step, B), 0, H_kv) for b in range(0, B, step)]
@@ -128,7 +128,7 @@ class Problem:
         if self.alibi_log2 is not None:
             p = torch.arange(i0, i1) + self.bounds.offset
             distance = (p[:, None] - torch.arange(j0, j1)[None, :]).abs().float()
-            s.add_(distance[:, None, :] * self.alibi_log2)
+            s.addcmul_(distance[:, None, :], self.alibi_log2)
         if self.gate_log2 is not None:
             s.sub_(self.gate_log2[..., j0:j1])
         if self.attn_mask is not None:
@@ -289,8 +289,8 @@ def _backward_rows(pb: Problem, out, dout, shift, dlse, grads: Grads, i0: int, i
         if grads.dg_q is not None:
             grads.dg_q[:, :, i0:i1].add_(ds.sum(-1))
             grads.dg_k[:, :, j0:j1].sub_(ds.sum(2).transpose(-1, -2))
-        if t is not None:  # d tanh(x) / dx
-            ds.mul_(t.square_().neg_().add_(1.0))
+        if t is not None:  # d tanh(x) / dx = 1 - tanh(x)**2
+            ds.addcmul_(ds * t, t, value=-1.0)
         ds = ds.view(B, H_kv, (i1 - i0) * G, j1 - j0)
         dq.add_(torch.matmul(ds, pb.k[:, :, j0:j1, 0]))
         grads.dk[:, :, j0:j1, 0].add_(torch.matmul(ds.transpose(-1, -2), q))
