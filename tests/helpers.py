@@ -251,6 +251,11 @@ def replayed_launches(record):
         yield
 
 
+# The CPU path's twins of tests that make their tensors on DEVICE: on a GPU those are CUDA
+# tensors, which the CPU path never takes (there tests/test_cpu.py checks CPU tensors)
+CPU_PATH_TWIN = pytest.mark.skipif(DEVICE != "cpu", reason="the test's tensors are on a GPU")
+
+
 @contextlib.contextmanager
 def cpu_path(tile_elements: int = 512, sdpa: bool = True):
     """Within the block CPU tensors run the CPU path (flashop/_launch/cpu; the switch

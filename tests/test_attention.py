@@ -16,7 +16,7 @@ from flashop._launch import attention as launch, fastpath, gluon as launch_gluon
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
 from helpers import (
-    DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, cpu_path, deterministic_algorithms,
+    DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, CPU_PATH_TWIN, cpu_path, deterministic_algorithms,
     gluon_cases, head_counts, input_scales, lengths, make_inputs, poisoned_outputs, run_flashop,
 )
 
@@ -59,6 +59,7 @@ def test_matches_reference(dtype, case, seed):
     check_case(case.in_dtype(dtype), seed)
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(case=cases(), seed=st.integers(0, 2**16), sdpa=st.booleans(),
        tile=st.sampled_from([256, 4096]))

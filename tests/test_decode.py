@@ -16,7 +16,7 @@ from torch.library import opcheck
 import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
-from helpers import DECODE_KEYS, DEVICE, INPUTS, cpu_path, lengths, poisoned_outputs
+from helpers import DECODE_KEYS, DEVICE, INPUTS, CPU_PATH_TWIN, cpu_path, lengths, poisoned_outputs
 
 
 @pytest.fixture(autouse=True)
@@ -206,6 +206,7 @@ def test_kvcache_matches_reference(dtype, case, seed):
     check_cache_case(case, seed)
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @given(case=cache_cases(), seed=st.integers(0, 2**16))
 @example(case=CacheCase((0, 0), 2, 0, 1, 2, 16, 16, None, paged=True, capacity=32), seed=0)

@@ -17,7 +17,7 @@ from torch.library import opcheck
 import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
-from helpers import DEVICE, cpu_path, poisoned_outputs
+from helpers import DEVICE, CPU_PATH_TWIN, cpu_path, poisoned_outputs
 from test_decode import APPEND_INDEX, CacheCase, fresh_plans, kwargs_ref, make_call  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
@@ -113,6 +113,7 @@ def test_fp8_queries_match_reference(name):
     check_fp8_case(CASES[name], descales="qkv", fp8_queries=True)
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("fp8_queries", [False, True], ids=["16-bit-queries", "fp8-queries"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_cpu_path_fp8_cache_matches_reference(name, fp8_queries):

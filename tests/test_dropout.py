@@ -23,7 +23,7 @@ from flashop.reference import keys_in_bounds
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
     op_options,
-    DEVICE, Case, TestCase, cpu_path, error_message, gluon_cases, make_inputs, make_modifiers,
+    DEVICE, Case, TestCase, CPU_PATH_TWIN, cpu_path, error_message, gluon_cases, make_inputs, make_modifiers,
     poisoned_outputs, slow_property_examples,
 )
 from test_modifiers import DTYPES, EDGES, SMALLER, modified_cases
@@ -89,6 +89,7 @@ def test_dropout_with_modifiers_matches_reference_with_its_mask(dtype, case, sin
     check_with_mask(case, dropout_p, seed)
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=EXAMPLES)
 @given(case=modified_cases(**SMALLER), sinks=st.sampled_from([None, torch.float32]),

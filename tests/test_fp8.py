@@ -20,7 +20,7 @@ import flashop
 from flashop import config
 from flashop.reference import attention_varlen_reference, dequantize, fp8_attention_reference
 from flashop.testing import accuracy, rounding_noise
-from helpers import DEVICE, TestCase, cpu_path, error_message
+from helpers import CPU_PATH_TWIN, DEVICE, TestCase, cpu_path, error_message
 
 FP8 = torch.float8_e4m3fn
 
@@ -57,7 +57,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["kernels", "cpu"])
+@pytest.mark.parametrize("path", ["kernels", pytest.param("cpu", marks=CPU_PATH_TWIN)])
 @pytest.mark.parametrize("name", CASES)
 def test_fp8_attention_against_dequantized_reference(name, path):
     opts = dict(B=2, S_q=200, S_k=200, H_kv=1, G=1, D=64, DV=64, causal=False,
@@ -81,7 +81,7 @@ def test_fp8_attention_against_dequantized_reference(name, path):
     check(out, lse, ref, plain)
 
 
-@pytest.mark.parametrize("path", ["kernels", "cpu"])
+@pytest.mark.parametrize("path", ["kernels", pytest.param("cpu", marks=CPU_PATH_TWIN)])
 def test_fp8_packed_batch_and_out_dtype(path):
     """Packed sequences (one descale row each, an empty one among them), fp16 output."""
     lengths = [70, 0, 131]

@@ -14,7 +14,7 @@ from torch.library import opcheck
 import flashop
 from flashop.testing import check_attention_varlen
 from helpers import (
-    DEVICE, INPUTS, Case, TestCase, check_case, cpu_path, error_message, make_inputs,
+    DEVICE, INPUTS, Case, TestCase, check_case, CPU_PATH_TWIN, cpu_path, error_message, make_inputs,
     make_modifiers, poisoned_outputs, slow_property_examples,
 )
 from test_modifiers import DTYPES, EDGES, SMALLER, modified_cases
@@ -39,6 +39,7 @@ def test_sinks_with_modifiers_match_reference(dtype, case, seed):
     check_case(case.in_dtype(dtype), seed)
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=EXAMPLES)
 @given(case=cases_with_sinks(), seed=st.integers(0, 2**16))

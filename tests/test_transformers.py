@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import flashop  # noqa: E402
 import flashop.transformers as ft  # noqa: E402
 from flashop.testing import accuracy  # noqa: E402
-from helpers import DEVICE, cpu_path  # noqa: E402
+from helpers import DEVICE, CPU_PATH_TWIN, cpu_path  # noqa: E402
 
 from transformers import (  # noqa: E402
     AttentionInterface, AutoModelForCausalLM, CompileConfig, DataCollatorWithFlattening,
@@ -174,6 +174,7 @@ def test_greedy_generate_gives_eagers_tokens(kind, cache):
     assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
 def test_cpu_path_logits_gradients_and_tokens(kind):
     """attn_implementation="FlashOp" on the CPU path (flashop/_launch/cpu, as without the

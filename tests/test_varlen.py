@@ -10,7 +10,7 @@ from torch.library import opcheck
 import flashop
 from flashop.testing import check_attention_varlen, differentiable_inputs
 from helpers import (
-    DEVICE, TWO_KEY_TILES, TestCase, cpu_path, head_counts, op_options, poisoned_outputs,
+    DEVICE, TWO_KEY_TILES, TestCase, CPU_PATH_TWIN, cpu_path, head_counts, op_options, poisoned_outputs,
     window_bound,
 )
 
@@ -98,6 +98,7 @@ def test_varlen_matches_reference_per_sequence(dtype, packing, seed):
     check_packed(args, dout, dlse, **options)
 
 
+@CPU_PATH_TWIN
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @given(packing=packings(), seed=st.integers(0, 2**16))
 @example(packing=_packing([0, 7, 20], [3, 0, 40], causal=True), seed=0)  # no query, no key

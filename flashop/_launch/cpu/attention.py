@@ -14,12 +14,13 @@ from typing import Optional
 import torch
 
 from flashop._launch import gates
-from flashop._launch.cpu import dense, outside_autocast
 from flashop._launch.common import unit_stride_last
+from flashop._launch.cpu import dense, outside_autocast
 from flashop._launch.cpu.bounds import Bounds
 from flashop._launch.options import Modifiers, Packing
 from flashop._launch.scores import LOG2E, sink_log2
 from flashop.reference import dequantize, gather_kvcache
+
 
 def sdpa_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: Modifiers,
                 offset: int, differentiable: bool = True) -> bool:
