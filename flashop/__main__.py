@@ -1,13 +1,15 @@
-"""``python -m flashop``: check the kernels against the reference on this machine's device,
-then time them (on a GPU, next to ``F.scaled_dot_product_attention``), and print a summary.
+"""``python -m flashop``: check flashop against the reference on this machine, then time it
+(next to ``F.scaled_dot_product_attention``), and print what ran where and a summary.
+
+Two paths are checked: the CPU path (CPU tensors, PyTorch's CPU kernels), and the Triton
+kernels, on a GPU, or without one in Triton's CPU interpreter (as CI tests them): in a child
+process with TRITON_INTERPRET=1 (which Triton reads when the kernels are decorated), unless
+this process already has it. ``--only cpu-path`` / ``--only kernels`` checks one.
 
 The default run is short: a few checks and one benchmark shape, so that a first run, which
 compiles each kernel it uses (Triton caches them for later runs), ends within a minute.
 ``--full`` checks every dtype on more shapes, every modifier, sinks with a boolean mask and
 dropout, and decoding over a paged cache, and times more shapes.
-
-Without a CUDA GPU the kernels run in Triton's CPU interpreter: the command restarts itself
-with TRITON_INTERPRET=1, which Triton reads when the kernels are decorated.
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 
 
-def _restart_in_interpreter() -> None:
+def _kernels_in_interpreter(full: bool) -> int:
+    """Check the Triton kernels in Triton's interpreter, in a child process (its output
+    inline); its exit status."""
+    import subprocess
+
     env = dict(os.environ, TRITON_INTERPRET="1")
-    os.execve(sys.executable, [sys.executable, "-m", "flashop", *sys.argv[1:]], env)
+    argv = [sys.executable, "-m", "flashop", "--only", "kernels", *(["--full"] if full else [])]
+    return subprocess.run(argv, env=env).returncode
 
 
 def _say(message: str) -> None:
@@ -87,6 +94,14 @@ class Summary:
             if not r.ok:
                 print("    " + str(r))
         return ok
+
+
+def _cpu_path():
+    """A block in which CPU tensors take the CPU path (under the interpreter, the switch
+    flashop.config's cpu_path; without it they always do)."""
+    import flashop
+
+    return flashop.config.override(cpu_path=True)
 
 
 def _one_check(device: str, check: tuple, seed: int) -> tuple:
@@ -284,6 +299,50 @@ def benchmark_gpu(full: bool) -> list:
     return rows
 
 
+def benchmark_cpu_path() -> list:
+    """ms of a forward + backward at (B, S, H, D) = (4, 512, 8, 64) on the CPU path and by
+    SDPA's CPU kernels, fastest of 2 after a warm-up: (dtype, flashop's, SDPA's) for bf16 (a
+    plain call: SDPA's kernels inside flashop) and fp32 (the blocked path)."""
+    import torch.nn.functional as F
+
+    import flashop
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(4, 512, 8, 64, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_()
+                      for x in (q, k, v))
+        best = [float("inf")] * 2
+        for _ in range(3):
+            for i, fn in enumerate((lambda: flashop.attention(q, k, v),
+                                    lambda: F.scaled_dot_product_attention(qt, kt, vt))):
+                start = time.perf_counter()
+                fn().sum().backward()
+                best[i] = min(best[i], time.perf_counter() - start)
+        rows.append((str(dtype)[6:], 1000 * best[0], 1000 * best[1]))
+    return rows
+
+
+def check_cpu_path(full: bool) -> "Summary":
+    """The CPU path: CHECKS' CPU configurations (and with ``full`` every modifier, sinks and
+    dropout, decoding over a paged cache), then the timing of benchmark_cpu_path."""
+    summary = Summary()
+    print("\nCPU path (CPU tensors: PyTorch's CPU kernels, flashop/_launch/cpu)")
+    with _cpu_path():
+        self_check("cpu", full, summary)
+        if full:
+            modifier_check("cpu", summary)
+        _say("CPU path checks " + ("passed" if not summary.failed else "FAILED"))
+        rows = benchmark_cpu_path()
+    print(f"\nCPU path: (4, 512, 8, 64) forward + backward, ms, {torch.get_num_threads()} "
+          f"threads (benchmarks/cpu.py times more)")
+    print(f"{'dtype':>9} {'flashop':>8} {'sdpa':>8}")
+    for dtype, ours, sdpa in rows:
+        print(f"{dtype:>9} {ours:8.1f} {sdpa:8.1f}")
+    return summary
+
+
 def benchmark_interpreter() -> float:
     import flashop
 
@@ -302,28 +361,61 @@ def main(argv=None) -> int:
                         help="check every dtype on more shapes, every modifier, sinks with "
                              "dropout and the KV cache; time more shapes (minutes on a first "
                              "run, which compiles more kernels)")
+    parser.add_argument("--only", choices=("cpu-path", "kernels"),
+                        help="check only the CPU path, or only the Triton kernels (without a "
+                             "GPU: in Triton's interpreter)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        _restart_in_interpreter()
     import triton
 
     import flashop
 
-    device = "cpu" if flashop.INTERPRETING else "cuda"
-    where = "Triton CPU interpreter" if device == "cpu" else torch.cuda.get_device_name()
+    gpu = torch.cuda.is_available()
+    kernels_on = (torch.cuda.get_device_name() if gpu else "Triton's CPU interpreter"
+                  if flashop.INTERPRETING else "Triton's CPU interpreter (a child process)")
     print(f"flashop {flashop.__version__}, torch {torch.__version__}, triton "
-          f"{triton.__version__}, kernels on: {where}")
+          f"{triton.__version__}; Triton kernels on: {kernels_on}; CPU tensors: the CPU path")
     _say("imported")
+    results = []  # (what ran, Summary or the child's exit status)
+    if args.only != "kernels":
+        results.append(("CPU path", check_cpu_path(args.full)))
+    if args.only != "cpu-path":
+        if gpu or flashop.INTERPRETING:
+            results.append((f"Triton kernels on {kernels_on}", check_kernels(args.full)))
+        else:
+            _say("Triton kernels in Triton's interpreter, in a child process:")
+            status = _kernels_in_interpreter(args.full)
+            results.append(("Triton kernels in Triton's interpreter", status))
+    total = time.perf_counter() - _START
+    parts = []
+    for what, result in results:
+        if isinstance(result, Summary):
+            parts.append(f"{what}: {result.passed} checks passed, {result.failed} failed "
+                         f"(worst error {result.worst:.2f} of its bound)")
+        else:
+            parts.append(f"{what}: {'passed' if result == 0 else 'FAILED'} (above)")
+    print(f"\nsummary: {'; '.join(parts)}; total {total:.1f} s"
+          f"{'' if args.full else '; --full checks more'}")
+    failed = any(r.failed if isinstance(r, Summary) else r != 0 for _, r in results)
+    return 1 if failed else 0
+
+
+def check_kernels(full: bool) -> "Summary":
+    """The Triton kernels on this device (a GPU, or the interpreter on the CPU): CHECKS'
+    configurations (and with ``full`` the modifiers'), then a timing."""
+    import flashop
+
+    device = "cpu" if flashop.INTERPRETING else "cuda"
+    where = "Triton's CPU interpreter" if device == "cpu" else torch.cuda.get_device_name()
+    print(f"\nTriton kernels on {where}")
     _say("checking outputs and gradients against the reference (the first run compiles "
          "each kernel it uses; later runs take them from Triton's cache)")
     summary = Summary()
-    self_check(device, args.full, summary)
-    if args.full:
+    self_check(device, full, summary)
+    if full:
         modifier_check(device, summary)
-    checked = time.perf_counter()
-    _say("self-check " + ("passed" if not summary.failed else "FAILED"))
+    _say("kernel checks " + ("passed" if not summary.failed else "FAILED"))
     if device == "cuda":
-        rows = benchmark_gpu(args.full)
+        rows = benchmark_gpu(full)
         print(f"\nTFLOP/s, bf16, 16k tokens per batch, 2048 hidden ({where}; "
               f"benchmarks/attention.py times the full grid with the peers)")
         print(f"{'D':>4} {'N':>6} {'causal':>6} {'pass':>4} {'flashop':>8} {'sdpa':>8}")
@@ -331,13 +423,9 @@ def main(argv=None) -> int:
             print(f"{D:>4} {N:>6} {str(causal):>6} {name_pass:>4} {ours:8.1f} {sdpa:8.1f}")
     else:
         seconds = benchmark_interpreter()
-        print(f"\nTriton interpreter: (1, 256, 2, 64) causal forward + backward in {seconds:.2f} "
-              f"s (the interpreter is for checking, not speed)")
-    total = time.perf_counter() - _START
-    print(f"\nsummary: {summary.passed} checks passed, {summary.failed} failed (worst error "
-          f"{summary.worst:.2f} of its bound); checks {checked - _START:.1f} s, total "
-          f"{total:.1f} s{'' if args.full else '; --full checks more'}")
-    return 0 if not summary.failed else 1
+        print(f"\nTriton interpreter: (1, 256, 2, 64) causal forward + backward in "
+              f"{seconds:.2f} s (the interpreter is for checking, not speed)")
+    return summary
 
 
 if __name__ == "__main__":

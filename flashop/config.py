@@ -14,6 +14,7 @@ compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
 | ``FLASHOP_DQ_ATOMICS=0/1`` | ``dq_atomics`` | rule | the backward's dQ: never by fp32 atomics (every backward bitwise reproducible) / by atomics wherever the kernels allow (the Gluon backward at D=64 and 128 on Hopper with triton 3.6, elsewhere the ``tl`` kernels' atomic variant); unset: by atomics where that measured faster (the Gluon backward over 2048+ keys). Never under ``torch.use_deterministic_algorithms`` or ``deterministic=True`` |
 | ``FLASHOP_DIRECT_EAGER=0`` | ``direct_eager`` | on | eager calls of ``attention`` / ``attention_with_lse`` go through the dispatcher like traced ones |
 | ``FLASHOP_CACHED_LAUNCH=0`` | ``cached_launch`` | on | eager launches go through Triton's argument binding every time (on, with triton 3.6: a kernel compiled for a call's specialisation is launched directly on later calls of it) |
+| ``FLASHOP_CPU_PATH=1`` | ``cpu_path`` | off | under Triton's interpreter (``TRITON_INTERPRET=1``) CPU tensors run the CPU path (PyTorch's CPU kernels, flashop/_launch/cpu) instead of the Triton kernels; without the interpreter they always do |
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Settings:
     dq_atomics: Optional[bool] = None
     direct_eager: bool = True
     cached_launch: bool = True
+    cpu_path: bool = False
 
     @classmethod
     def from_environment(cls) -> "Settings":
@@ -52,7 +54,8 @@ class Settings:
                    warp_specialize=_tristate("FLASHOP_WS"), gluon=_tristate("FLASHOP_GLUON"),
                    dq_atomics=_tristate("FLASHOP_DQ_ATOMICS"),
                    direct_eager=_flag("FLASHOP_DIRECT_EAGER", True),
-                   cached_launch=_flag("FLASHOP_CACHED_LAUNCH", True))
+                   cached_launch=_flag("FLASHOP_CACHED_LAUNCH", True),
+                   cpu_path=_flag("FLASHOP_CPU_PATH", False))
 
 
 settings = Settings.from_environment()

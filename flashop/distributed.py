@@ -411,7 +411,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
             f"split at chunk boundaries (each chunk attends only itself, so no ring is needed)")
     check_attention_inputs(q, k, v, scale,
                            modifiers(None, alibi_slopes, None, causal, *window, softcap),
-                           interpreting=flashop.INTERPRETING, op=op)
+                           op=op)
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         raise RuntimeError(f"{op}: alibi_slopes get no gradient (as in FlashAttention); "
                            f"detach them")

@@ -281,6 +281,37 @@ def cuda_graph(step):
     return graph, outputs
 
 
+# The CPU path's twins of tests that make their tensors on DEVICE: on a GPU those are CUDA
+# tensors, which the CPU path never takes (there tests/test_cpu.py checks CPU tensors)
+CPU_PATH_TWIN = pytest.mark.skipif(DEVICE != "cpu", reason="the test's tensors are on a GPU")
+
+
+@contextlib.contextmanager
+def cpu_path(tile_elements: int = 512, sdpa: bool = True):
+    """Within the block CPU tensors run the CPU path (flashop/_launch/cpu; the switch
+    ``cpu_path`` under the interpreter), its tiles 16 keys wide and its parts of
+    ``tile_elements`` scores, so that short test sequences span several tiles and parts.
+    ``sdpa`` False: the blocked path takes the calls SDPA's kernels would take too. torch
+    runs one thread meanwhile: the test run takes a core per worker, and a second OpenMP
+    thread waiting for a busy core made each of the path's small operations cost
+    milliseconds."""
+    from unittest import mock
+
+    from flashop._launch.cpu import attention, bounds
+
+    threads = torch.get_num_threads()
+    with contextlib.ExitStack() as stack:
+        torch.set_num_threads(1)
+        stack.callback(torch.set_num_threads, threads)
+        stack.enter_context(flashop.config.override(cpu_path=True))
+        stack.enter_context(mock.patch.object(bounds, "TILE_ELEMENTS", tile_elements))
+        stack.enter_context(mock.patch.object(bounds, "KEY_TILE", 16))
+        if not sdpa:
+            stack.enter_context(mock.patch.object(attention, "sdpa_serves",
+                                                  lambda *args: False))
+        yield
+
+
 @contextlib.contextmanager
 def deterministic_algorithms():
     """torch.use_deterministic_algorithms(True) within this block (flashop's backward then

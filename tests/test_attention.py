@@ -16,7 +16,7 @@ from flashop._launch import attention as launch, choice, gluon as launch_gluon, 
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
 from helpers import (
-    DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, deterministic_algorithms,
+    DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, CPU_PATH_TWIN, cpu_path, deterministic_algorithms,
     gluon_cases, head_counts, input_scales, lengths, make_inputs, poisoned_outputs, run_flashop,
 )
 
@@ -57,6 +57,26 @@ def cases(draw):
 def test_matches_reference(dtype, case, seed):
     """Drawn calls, and the edges: one query, one key, no key, no query."""
     check_case(case.in_dtype(dtype), seed)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=cases(), seed=st.integers(0, 2**16), sdpa=st.booleans(),
+       tile=st.sampled_from([256, 4096]))
+@example(case=Case(B=1, S_q=1, S_k=70, H_kv=1, G=2, D=40, DV=40, dtype=None), seed=0,
+         sdpa=True, tile=256)
+@example(case=Case(B=2, S_q=45, S_k=1, H_kv=1, G=1, D=16, DV=24, dtype=None), seed=0,
+         sdpa=False, tile=256)
+@example(case=Case(B=1, S_q=20, S_k=0, H_kv=1, G=2, D=16, DV=16, dtype=None), seed=0,
+         sdpa=True, tile=4096)
+@example(case=Case(B=1, S_q=0, S_k=20, H_kv=1, G=1, D=16, DV=16, dtype=None), seed=0,
+         sdpa=True, tile=256)
+def test_cpu_path_matches_reference(dtype, case, seed, sdpa, tile):
+    """The CPU path on the same calls: SDPA's kernels where they take a call (plain, one
+    head dim; ``sdpa``), the blocked path elsewhere, over tiles of 16 keys in parts of
+    ``tile`` scores (one or several heads)."""
+    with cpu_path(tile, sdpa):
+        check_case(case.in_dtype(dtype), seed)
 
 
 _LARGE_SCORES = dict(scale=1.0, magnitude=2.0, outlier_keys=2)

@@ -106,6 +106,17 @@ def test_benchmark_scripts_import_without_a_gpu(name):
     importlib.import_module(name)
 
 
+def test_cpu_benchmark_prints_a_row_per_call_and_the_path_it_took(capsys):
+    """benchmarks/cpu.py at a tiny shape: a row per call kind with the path taken (SDPA's
+    kernels for plain bf16 calls, the blocked path for the others) and its times."""
+    import cpu
+
+    cpu.main(["--shape", "1,32,2,16", "--dtypes", "bfloat16", "--reps", "1", "--threads", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[-6] for row in rows] == ["SDPA's", "SDPA's"] + ["blocked"] * 4
+    assert all(float(row[-4]) > 0 and float(row[-2]) > 0 for row in rows)  # fwd + bwd
+
+
 def test_flashop_providers_set_their_switches_only_while_timed():
     from flashop import config
     before = dict(vars(config.settings))

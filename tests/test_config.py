@@ -26,7 +26,7 @@ def test_override_changes_a_switch_for_the_block_and_restores_it():
 def test_override_names_the_switches_when_given_an_unknown_one():
     with pytest.raises(TypeError, match=r"unknown switch\(es\) \['tme'\]; the switches are "
                                         r"autotune, tma, warp_specialize, gluon, dq_atomics, "
-                                        r"direct_eager, cached_launch"):
+                                        r"direct_eager, cached_launch, cpu_path"):
         with config.override(tme=False):
             pass
 
@@ -34,18 +34,20 @@ def test_override_names_the_switches_when_given_an_unknown_one():
 def test_switches_are_read_from_the_environment_at_import():
     code = ("import flashop.config as c; s = c.settings; "
             "print(s.autotune, s.tma, s.warp_specialize, s.gluon, s.dq_atomics, s.direct_eager, "
-            "s.cached_launch)")
+            "s.cached_launch, s.cpu_path)")
     env = {"FLASHOP_AUTOTUNE": "1", "FLASHOP_TMA": "0", "FLASHOP_WS": "1", "FLASHOP_GLUON": "0",
            "FLASHOP_DQ_ATOMICS": "1", "FLASHOP_DIRECT_EAGER": "0", "FLASHOP_CACHED_LAUNCH": "0",
-           "TRITON_INTERPRET": "1"}
+           "FLASHOP_CPU_PATH": "1", "TRITON_INTERPRET": "1"}
     # the child imports flashop from the repository root, wherever pytest was started
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True, cwd=root)
-    assert done.stdout.split() == ["True", "False", "True", "False", "True", "False", "False"]
+    assert done.stdout.split() == ["True", "False", "True", "False", "True", "False", "False",
+                                   "True"]
     done = subprocess.run([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, check=True, cwd=root)
-    assert done.stdout.split() == ["False", "None", "None", "None", "None", "True", "True"]
+    assert done.stdout.split() == ["False", "None", "None", "None", "None", "True", "True",
+                                   "False"]
 
 
 @pytest.mark.skipif(not flashop.INTERPRETING, reason="Triton's interpreter only")

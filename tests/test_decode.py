@@ -16,7 +16,9 @@ from torch.library import opcheck
 import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
-from helpers import DECODE_KEYS, DEVICE, INPUTS, cuda_graph, lengths, poisoned_outputs
+from helpers import (
+    CPU_PATH_TWIN, DECODE_KEYS, DEVICE, INPUTS, cpu_path, cuda_graph, lengths, poisoned_outputs,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -204,6 +206,20 @@ def test_kvcache_matches_reference(dtype, case, seed):
     append, one key per query, one split."""
     case = replace(case, dtype=dtype, sinks=dtype if case.sinks is INPUTS else case.sinks)
     check_cache_case(case, seed)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@given(case=cache_cases(), seed=st.integers(0, 2**16))
+@example(case=CacheCase((0, 0), 2, 0, 1, 2, 16, 16, None, paged=True, capacity=32), seed=0)
+@example(case=CacheCase((37, 50), 3, 1, 2, 2, 40, 40, None, capacity=64, causal=True,
+                        window_size=(0, -1), alibi=(2, 4), softcap=5.0, num_splits=1), seed=0)
+def test_cpu_path_kvcache_matches_reference(dtype, case, seed):
+    """The CPU path on the same calls: its append (rotated keys included) against the
+    reference's bit for bit, then each sequence's attention."""
+    case = replace(case, dtype=dtype, sinks=dtype if case.sinks is INPUTS else case.sinks)
+    with cpu_path():
+        check_cache_case(case, seed)
 
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128, 256])

@@ -17,7 +17,7 @@ from torch.library import opcheck
 import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
-from helpers import DEVICE, poisoned_outputs
+from helpers import DEVICE, CPU_PATH_TWIN, cpu_path, poisoned_outputs
 from test_decode import APPEND_INDEX, CacheCase, fresh_plans, kwargs_ref, make_call  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
@@ -111,6 +111,17 @@ def test_fp8_queries_match_reference(name):
     case's dtype; bfloat16 by default), against the reference on the dequantized queries
     and cache."""
     check_fp8_case(CASES[name], descales="qkv", fp8_queries=True)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("fp8_queries", [False, True], ids=["16-bit-queries", "fp8-queries"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_path_fp8_cache_matches_reference(name, fp8_queries):
+    """The CPU path on the same calls: the new keys and values quantized into the cache as
+    the kernel writes them, the cache (and fp8 queries) read times the descales in fp32."""
+    with cpu_path():
+        check_fp8_case(CASES[name], descales="qkv" if fp8_queries else "kv",
+                       fp8_queries=fp8_queries)
 
 
 @pytest.mark.parametrize("descales", ["q", "k", ""], ids=["q-only", "k-only", "none"])

@@ -3,6 +3,7 @@ kernels' own mask, reproducibility from torch's generator, the statistics of the
 of the output, the backward by finite differences at a fixed seed, torch.compile, CUDA
 graphs, and bad dropout_p's errors."""
 
+import contextlib
 import dataclasses
 import math
 from unittest import mock
@@ -22,8 +23,8 @@ from flashop.reference import keys_in_bounds
 from flashop.testing import check_attention, check_attention_varlen, dropout_mask
 from helpers import (
     op_options,
-    DEVICE, Case, TestCase, cuda_graph, error_message, gluon_cases, make_inputs,
-    make_modifiers, poisoned_outputs, slow_property_examples,
+    CPU_PATH_TWIN, DEVICE, Case, TestCase, cpu_path, cuda_graph, error_message, gluon_cases,
+    make_inputs, make_modifiers, poisoned_outputs, slow_property_examples,
 )
 from test_modifiers import DTYPES, EDGES, SMALLER, modified_cases
 
@@ -86,6 +87,42 @@ def test_dropout_with_modifiers_matches_reference_with_its_mask(dtype, case, sin
     case = dataclasses.replace(case, sinks=sinks).in_dtype(dtype)
     assume(most_keys_a_row_attends(case, make_modifiers(case, seed)["attn_mask"]) >= 2)
     check_with_mask(case, dropout_p, seed)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=EXAMPLES)
+@given(case=modified_cases(**SMALLER), sinks=st.sampled_from([None, torch.float32]),
+       dropout_p=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2**16))
+@example(case=EDGES[0], sinks=torch.float32, dropout_p=0.5, seed=0)
+def test_cpu_path_dropout_with_modifiers_matches_reference_with_its_mask(dtype, case, sinks,
+                                                                          dropout_p, seed):
+    """The CPU path on the same calls, against the reference given the mask it draws
+    (the kernels' own: test_cpu_mask_is_the_kernels_mask). (With the profile's 30
+    examples, fp32 drew a (1, 1, 1, 1) float mask's gradient just past the rule:
+    docs/notes/cpu-path.md.)"""
+    case = dataclasses.replace(case, sinks=sinks).in_dtype(dtype)
+    assume(most_keys_a_row_attends(case, make_modifiers(case, seed)["attn_mask"]) >= 2)
+    with cpu_path():
+        check_with_mask(case, dropout_p, seed)
+
+
+@pytest.mark.parametrize("B,H,S_q,S_k", [(2, 3, 37, 21), (1, 2, 100, 130)])
+def test_cpu_mask_is_the_kernels_mask(B, H, S_q, S_k):
+    """The CPU path draws the kernels' mask (torch's integer operations for Philox-4x32-7),
+    here against the Triton kernel's, in the interpreter or on the GPU (other tests check
+    it against the documented function on both paths); also tile by tile, at tiles that
+    start at multiples of 16."""
+    from flashop._launch.cpu import dropout as cpu_dropout
+
+    seed = _seed(0x0123_4567_89AB_CDEF >> 2)
+    kernels = dropout_mask(seed, B, H, S_q, S_k, 0.25).cpu()
+    with cpu_path():
+        ours = dropout_mask(seed.cpu(), B, H, S_q, S_k, 0.25)
+    assert torch.equal(ours, kernels)
+    tile = cpu_dropout.keep(int(seed.item()), torch.tensor([B - 1]), torch.tensor([H - 1]),
+                            32, S_q, 16, S_k, 0.25)
+    assert torch.equal(tile[0, 0], kernels[B - 1, H - 1, 32:, 16:])
 
 
 # two calls the property test drew at dropout_p = 0.9 (bf16), each over the rule in one
@@ -283,8 +320,9 @@ def _philox4x32_7(key: int, counters: np.ndarray) -> np.ndarray:
     return c.astype(np.uint32)
 
 
+@pytest.mark.parametrize("path", ["kernels", "cpu"])
 @pytest.mark.parametrize("p", [0.1, 0.37])
-def test_mask_is_the_documented_philox_function(p):
+def test_mask_is_the_documented_philox_function(p, path):
     """docs/modifiers.md's definition, computed in NumPy: with query i = 16 a + 8 y + r (r <
     8) and key j = 16 c + 8 x + 2 u + z (u < 4) of head h, batch b, the pair takes the 16-bit
     half z of word 2 y + x of Philox4x32-7 of the counter (4 c + u, 8 a + r, h, b), and is
@@ -299,7 +337,9 @@ def test_mask_is_the_documented_philox_function(p):
                               axis=-1)[..., 0]
     bits = np.where(j % 2 == 0, word & 0xFFFF, word >> 16)
     expected = bits >= round(p * 2 ** 16)
-    keep = dropout_mask(_seed(seed), B, H, S_q, S_k, p)
+    with cpu_path() if path == "cpu" else contextlib.nullcontext():
+        keep = dropout_mask(_seed(seed).cpu() if path == "cpu" else _seed(seed), B, H, S_q,
+                            S_k, p)
     assert torch.equal(keep.cpu(), torch.from_numpy(expected))
 
 

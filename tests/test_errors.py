@@ -149,24 +149,13 @@ class TestErrors(TestCase):
             fn(_t(1, 8, 3, 16), _t(1, 8, 2, 16), _t(1, 8, 2, 16))
 
 
-def test_cpu_tensors_without_interpreter_say_how_to_proceed():
-    """Without TRITON_INTERPRET, CPU tensors get an error that names the ways forward."""
-    import os
-    import subprocess
-    import sys
+class TestDevices(TestCase):
+    def test_devices_other_than_cuda_and_cpu_are_refused(self):
+        """CUDA GPUs run the kernels, the CPU its CPU path (tests/test_cpu.py); other devices
+        are refused (checked directly: no such device here)."""
+        from flashop._ops.checks import check_device
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import torch, flashop\n"
-            "q = torch.randn(1, 4, 1, 16)\n"
-            "try:\n    flashop.attention(q, q, q)\n"
-            "except RuntimeError as e:\n    print(e)\n")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.stdout.strip() == (
-        "flashop.attention: the inputs are on cpu, but flashop's Triton kernels run on CUDA "
-        "GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing flashop "
-        "to run the kernels on the CPU in Triton's interpreter (slow; for testing), or call "
-        "flashop.attention_reference for a plain PyTorch computation"), done.stderr
+        self.assertExpectedInline(error_message(check_device, "flashop.attention", torch.device("mps")), """flashop.attention: the inputs are on mps, but flashop runs on CUDA GPUs and on the CPU; move the tensors to one of them""")  # noqa: B950
 
 
 def test_sequences_past_32_bit_offsets_are_refused():

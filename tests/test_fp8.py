@@ -8,6 +8,8 @@ float64 attention of the dequantized inputs.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -18,7 +20,7 @@ import flashop
 from flashop import config
 from flashop.reference import attention_varlen_reference, dequantize, fp8_attention_reference
 from flashop.testing import accuracy, rounding_noise
-from helpers import DEVICE, TestCase, error_message
+from helpers import CPU_PATH_TWIN, DEVICE, TestCase, cpu_path, error_message
 
 FP8 = torch.float8_e4m3fn
 
@@ -56,8 +58,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["kernels", pytest.param("cpu", marks=CPU_PATH_TWIN)])
 @pytest.mark.parametrize("name", CASES)
-def test_fp8_attention_against_dequantized_reference(name):
+def test_fp8_attention_against_dequantized_reference(name, path):
     opts = dict(B=2, S_q=200, S_k=200, H_kv=1, G=1, D=64, DV=64, causal=False,
                 window_size=(-1, -1), attention_chunk=0, softcap=0.0, alibi=False, sinks=False)
     opts.update(CASES[name])
@@ -70,15 +73,17 @@ def test_fp8_attention_against_dequantized_reference(name):
         extra["alibi_slopes"] = torch.rand(H, device=DEVICE) * 0.3
     if opts["sinks"]:
         extra["sinks"] = torch.randn(H, device=DEVICE) + 2.0
-    out, lse = flashop.attention_with_lse(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
-                                          **extra)
+    with cpu_path() if path == "cpu" else contextlib.nullcontext():
+        out, lse = flashop.attention_with_lse(q, k, v, q_descale=qd, k_descale=kd,
+                                              v_descale=vd, **extra)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = fp8_attention_reference(q, k, v, qd, kd, vd, **extra)
     plain = fp8_attention_reference(q, k, v, qd, kd, vd, compute_dtype=None, **extra)
     check(out, lse, ref, plain)
 
 
-def test_fp8_packed_batch_and_out_dtype():
+@pytest.mark.parametrize("path", ["kernels", pytest.param("cpu", marks=CPU_PATH_TWIN)])
+def test_fp8_packed_batch_and_out_dtype(path):
     """Packed sequences (one descale row each, an empty one among them), fp16 output."""
     lengths = [70, 0, 131]
     H_kv, G, D = 2, 2, 64
@@ -91,9 +96,10 @@ def test_fp8_packed_batch_and_out_dtype():
     qd, kd, vd = (d.expand(n, H_kv) * torch.rand(n, H_kv, device=DEVICE, generator=gen).add(0.5)
                   for d in (qd, kd, vd))
     cu = torch.tensor([0, 70, 70, 201], device=DEVICE, dtype=torch.int32)
-    out, lse = flashop.attention_varlen_with_lse(
-        q[0], k[0], v[0], cu, cu, 131, 131, causal=True, q_descale=qd, k_descale=kd,
-        v_descale=vd, out_dtype=torch.float16)
+    with cpu_path() if path == "cpu" else contextlib.nullcontext():
+        out, lse = flashop.attention_varlen_with_lse(
+            q[0], k[0], v[0], cu, cu, 131, 131, causal=True, q_descale=qd, k_descale=kd,
+            v_descale=vd, out_dtype=torch.float16)
     assert out.dtype == torch.float16
 
     def per_token(x, d):  # each token's dequantized value: its sequence's row of d

@@ -7,7 +7,7 @@ from hypothesis import example, given, strategies as st
 
 import flashop
 from helpers import (
-    DEVICE, INPUTS, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, head_counts,
+    DEVICE, INPUTS, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, CPU_PATH_TWIN, cpu_path, head_counts,
     input_scales, lengths, make_inputs, make_modifiers, run_flashop, window_bound,
 )
 
@@ -72,6 +72,19 @@ EDGES = [
 @example(case=EDGES[2], seed=0)
 def test_modifiers_match_reference(dtype, case, seed):
     check_case(case.in_dtype(dtype), seed)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=modified_cases(), seed=st.integers(0, 2**16), tile=st.sampled_from([256, 4096]))
+@example(case=EDGES[0], seed=0, tile=256)
+@example(case=EDGES[1], seed=0, tile=256)
+@example(case=EDGES[2], seed=0, tile=4096)
+def test_cpu_path_modifiers_match_reference(dtype, case, seed, tile):
+    """The CPU path's blocked forward and backward on the same calls (tiles of 16 keys, parts
+    of ``tile`` scores)."""
+    with cpu_path(tile):
+        check_case(case.in_dtype(dtype), seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,7 +17,7 @@ import flashop
 from flashop import flash_attn as fa
 from flashop.reference import attention_varlen_reference
 from flashop.testing import accuracy
-from helpers import DEVICE, poisoned_outputs
+from helpers import DEVICE, CPU_PATH_TWIN, cpu_path, poisoned_outputs
 
 ON_GPU = DEVICE == "cuda"
 
@@ -142,6 +142,15 @@ def paged_cases(draw, dtype):
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_paged_prefill_matches_reference(dtype, data, seed):
     check_paged(data.draw(paged_cases(dtype)), seed)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_cpu_path_paged_prefill_matches_reference(dtype, data, seed):
+    """The CPU path on the same calls (each sequence's keys gathered from its pages)."""
+    with cpu_path():
+        check_paged(data.draw(paged_cases(dtype)), seed)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import flashop  # noqa: E402
 import flashop.transformers as ft  # noqa: E402
 from flashop.testing import accuracy  # noqa: E402
-from helpers import DEVICE  # noqa: E402
+from helpers import DEVICE, CPU_PATH_TWIN, cpu_path  # noqa: E402
 
 from transformers import (  # noqa: E402
     AttentionInterface, AutoModelForCausalLM, CompileConfig, DataCollatorWithFlattening,
@@ -181,6 +181,21 @@ def test_greedy_generate_gives_eagers_tokens(kind, cache):
     tokens = model.generate(ids, attention_mask=mask, **options)
     model.set_attn_implementation("eager")
     assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+def test_cpu_path_logits_gradients_and_tokens(kind):
+    """attn_implementation="FlashOp" on the CPU path (flashop/_launch/cpu, as without the
+    interpreter): a left-padded batch's logits and a training step's gradients within the
+    rule of eager attention's, greedy generation eager's tokens (decoding steps through the
+    decoding operator: Llama's dynamic cache, Gemma 2's static one, gpt-oss's sinks)."""
+    with cpu_path():
+        test_left_padded_logits_match_eager(kind)
+        if kind == "gpt_oss":
+            test_training_step_gradients_match_eager(kind)
+        cache = "static" if kind == "gemma2" else "dynamic"
+        test_decode_steps_run_attention_with_kvcache(kind, cache)
 
 
 class AttentionCalls(TorchDispatchMode):

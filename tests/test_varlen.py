@@ -10,7 +10,8 @@ from torch.library import opcheck
 import flashop
 from flashop.testing import check_attention_varlen, differentiable_inputs
 from helpers import (
-    DEVICE, TWO_KEY_TILES, TestCase, head_counts, op_options, poisoned_outputs, window_bound,
+    DEVICE, TWO_KEY_TILES, TestCase, CPU_PATH_TWIN, cpu_path, head_counts, op_options, poisoned_outputs,
+    window_bound,
 )
 
 ON_GPU = DEVICE == "cuda"
@@ -95,6 +96,18 @@ def test_varlen_matches_reference_per_sequence(dtype, packing, seed):
     shape, options = packing
     args, dout, dlse = make_packed(**shape, dtype=dtype, seed=seed)
     check_packed(args, dout, dlse, **options)
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@given(packing=packings(), seed=st.integers(0, 2**16))
+@example(packing=_packing([0, 7, 20], [3, 0, 40], causal=True), seed=0)  # no query, no key
+def test_cpu_path_varlen_matches_reference_per_sequence(dtype, packing, seed):
+    """The CPU path on the same packings: one problem per sequence."""
+    shape, options = packing
+    args, dout, dlse = make_packed(**shape, dtype=dtype, seed=seed)
+    with cpu_path():
+        check_packed(args, dout, dlse, **options)
 
 
 def test_atomic_dq_backward_per_sequence():

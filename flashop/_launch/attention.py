@@ -14,14 +14,16 @@ from typing import Callable, Optional
 import torch
 from torch.library import wrap_triton
 
-from flashop._launch import choice, gates, gluon, tiles
+from flashop._launch import choice, cpu, gates, gluon, tiles
+from flashop._launch.cpu import attention as cpu_attention
+from flashop._launch.cpu.dropout import dropout_mask as cpu_dropout_mask
 from flashop._launch.common import (
     block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator,
     on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
 )
 from flashop._launch.launches import launch_kernel
 from flashop._launch.options import PLAIN, Modifiers, Packing
-from flashop._launch.scores import LOG2E, LOG2E_FP32, score_args, sink_args
+from flashop._launch.scores import LOG2E, score_args, sink_args, sink_log2
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from flashop.kernels.backward_buffer import (
@@ -273,7 +275,12 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       out_dtype: Optional[torch.dtype] = None):
     """Launch the forward; returns (out, lse, lse_log2) (see attention_forward_outputs):
     lse in natural-log units, and in base 2 for the backward. e4m3 inputs take their
-    ``descales`` (q's, k's, v's: (B, H_kv) fp32 or None) and give out in ``out_dtype``."""
+    ``descales`` (q's, k's, v's: (B, H_kv) fp32 or None) and give out in ``out_dtype``.
+    CPU tensors take the CPU path (cpu.serves)."""
+    if cpu.serves(q):
+        outputs = attention_forward_outputs(q, k, v, packing is not None, out_dtype)
+        return cpu_attention.attention_forward(q, k, v, resolve_scale(scale, q.shape[-1]), mods,
+                                               packing, descales, outputs)
     q, k = unit_stride_last(q), unit_stride_last(k)
     v = _fp8_values(v) if q.dtype == torch.float8_e4m3fn else unit_stride_last(v)
     out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None,
@@ -345,12 +352,9 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
     back, a gate summed to a few hundred would cost P_sink its last five bits.) Rows with
     lse = -inf (a sink of -inf and no key) add nothing."""
     rows = torch.sum(dout.float() * out.float(), dim=-1).transpose(-1, -2)  # as lse_log2
-    sink_log2 = (sinks.float() * LOG2E_FP32)[:, None]  # (H, 1): broadcasts in both layouts
-    if g is not None:
-        # fma(-G_i, log2 e, sink): the fp64 product is exact, so one rounding to fp32 remains
-        g_rows = gates.query_gates(g, lse_log2.shape, packing)
-        sink_log2 = (sink_log2.double() - g_rows.double() * LOG2E_FP32).float()
-    p_sink = torch.where(lse_log2 == float("-inf"), 0.0, torch.exp2(sink_log2 - lse_log2))
+    g_rows = None if g is None else gates.query_gates(g, lse_log2.shape, packing)
+    frame = sink_log2(sinks, g_rows)
+    p_sink = torch.where(lse_log2 == float("-inf"), 0.0, torch.exp2(frame - lse_log2))
     dsinks = -(p_sink * (rows - dlse))
     if dsinks.dim() == 3:
         dsinks = dsinks.sum(0)
@@ -370,7 +374,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     The kernels are choice.choose_backward's: the Gluon backward where its rule takes the
     call, else the tl kernels (the dQ kernel, then the dK/dV kernel, or its two parts; or
     the dK/dV kernel adding dQ by atomics alone). ``deterministic`` as
-    choice.deterministic_backward gives it."""
+    choice.deterministic_backward gives it. CPU tensors take the CPU path (cpu.serves),
+    reproducible whatever ``deterministic`` says."""
+    if cpu.serves(q):
+        grads = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask, attn_mask_grad)
+        return cpu_attention.attention_backward(dout, dlse, q, k, v, out, lse_log2,
+                                                resolve_scale(scale, q.shape[-1]), mods,
+                                                attn_mask_grad, packing, grads)
     q, k, v, out, dout = (unit_stride_last(x) for x in (q, k, v, out, dout))
     lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
     dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
@@ -479,6 +489,8 @@ def dropout_mask(dropout_seed: torch.Tensor, B: int, H: int, S_q: int, S_k: int,
     int64 tensor of one element) and ``dropout_p`` as the kernels draw it (options.modifiers
     rounds it); packed batches use [b, h, :len_q, :len_k] of the longest lengths' mask for
     sequence b."""
+    if cpu.serves(dropout_seed):
+        return cpu_dropout_mask(dropout_seed, B, H, S_q, S_k, dropout_p)
     keep = torch.empty((B, H, S_q, S_k), dtype=torch.uint8, device=dropout_seed.device)
     if keep.numel():
         block_m, block_n = (16, 32) if INTERPRETING else (64, 64)

@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from flashop._launch import cpu
+from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, block_dim, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
     next_power_of_2, on_inputs_device, resolve_scale, sm_count, tensor_meta, unit_stride_last,
@@ -409,7 +411,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with k_descale (the queries' descale, q itself converted to 16 bits). ``num_splits`` 0
     picks the splits (auto_splits). The launches' arguments but the tensors are planned
     once per signature of eager calls (_plan; traced calls plan each time). ``plan_only``:
-    return the plan (a _Plan) and launch nothing (flashop.explain)."""
+    return the plan (a _Plan) and launch nothing (flashop.explain). CPU tensors take the
+    CPU path (cpu.serves)."""
+    if cpu.serves(q):
+        if plan_only:
+            return None
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        return cpu_kvcache.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+            resolve_scale(scale, q.shape[-1]), mods, cache_leftpad, rotary_cos, rotary_sin,
+            rotary_interleaved, rotary_per_query(mods, capacity), k_descale, v_descale,
+            q_descale, kvcache_outputs(q, v_cache))
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = index_tensors(
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     if k is not None:

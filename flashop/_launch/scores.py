@@ -59,3 +59,14 @@ def sink_args(sinks: Optional[TensorMeta]) -> dict:
     if sinks is None:
         return dict(stride_sh=0, HAS_SINK=False)
     return dict(stride_sh=sinks.stride[0], HAS_SINK=True)
+
+
+def sink_log2(sinks: torch.Tensor, g_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The sinks in the forward's frame of base-2 scores: ``sinks * log2 e`` (H, 1),
+    broadcasting against lse_log2 in both layouts, (B, H, S_q) and (H, total_q); where
+    there is a gate, less each query's gate ``G_i * log2 e`` (``g_rows``, lse's layout),
+    rounded once as the forward's FMA rounds it (the fp64 product is exact)."""
+    frame = (sinks.float() * LOG2E_FP32)[:, None]
+    if g_rows is not None:
+        frame = (frame.double() - g_rows.double() * LOG2E_FP32).float()
+    return frame

@@ -45,7 +45,7 @@ from torch.utils.flop_counter import (
     register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count,
 )
 
-from flashop._launch import attention as launch, choice
+from flashop._launch import attention as launch, choice, cpu
 from flashop._launch.calls import is_traced
 from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
@@ -86,7 +86,7 @@ def _call(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_
     mods = modifiers(attn_mask, alibi_slopes, g, causal, window_size_left, window_size_right,
                      softcap, sinks, dropout_p, dropout_seed, attention_chunk=attention_chunk)
     packed = packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    check_attention_inputs(q, k, v, scale, mods, packed, interpreting=INTERPRETING)
+    check_attention_inputs(q, k, v, scale, mods, packed)
     return mods, packed
 
 
@@ -109,10 +109,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Te
 
 def run_forward(q, k, v, *args, scale=None, **options):
     """attention_forward's body (its arguments): checks, then the kernels; (out, lse,
-    lse_log2). A call traced for a graph compiled here whose eager call takes the Gluon
-    kernel, which Inductor cannot trace, calls it through attention_forward_opaque."""
+    lse_log2). A traced call whose eager call takes what Inductor cannot trace (the Gluon
+    kernel, in a graph compiled here; the CPU path, which reads values on the host) calls
+    it through attention_forward_opaque."""
     mods, packed = _call(q, k, v, *args, scale=scale, **options)
-    if choice.traced_takes_gluon(q, k, v, scale, mods, packed):
+    if choice.traced_takes_gluon(q, k, v, scale, mods, packed) or cpu.traced(q):
         return torch.ops.flashop.attention_forward_opaque(q, k, v, *args, scale=scale,
                                                           **options)
     return launch.attention_forward(q, k, v, scale, mods, packed)
@@ -138,7 +139,7 @@ def _backward_call(dout, dlse, q, k, v, out, lse_log2, cu_seqlens_q=None, cu_seq
                      attention_chunk=attention_chunk)
     packed = packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale, mods, attn_mask_grad,
-                          packed, interpreting=INTERPRETING)
+                          packed)
     return mods, packed
 
 
@@ -167,13 +168,15 @@ def run_backward(dout, dlse, q, k, v, out, lse_log2, *args, scale=None, attn_mas
                  deterministic=False, **options):
     """attention_backward's body (its arguments): checks, then the kernels; (dq, dk, dv, dg,
     dattn_mask). As run_forward, through attention_backward_opaque where a traced call's
-    eager call takes the Gluon backward; ``deterministic`` is resolved where the call is
-    traced (choice.deterministic_backward: torch.use_deterministic_algorithms as then)."""
+    eager call takes the Gluon backward or the CPU path; ``deterministic`` is resolved where
+    the call is traced (choice.deterministic_backward: torch.use_deterministic_algorithms as
+    then)."""
     mods, packed = _backward_call(dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
                                   attn_mask_grad=attn_mask_grad, **options)
     deterministic = choice.deterministic_backward(deterministic)
-    if is_traced(q) and choice.gluon_backward_order(
-            q, k, v, dout, mods, attn_mask_grad, packed, deterministic, traced=True) is not None:
+    if is_traced(q) and (cpu.traced(q) or choice.gluon_backward_order(
+            q, k, v, dout, mods, attn_mask_grad, packed, deterministic, traced=True)
+            is not None):
         return torch.ops.flashop.attention_backward_opaque(
             dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
             attn_mask_grad=attn_mask_grad, deterministic=deterministic, **options)
@@ -201,13 +204,14 @@ planned_forward = PlannedBody(run_forward)
 planned_backward = PlannedBody(run_backward)
 
 
-def _register_opaque(name: str, body, fake) -> None:
+def register_opaque(name: str, body, fake) -> None:
     """``flashop::<name>_opaque``: the operator ``name``'s schema, its body run as an eager
     call runs it (by its plans, the kernels launched directly, not through wrap_triton), and
     its fake.
-    Opaque to Inductor, which calls it as it is: a compiled graph reaches the kernels that
-    Inductor cannot trace (the Gluon ones) through it, and keeps fullgraph, dynamic shapes
-    and CUDA graphs. Exported graphs never hold it (gluon.compiled_here)."""
+    Opaque to Inductor, which calls it as it is: a compiled graph reaches what Inductor
+    cannot trace (the Gluon kernels; the CPU path) through it, and keeps fullgraph, dynamic
+    shapes and CUDA graphs. Graphs exported for a GPU never hold it (gluon.compiled_here);
+    traced calls of CPU tensors always do (cpu.traced)."""
     schema = str(getattr(torch.ops.flashop, name).default._schema)
     _lib.define(f"{name}_opaque{schema[schema.index('('):]}")
 
@@ -215,8 +219,8 @@ def _register_opaque(name: str, body, fake) -> None:
     torch.library.register_fake(f"flashop::{name}_opaque", fake, lib=_lib)
 
 
-_register_opaque("attention_forward", planned_forward, _attention_forward_fake)
-_register_opaque("attention_backward", planned_backward, _attention_backward_fake)
+register_opaque("attention_forward", planned_forward, _attention_forward_fake)
+register_opaque("attention_backward", planned_backward, _attention_backward_fake)
 
 
 # --- autograd ---------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import attention as launch
+from flashop._launch import cpu
 from flashop._launch.options import modifiers, packing
 from flashop._launch.plans import PlannedBody
-from flashop._ops.attention import bhsd_shapes, register_forward_only
+from flashop._ops.attention import bhsd_shapes, register_forward_only, register_opaque
 from flashop._ops.checks import check_fp8_inputs, check_packing_arguments
 from flashop.kernels import INTERPRETING
 
@@ -49,7 +50,6 @@ def _fp8_call(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     packed = packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     descales = (q_descale, k_descale, v_descale)
     check_fp8_inputs(q, k, v, descales, out_dtype, scale, mods, packed,
-                     interpreting=INTERPRETING,
                      op=OP if packed is None else "flashop.attention_varlen")
     return mods, packed, descales
 
@@ -73,9 +73,13 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor
 
 def run_attention_fp8(q, k, v, *args, scale=None, out_dtype=None, **options):
     """attention_fp8's body (its arguments): checks, then the forward kernel; (out, lse).
-    Also run directly by the eager path (flashop/_ops/eager.py)."""
+    Also run directly by the eager path (flashop/_ops/eager.py); a traced call of CPU
+    tensors runs it through attention_fp8_opaque (cpu.traced)."""
     mods, packed, descales = _fp8_call(q, k, v, *args, scale=scale, out_dtype=out_dtype,
                                        **options)
+    if cpu.traced(q):
+        return torch.ops.flashop.attention_fp8_opaque(q, k, v, *args, scale=scale,
+                                                      out_dtype=out_dtype, **options)
     out, lse, _ = launch.attention_forward(q, k, v, scale, mods, packed, descales=descales,
                                            out_dtype=out_dtype or torch.bfloat16)
     return out, lse
@@ -92,6 +96,9 @@ def _attention_fp8_fake(q, k, v, *args, out_dtype=None, **options):
     out, lse, _ = launch.attention_forward_outputs(q, k, v, packed=packed is not None,
                                                    out_dtype=out_dtype or torch.bfloat16)
     return out, lse
+
+
+register_opaque("attention_fp8", planned_attention_fp8, _attention_fp8_fake)
 
 
 register_forward_only(attention_fp8, (

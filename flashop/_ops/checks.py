@@ -71,8 +71,7 @@ def check_packing_arguments(op: str, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, packing=None, *,
-                           interpreting: bool, op: Optional[str] = None,
-                           fp8: bool = False) -> None:
+                           op: Optional[str] = None, fp8: bool = False) -> None:
     """Validate q (B, S_q, H, D), k (B, S_k, H_kv, D), v (B, S_k, H_kv, DV), scale and the
     score modifiers ``mods`` (an ``options.Modifiers``; None: no modifiers); where
     ``packing`` (an ``options.Packing``) is given, a packed batch (check_varlen_inputs).
@@ -80,7 +79,7 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, packing=N
     if packing is not None:
         check_varlen_inputs(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k,
                             packing.max_seqlen_q, packing.max_seqlen_k, scale, mods,
-                            interpreting=interpreting, op=op or "flashop.attention_varlen",
+                            op=op or "flashop.attention_varlen",
                             fp8=fp8)
         return
     op = op or "flashop.attention"
@@ -88,14 +87,14 @@ def check_attention_inputs(q, k, v, scale: Optional[float], mods=None, packing=N
         if t.dim() != 4:
             raise ValueError(
                 f"{op}: {name} must be a 4-D tensor {_LAYOUT}, got shape {_shape(t)}")
-    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=False, fp8=fp8)
+    _check_qkv(q, k, v, scale, op=op, packed=False, fp8=fp8)
     B, H = q.shape[0], q.shape[2]
     if mods is not None and not mods.is_plain:
         check_modifiers(q, mods, op, B, q.shape[1], k.shape[1], H)
 
 
-def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
-               packed: bool, fp8: bool = False) -> None:
+def _check_qkv(q, k, v, scale: Optional[float], *, op: str, packed: bool,
+               fp8: bool = False) -> None:
     """The checks dense and packed inputs share: dtypes, devices, matching shapes (dims
     named as the caller sees them: packed tensors have no batch dim), head dims, scale."""
     if not q.dtype == k.dtype == v.dtype:
@@ -109,9 +108,7 @@ def _check_qkv(q, k, v, scale: Optional[float], *, interpreting: bool, op: str,
         raise ValueError(
             f"{op}: q, k and v must be on the same device, got q on {q.device}, "
             f"k on {k.device}, v on {v.device}")
-    check_kernels_run_on(op, q.device, interpreting=interpreting,
-                         reference="flashop.attention_reference for a plain PyTorch "
-                                   "computation")
+    check_device(op, q.device)
     s = 0 if packed else 1  # the tokens' dim; heads and head dim follow it
     if not packed and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
         raise ValueError(f"{op}: q, k and v must have the same batch size (dim 0), got "
@@ -166,12 +163,11 @@ def _check_dtype(op: str, dtype: torch.dtype, fp8: bool) -> None:
 
 
 def check_fp8_inputs(q, k, v, descales: tuple, out_dtype: Optional[torch.dtype], scale,
-                     mods, packing, *, interpreting: bool, op: str) -> None:
+                     mods, packing, *, op: str) -> None:
     """Validate an fp8 call: e4m3 q, k, v as check_attention_inputs (dense or packed), each
     descale None or (B, H_kv) float32 on q's device (B the batch, or the packed batch's
     number of sequences), the output's dtype 16-bit (None: bfloat16)."""
-    check_attention_inputs(q, k, v, scale, mods, packing, interpreting=interpreting, op=op,
-                           fp8=True)
+    check_attention_inputs(q, k, v, scale, mods, packing, op=op, fp8=True)
     B = q.shape[0] if packing is None else packing.batch
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
         check_descale(op, name, d, B, k.shape[-2], q.device)
@@ -228,16 +224,13 @@ def _transposed_hint(q, k, v) -> str:
             "(batch, seqlen, heads, head_dim)) and transpose the output back")
 
 
-def check_kernels_run_on(op: str, device: torch.device, *, interpreting: bool,
-                         reference: str) -> None:
-    """The kernels run on CUDA GPUs, or on the CPU under Triton's interpreter (meta tensors
-    pass: they trace); ``reference``: the plain PyTorch function to suggest instead."""
-    if device.type not in ("cuda", "meta") and not interpreting:
+def check_device(op: str, device: torch.device) -> None:
+    """flashop runs on CUDA GPUs (its Triton kernels) and on the CPU (its CPU path, or the
+    kernels in Triton's interpreter); meta tensors pass (they trace)."""
+    if device.type not in ("cuda", "cpu", "meta"):
         raise RuntimeError(
-            f"{op}: the inputs are on {device}, but flashop's Triton kernels run on CUDA "
-            f"GPUs. Move the tensors to a GPU, or set TRITON_INTERPRET=1 before importing "
-            f"flashop to run the kernels on the CPU in Triton's interpreter (slow; for "
-            f"testing), or call {reference}")
+            f"{op}: the inputs are on {device}, but flashop runs on CUDA GPUs and on the "
+            f"CPU; move the tensors to one of them")
 
 
 def check_modifiers(q, mods, op: str, B, S_q, S_k, H, g_shape: Optional[tuple] = None) -> None:
@@ -350,11 +343,11 @@ def _check_tensor(op, name, t, dtypes, device) -> None:
 
 
 def check_backward_inputs(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float], mods,
-                          attn_mask_grad: bool, packing=None, *, interpreting: bool) -> None:
+                          attn_mask_grad: bool, packing=None) -> None:
     """Validate the backward's inputs against the forward's shapes (dense, or packed where
     ``packing`` is given)."""
     op = "flashop.attention_backward"
-    check_attention_inputs(q, k, v, scale, mods, packing, interpreting=interpreting, op=op)
+    check_attention_inputs(q, k, v, scale, mods, packing, op=op)
     if attn_mask_grad and (mods.attn_mask is None or mods.attn_mask.dtype == torch.bool):
         raise ValueError(f"{op}: attn_mask_grad=True needs a float attn_mask")
     if packing is None:
@@ -414,8 +407,8 @@ def check_offsets(op: str, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        scale: Optional[float], mods, *, interpreting: bool,
-                        op: str = "flashop.attention_varlen", fp8: bool = False) -> None:
+                        scale: Optional[float], mods, *, op: str = "flashop.attention_varlen",
+                        fp8: bool = False) -> None:
     """Validate a packed batch: q (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv,
     DV), int32 cu_seqlens of length batch + 1, the longest lengths, scale and modifiers.
 
@@ -428,7 +421,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                 f"{op}: {name} must be a 3-D tensor {_PACKED} of packed sequences, got shape "
                 f"{_shape(t)}; for padded (batch, seqlen, heads, head_dim) tensors use "
                 f"flashop.attention, or flashop.unpad_input to pack them")
-    _check_qkv(q, k, v, scale, interpreting=interpreting, op=op, packed=True, fp8=fp8)
+    _check_qkv(q, k, v, scale, op=op, packed=True, fp8=fp8)
     check_offsets(op, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k.shape[0])
     if mods is None or mods.is_plain:
         return

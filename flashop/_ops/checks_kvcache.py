@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from flashop._ops.checks import (
-    SUPPORTED_DTYPES, check_descale, check_fp8_arguments_need_fp8, check_fp8_out_dtype,
-    check_kernels_run_on, check_modifiers, check_offsets, check_scale,
+    SUPPORTED_DTYPES, check_descale, check_device, check_fp8_arguments_need_fp8,
+    check_fp8_out_dtype, check_modifiers, check_offsets, check_scale,
 )
 from flashop._ops.checks_mla import (
     cache_aliasing, check_cache_aliasing, check_head_dims, check_latent_options, is_mla,
@@ -33,7 +33,7 @@ def _shape(t: torch.Tensor) -> tuple:
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                          block_table, scale: Optional[float], mods, num_splits: int, *,
-                         interpreting: bool, op: str = OP, rotary_cos=None, rotary_sin=None,
+                         op: str = OP, rotary_cos=None, rotary_sin=None,
                          cache_leftpad=None, k_descale=None, v_descale=None, q_descale=None,
                          out_dtype: Optional[torch.dtype] = None,
                          aliasing: Optional[tuple] = None) -> None:
@@ -76,8 +76,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"{op}: all tensors must be on one device, got {got}")
-    check_kernels_run_on(op, q.device, interpreting=interpreting,
-                         reference="flashop.attention_with_kvcache_reference")
+    check_device(op, q.device)
 
     B, S_q, H, D = q.shape
     caches = f"q {_shape(q)}, k_cache {_shape(k_cache)}, v_cache {_shape(v_cache)}"
@@ -265,7 +264,7 @@ def _check_block_table(op: str, block_table, B, k_cache, caches: str) -> None:
 
 
 def check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale: Optional[float], mods, *,
-                              interpreting: bool, op: str = "flashop.attention_varlen") -> None:
+                              op: str = "flashop.attention_varlen") -> None:
     """Validate a paged prefill: packed q (total_q, H, D) with int32 cu_seqlens_q/k (batch
     + 1,) and the longest lengths, paged caches (num_blocks, page_size, H_kv, D / DV) with
     ``packing.block_table`` (batch, max_blocks) int32 of room for max_seqlen_k keys; scale
@@ -290,8 +289,7 @@ def check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale: Optional[floa
     if len(set(devices.values())) != 1:
         got = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"{op}: all tensors must be on one device, got {got}")
-    check_kernels_run_on(op, q.device, interpreting=interpreting,
-                         reference="flashop.attention_varlen_reference on the gathered pages")
+    check_device(op, q.device)
     H, D = q.shape[1], q.shape[2]
     H_kv, DV = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:

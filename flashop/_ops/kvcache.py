@@ -43,12 +43,13 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula, sdpa_flop_count
 
 from flashop._launch import attention as launch_attention
+from flashop._launch import cpu
 from flashop._launch import kvcache as launch
 from flashop._launch import mla as launch_mla
 from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
-from flashop._ops.attention import bhsd_shapes, register_forward_only, values
+from flashop._ops.attention import bhsd_shapes, register_forward_only, register_opaque, values
 from flashop._ops.checks_kvcache import (
     FP8_CACHE_DTYPE, check_kvcache_inputs, check_paged_varlen_inputs, compute_dtype,
 )
@@ -71,7 +72,7 @@ def _checked(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx
                      softcap, sinks, attention_chunk=attention_chunk)
     aliasing = cache_aliasing(k_cache, v_cache, k, v)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                         block_table, scale, mods, num_splits, interpreting=INTERPRETING,
+                         block_table, scale, mods, num_splits,
                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                          cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
                          q_descale=q_descale, out_dtype=out_dtype, aliasing=aliasing)
@@ -115,13 +116,20 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
     Also run directly by the eager path (flashop/_ops/eager.py). MLA's head dims (576, 512)
     go to the latent-cache kernel, which reads each row once where v_cache is
-    k_cache[..., :512] (the checks' aliasing). ``plan_only``: the launcher's plan and
-    whether it is MLA's, launching nothing (flashop.explain)."""
+    k_cache[..., :512] (the checks' aliasing). A traced call of CPU tensors runs it through
+    attention_with_kvcache_opaque (cpu.traced). ``plan_only``: the launcher's plan and
+    whether it is MLA's, launching nothing (flashop.explain; None over CPU tensors)."""
     mods, aliasing = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
                             block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
                             cache_leftpad, k_descale, v_descale, q_descale, scale=scale,
                             num_splits=num_splits, rotary_interleaved=rotary_interleaved,
                             out_dtype=out_dtype, **options)
+    if cpu.traced(q):
+        return torch.ops.flashop.attention_with_kvcache_opaque(
+            q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
+            alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale,
+            q_descale, scale=scale, num_splits=num_splits,
+            rotary_interleaved=rotary_interleaved, out_dtype=out_dtype, **options)
     if is_mla(k_cache, v_cache):
         result = launch_mla.attention_with_latent_cache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
@@ -159,6 +167,10 @@ def _attention_with_kvcache_fake(q, k_cache, v_cache, *args, out_dtype=None, **o
     return launch.kvcache_outputs(q, v_cache, compute_dtype(q, out_dtype))
 
 
+register_opaque("attention_with_kvcache", run_attention_with_kvcache,
+                _attention_with_kvcache_fake)
+
+
 @register_flop_formula(torch.ops.flashop.attention_with_kvcache, get_raw=True)
 def _flops(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_batch_idx=None,
            block_table=None, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None,
@@ -189,8 +201,7 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     mods = modifiers(None, alibi_slopes, None, causal, window_size_left, window_size_right,
                      softcap, sinks, attention_chunk=attention_chunk)
     packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale, mods,
-                              interpreting=INTERPRETING)
+    check_paged_varlen_inputs(q, k_cache, v_cache, packing, scale, mods)
     return mods, packing
 
 
@@ -212,8 +223,12 @@ def attention_varlen_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqle
 def run_attention_varlen_paged(q, k_cache, v_cache, *args, scale=None, **options):
     """attention_varlen_paged's body (its arguments): checks, then the forward kernel
     reading the pages; (out (total_q, H, DV), lse (H, total_q)). Also run directly by the
-    eager path (flashop/_ops/eager.py)."""
+    eager path (flashop/_ops/eager.py); a traced call of CPU tensors runs it through
+    attention_varlen_paged_opaque (cpu.traced)."""
     mods, packing = _paged_call(q, k_cache, v_cache, *args, scale=scale, **options)
+    if cpu.traced(q):
+        return torch.ops.flashop.attention_varlen_paged_opaque(q, k_cache, v_cache, *args,
+                                                               scale=scale, **options)
     out, lse, _ = launch_attention.attention_forward(q, k_cache, v_cache, scale, mods, packing)
     return out, lse
 
@@ -227,6 +242,10 @@ def _attention_varlen_paged_fake(q, k_cache, v_cache, *args, **options):
     _paged_call(q, k_cache, v_cache, *args, **options)
     out, lse, _ = launch_attention.attention_forward_outputs(q, k_cache, v_cache, packed=True)
     return out, lse
+
+
+register_opaque("attention_varlen_paged", run_attention_varlen_paged,
+                _attention_varlen_paged_fake)
 
 
 register_forward_only(attention_varlen_paged, (
