@@ -5,6 +5,7 @@ reference with every other modifier, forward and backward; the chunk's edges; th
 that decline chunks; errors; operators, fakes and compiled graphs. (The tile ranges that
 skip the tiles outside the chunks: tests/test_tile_ranges.py.)"""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -25,13 +26,21 @@ from flashop.testing import (
     accuracy, check_attention, check_attention_varlen, differentiable_inputs, dropout_mask,
 )
 from helpers import (
-    DEVICE, DKDV_KEYS, DKDV_QUERIES, FWD_KEYS, FWD_QUERIES, INPUTS, Case, TestCase, check_case,
-    error_message, head_counts, input_scales, lengths, make_inputs, make_modifiers,
-    poisoned_outputs, window_bound,
+    CPU_PATH_TWIN, DEVICE, DKDV_KEYS, DKDV_QUERIES, FWD_KEYS, FWD_QUERIES, INPUTS, Case,
+    TestCase, check_case, cpu_path, error_message, head_counts, input_scales, lengths,
+    make_inputs, make_modifiers, poisoned_outputs, window_bound,
 )
 
 ON_GPU = DEVICE == "cuda"
 MAX_SEQ = 300 if ON_GPU else 64
+# where the tests' tensors are CPU ones, each call also through the CPU path (its twins)
+PATHS = ["kernels"] if ON_GPU else ["kernels", "cpu-path"]
+
+
+def on(path: str):
+    """The block's calls through the kernels, or through the CPU path (tiles of 16 keys)."""
+    return cpu_path() if path == "cpu-path" else contextlib.nullcontext()
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # the interpreter's tile sizes, one either side of them, and 1 (DECODE_KEYS is FWD_KEYS)
 TILE_EDGES = sorted({1, *(n + d for n in (FWD_QUERIES, FWD_KEYS, DKDV_KEYS, DKDV_QUERIES)
@@ -84,6 +93,15 @@ def test_chunked_matches_reference(dtype, case, seed):
     check_case(case.in_dtype(dtype), seed)
 
 
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=chunked_cases(), seed=st.integers(0, 2**16))
+def test_cpu_path_chunked_matches_reference(dtype, case, seed):
+    """The CPU path on the same draws (its bounds: cpu/bounds.py)."""
+    with cpu_path():
+        check_case(case.in_dtype(dtype), seed)
+
+
 def _case(S_q, S_k, C, causal=True, **changes):
     case = Case(B=1, S_q=S_q, S_k=S_k, H_kv=1, G=2, D=16, DV=16, dtype=torch.float16,
                 causal=causal, attention_chunk=C)
@@ -105,9 +123,11 @@ EDGE_CASES = {
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", EDGE_CASES.values(), ids=EDGE_CASES.keys())
-def test_chunk_edges(case):
-    check_case(case)
+def test_chunk_edges(case, path):
+    with on(path):
+        check_case(case)
 
 
 def test_causal_chunks_attend_their_chunk_up_to_the_query():
@@ -175,7 +195,14 @@ def _randn(*shape, dtype, gen, grad=False):
          gate=True, seed=0)
 def test_packed_chunks_restart_in_every_sequence(lens, chunk, causal, dtype, gate, seed):
     """A packed batch (empty sequences too): each sequence's chunks count from its own first
-    key; out, lse, dq, dk, dv (and the gate's gradient) per sequence against the reference."""
+    key; out, lse, dq, dk, dv (and the gate's gradient) per sequence against the reference;
+    through the CPU path too where the tensors are CPU ones."""
+    for path in PATHS:
+        with on(path):
+            _check_packed(lens, chunk, causal, dtype, gate, seed)
+
+
+def _check_packed(lens, chunk, causal, dtype, gate, seed):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     lens_q, lens_k = [q for q, _ in lens], [k for _, k in lens]
     H_kv, G, D = 1, 2, 16
@@ -199,8 +226,9 @@ def test_packed_chunks_restart_in_every_sequence(lens, chunk, causal, dtype, gat
         assert result.ok, str(result)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal,chunk", [(True, 16), (False, 23), (True, 1)])
-def test_paged_prefill(causal, chunk):
+def test_paged_prefill(causal, chunk, path):
     """Packed queries over pages read in place (block_table), forward only: out and lse
     against the reference over the gathered keys."""
     gen = torch.Generator(device=DEVICE).manual_seed(chunk)
@@ -216,7 +244,7 @@ def test_paged_prefill(causal, chunk):
     packing = (_cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
     sinks = torch.randn(H_kv * G, device=DEVICE, generator=gen)
     options = dict(causal=causal, attention_chunk=chunk, sinks=sinks)
-    with poisoned_outputs():
+    with poisoned_outputs(), on(path):
         out, lse = flashop.attention_varlen_with_lse(q, k_cache, v_cache, *packing,
                                                      block_table=table, **options)
     ref, plain = (attention_varlen_reference(q, k, v, *packing[:2], compute_dtype=d, **options)
@@ -229,11 +257,11 @@ def test_paged_prefill(causal, chunk):
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def _check_decode(q, k_cache, v_cache, k, v, dtype, **kwargs):
-    """attention_with_kvcache's out and lse (outputs poisoned) against the reference on the
-    caches as they were; returns the caches after the append."""
+def _check_decode(q, k_cache, v_cache, k, v, dtype, path="kernels", **kwargs):
+    """attention_with_kvcache's out and lse (outputs poisoned; through ``path``) against the
+    reference on the caches as they were; returns the caches after the append."""
     before = k_cache.clone(), v_cache.clone()
-    with poisoned_outputs():
+    with poisoned_outputs(), on(path):
         out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, v, return_lse=True,
                                                   **kwargs)
     reference = dict(kwargs)
@@ -246,10 +274,11 @@ def _check_decode(q, k_cache, v_cache, k, v, dtype, **kwargs):
         assert result.ok, str(result)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("causal,chunk,S_q", [(True, 16, 1), (True, 20, 4), (False, 9, 3)])
-def test_decode_with_appends_and_splits(paged, num_splits, causal, chunk, S_q):
+def test_decode_with_appends_and_splits(paged, num_splits, causal, chunk, S_q, path):
     """Queries over caches of several lengths (empty, inside the first chunk, past several)
     after an append of 3 keys, chunks counted from each sequence's first key; split-KV runs
     whose key tiles cross chunk edges; GQA, ALiBi and sinks."""
@@ -271,10 +300,11 @@ def test_decode_with_appends_and_splits(paged, num_splits, causal, chunk, S_q):
     k_cache, v_cache = (_randn(*shape, dtype=dtype, gen=gen) for _ in range(2))
     q = _randn(B, S_q, H_kv * G, D, dtype=dtype, gen=gen)
     k, v = (_randn(B, 3, H_kv, D, dtype=dtype, gen=gen) for _ in range(2))
-    _check_decode(q, k_cache, v_cache, k, v, dtype, **kwargs)
+    _check_decode(q, k_cache, v_cache, k, v, dtype, path, **kwargs)
 
 
-def test_decode_with_left_padding_counts_chunks_from_the_first_key():
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_with_left_padding_counts_chunks_from_the_first_key(path):
     """cache_leftpad: sequence b's keys (and chunks) start at row cache_leftpad[b]; rotary
     positions per query, as under a window."""
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -287,7 +317,7 @@ def test_decode_with_left_padding_counts_chunks_from_the_first_key():
     k_cache, v_cache = (_randn(B, 64, H_kv, D, dtype=dtype, gen=gen) for _ in range(2))
     q = _randn(B, 2, H_kv * 2, D, dtype=dtype, gen=gen)
     k, v = (_randn(B, 2, H_kv, D, dtype=dtype, gen=gen) for _ in range(2))
-    _check_decode(q, k_cache, v_cache, k, v, dtype, **kwargs)
+    _check_decode(q, k_cache, v_cache, k, v, dtype, path, **kwargs)
 
 
 def test_decode_loop_step_by_step():

@@ -93,8 +93,9 @@ def problem(q, k, v, scale: float, mods: Modifiers, offset: int, batch: torch.Te
     # 16-bit queries hold the scores' scale (exact enough), fp32 ones are scaled per tile
     c = dense.Problem.product_scale(scale, mods.softcap)
     folded, tile_scale = (1.0, c) if q.dtype == torch.float32 else (c, 1.0)
+    bounds = Bounds(offset, left, right, mods.attention_chunk)
     pb = dense.Problem(dense.rows(q, H_kv, folded), dense.rows(k, H_kv), dense.rows(v, H_kv),
-                       scale, Bounds(offset, left, right), mods.softcap,
+                       scale, bounds, mods.softcap,
                        dropout_p=mods.dropout_p, seed=seed, batch=batch, folded=folded,
                        tile_scale=tile_scale)
     if alibi is not None:

@@ -22,32 +22,46 @@ ALIGN = 16  # tiles start at multiples of 16 queries and keys (dropout's draws)
 class Bounds:
     """Query i of a problem sits at key position ``p = i + offset`` (``S_k - S_q``:
     bottom-right aligned) and attends key j, ``0 <= j < S_k``, iff ``p - left <= j`` and
-    ``j <= p + right`` (-1: that side unbounded; causal is ``right = 0``)."""
+    ``j <= p + right`` (-1: that side unbounded; causal is ``right = 0``) and, where
+    ``chunk`` C > 0, ``j // C == p // C`` (floor division: a query before key 0 is in no
+    key's chunk)."""
 
     offset: int
     left: int = -1
     right: int = -1
+    chunk: int = 0
 
     @property
     def bounded(self) -> bool:
         """Whether some key is out of some query's bounds (past the lengths aside)."""
-        return self.left >= 0 or self.right >= 0
+        return self.left >= 0 or self.right >= 0 or self.chunk > 0
+
+    def _first(self, p: int) -> int:
+        """The first key position ``p`` may attend (before the lengths)."""
+        first = p - self.left if self.left >= 0 else -(1 << 62)
+        if self.chunk > 0:
+            first = max(first, p // self.chunk * self.chunk)
+        return first
+
+    def _end(self, p: int) -> int:
+        """One past the last key position ``p`` may attend (before the lengths)."""
+        end = p + self.right + 1 if self.right >= 0 else 1 << 62
+        if self.chunk > 0:
+            end = min(end, (p // self.chunk + 1) * self.chunk)
+        return end
 
     def key_range(self, i0: int, i1: int, S_k: int) -> tuple[int, int]:
-        """[lo, hi): the keys that some query of [i0, i1) may attend."""
-        lo, hi = 0, S_k
-        if self.left >= 0:
-            lo = max(lo, i0 + self.offset - self.left)
-        if self.right >= 0:
-            hi = min(hi, i1 - 1 + self.offset + self.right + 1)
+        """[lo, hi): the keys that some query of [i0, i1) may attend (a query's first and
+        end keys both grow with its position)."""
+        lo = max(0, self._first(i0 + self.offset))
+        hi = min(S_k, self._end(i1 - 1 + self.offset))
         return lo, max(lo, hi)
 
     def keep(self, i0: int, i1: int, j0: int, j1: int) -> Optional[torch.Tensor]:
         """The (i1 - i0, j1 - j0) keep-mask of queries [i0, i1) and keys [j0, j1); None
         where every pair is kept."""
-        inside = ((self.left < 0 or i1 - 1 + self.offset - self.left <= j0)
-                  and (self.right < 0 or j1 - 1 <= i0 + self.offset + self.right))
-        if inside:
+        if (self._first(i1 - 1 + self.offset) <= j0
+                and j1 <= self._end(i0 + self.offset)):
             return None
         p = torch.arange(i0 + self.offset, i1 + self.offset)[:, None]
         j = torch.arange(j0, j1)[None, :]
@@ -56,6 +70,9 @@ class Bounds:
             keep &= j >= p - self.left
         if self.right >= 0:
             keep &= j <= p + self.right
+        if self.chunk > 0:
+            keep &= (torch.div(j, self.chunk, rounding_mode="floor")
+                     == torch.div(p, self.chunk, rounding_mode="floor"))
         return keep
 
 
