@@ -20,7 +20,8 @@ from flashop.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
 from helpers import (
-    DEVICE, TestCase, assert_outputs_within_rule, bitwise_equal, cuda_graph, poisoned_outputs,
+    CPU_PATH_TWIN, DEVICE, TestCase, assert_outputs_within_rule, bitwise_equal, cpu_path,
+    cuda_graph, poisoned_outputs,
 )
 
 D, DV = 576, 512  # MLA's: 512 latent + 64 rotary dims; the values are the latent ones
@@ -179,6 +180,15 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_latent_cache_matches_reference(name):
     check_mla_case(CASES[name])
+
+
+@CPU_PATH_TWIN
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_path_latent_cache_matches_reference(name):
+    """The CPU path on the same calls: the row appended once (the values are its leading
+    columns), the attention over each sequence's rows."""
+    with cpu_path():
+        check_mla_case(CASES[name])
 
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128, 256])

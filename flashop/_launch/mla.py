@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from flashop._launch import tiles as tile_table
+from flashop._launch import cpu, tiles as tile_table
+from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
     next_power_of_2, on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
@@ -125,6 +126,16 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
     v_cache too and the values are read from it. ``mods`` holds causal alone (the checks
     refuse the other modifiers). ``num_splits`` 0 picks the splits (auto_splits).
     ``plan_only``: return the plan and launch nothing (flashop.explain)."""
+    if cpu.serves(q):
+        if plan_only:
+            return None
+        if k is not None and not values_in_keys:
+            v = k[..., :v_cache.shape[-1]] if v is None else v
+        return cpu_kvcache.attention_with_kvcache(
+            q, k_cache, v_cache, k, None if values_in_keys else v, cache_seqlens,
+            cache_batch_idx, block_table, resolve_scale(scale, q.shape[-1]), mods,
+            cache_leftpad, None, None, True, False, None, None, None,
+            kvcache_outputs(q, v_cache))
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = index_tensors(
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     if k is not None:

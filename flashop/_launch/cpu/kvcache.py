@@ -32,7 +32,7 @@ def append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, 
     positions = cache_seqlens.long()[:, None] + torch.arange(S_new)  # (B, S_new)
     if rotary_cos is not None:
         k = rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-    if k_cache.dtype == _FP8:
+    if k_cache.dtype == _FP8:  # (MLA refuses fp8 caches: v is given here)
         k, v = quantize_e4m3(k, k_descale), quantize_e4m3(v, v_descale)
     written = (positions >= 0) & (positions < _capacity(k_cache, block_table))
     b = torch.arange(B)[:, None].expand(B, S_new)[written]
@@ -44,7 +44,8 @@ def append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, 
         row = b if cache_batch_idx is None else cache_batch_idx.long()[b]
         slot = (row, pos)
     k_cache.index_put_(slot, k[written].to(k_cache.dtype))
-    v_cache.index_put_(slot, v[written].to(v_cache.dtype))
+    if v is not None:  # (None: the values are the keys' leading columns, MLA's latent cache)
+        v_cache.index_put_(slot, v[written].to(v_cache.dtype))
 
 
 def _cached(cache: torch.Tensor, b: int, start: int, end: int, cache_batch_idx,
