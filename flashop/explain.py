@@ -101,6 +101,11 @@ def _kvcache(fn, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, causal=F
     plan, mla = kvcache_ops.run_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, **tensors_and_options, **options,
         plan_only=True)
+    if plan is None:  # CPU tensors: the CPU path
+        return Explanation(call, Choice(
+            "CPU path", [], {"computed by": "PyTorch's CPU operations, each sequence's keys "
+                                            "at once after the append"},
+            ["Triton kernels: CPU tensors without Triton's interpreter (the CPU path)"]))
     kernel = "mla_decode_kernel" if mla else "attention_decode_kernel"
     choice = launch_kvcache.plan_choice(plan, kernel)
     if mla:

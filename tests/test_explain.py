@@ -70,8 +70,9 @@ if ON_GPU:
 
 @pytest.mark.parametrize("name", list(CALLS))
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("switches", [{}, dict(dq_atomics=True), dict(gluon=False)],
-                         ids=["default", "dq-atomics", "no-gluon"])
+@pytest.mark.parametrize("switches", [{}, dict(dq_atomics=True), dict(gluon=False),
+                                      dict(cpu_path=True)],
+                         ids=["default", "dq-atomics", "no-gluon", "cpu-path"])
 def test_the_explanation_is_what_the_call_launches(name, deterministic, switches):
     """explain's forward and backward kernels, in order, are those the call launches."""
     make, options = CALLS[name]
@@ -192,6 +193,23 @@ forward: tl forward
   - Gluon forward: not under Triton's interpreter
   - warp-specialized forward: dense 16-bit or fp8 inputs only
   - tensor descriptors: not over pages""")
+
+    @pytest.mark.skipif(ON_GPU, reason="the CPU path takes CPU tensors")
+    def test_explanations_of_the_cpu_path(self):
+        q, k, v = CALLS["plain"][0]()
+        with flashop.config.override(cpu_path=True):
+            plain = flashop.explain(flashop.attention, q, k, v, causal=True)
+            modified = flashop.explain(flashop.attention, q, k, v, softcap=3.0)
+        self.assertExpectedInline(str(plain), """\
+flashop.attention on cpu: q (2, 40, 4, 64) bfloat16, k (2, 40, 2, 64) bfloat16, v (2, 40, 2, 64) bfloat16
+forward: CPU path
+  computed by: SDPA's CPU flash-attention kernels
+  - Triton kernels: CPU tensors without Triton's interpreter (the CPU path)
+backward: CPU path
+  computed by: SDPA's CPU flash-attention kernels
+  - Triton kernels: CPU tensors without Triton's interpreter (the CPU path)""")
+        self.assertEqual(modified.forward.options["computed by"],
+                         "PyTorch's CPU operations, blocked over key tiles")
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not (ON_GPU and gluon.available(torch.device(DEVICE))),

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from flashop import config
-from flashop._launch import gluon, tiles
+from flashop._launch import cpu, gluon, tiles
 from flashop._launch.calls import is_traced
 from flashop._launch.common import (
     block_dim, decline, is_hopper, known_shorter, resolve_scale, tma_aligned,
@@ -55,6 +55,29 @@ def _tiles_text(t: tiles.Tiles) -> str:
     text = (f"{t.BLOCK_M}x{t.BLOCK_N} tiles, {t.num_warps} warps, {t.num_stages} "
             f"stage{'s' if t.num_stages > 1 else ''}")
     return text + (", two query tiles per program" if t.split_m else "")
+
+
+def cpu_path(q, k, v, p, mods: Modifiers, differentiable: bool) -> tuple:
+    """(path, kernels, options, why) of a call that the CPU path takes (cpu.serves): SDPA's
+    CPU kernels where they compute it (cpu.attention.sdpa_serves: a dense call, or each
+    sequence of a packed one, with its inputs as the path computes them: e4m3 ones
+    dequantized to fp32), else the path's blocked computation over key tiles.
+    ``differentiable``: a backward may follow (the training operators)."""
+    from flashop._launch.cpu.attention import sdpa_serves
+
+    why = ["Triton kernels: CPU tensors without Triton's interpreter (the CPU path)"]
+    if q.dtype == torch.float8_e4m3fn:
+        q = torch.empty(q.shape, dtype=torch.float32, device="meta")
+    sdpa = sdpa_serves(q, k, v, mods, p.S_k - p.S_q, differentiable)
+    if not sdpa:
+        why.append("SDPA's CPU kernels: no modifiers or dropout, causal only where S_q = S_k, "
+                   "D = DV" + (", 16-bit inputs where a backward may follow"
+                               if differentiable else ""))
+    how = ("SDPA's CPU flash-attention kernels" if sdpa
+           else "PyTorch's CPU operations, blocked over key tiles")
+    if p.packed:
+        how = f"each sequence apart: {how}" + (" where its lengths allow" if sdpa else "")
+    return "CPU path", [], {"computed by": how}, why
 
 
 # --- the forward ----------------------------------------------------------------------------
@@ -188,6 +211,9 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
     warp-specialized kernel where its rule does (no sinks, no dropout), else the general
     kernel with its tiles (tiles.forward_tiles), its key and value tiles through tensor
     descriptors where their rule selects them (not over pages, and v with unit stride)."""
+    if cpu.serves(q):
+        paged = p.packing is not None and p.packing.block_table is not None
+        return ForwardChoice(*cpu_path(q, k, v, p, mods, differentiable=not (fp8 or paged)))
     why: list = []
     qk_scale = p.modifier_args["qk_scale"]
     if fp8:
@@ -281,6 +307,8 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
     two parts above head dim 128, tiles.splits_dkdv), or, where the atomics are forced
     (config.settings.dq_atomics) and there is no gate and no mask gradient, the dK/dV kernel
     adding dQ by fp32 atomics alone. ``deterministic`` as deterministic_backward gives it."""
+    if cpu.serves(q):
+        return BackwardChoice(*cpu_path(q, k, v, p, mods, differentiable=True))
     why: list = []
     causal = p.flags["HAS_RIGHT"]
     ordered = gluon_backward_order(q, k, v, dout, mods, attn_mask_grad, p.packing,
