@@ -325,6 +325,18 @@ def test_python_int_lengths_and_appends_past_capacity_are_dropped():
     assert torch.equal(k_cache[2:], before[0][2:]) and torch.equal(v_cache[2:], before[1][2:])
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("alibi,sinks", [((3, 4), None), (None, torch.float32),
+                                          ((4,), torch.float32)],
+                         ids=["alibi", "sinks", "alibi-and-sinks"])
+def test_alibi_or_sinks_as_the_only_modifiers(paged, alibi, sinks):
+    """A decode plan holds its modifiers without their tensors (its key): ALiBi's slopes and
+    the sinks, the only modifiers of a causal call, still reach the kernel."""
+    check_cache_case(CacheCase((17, 60, 0), 1, 3, 2, 2, 32, 32, torch.float16, paged=paged,
+                               capacity=64, causal=True, alibi=alibi, sinks=sinks,
+                               num_splits=2))
+
+
 def test_decode_loop_matches_reference_step_by_step():
     """A paged decode loop appending one token at a time (the caller advances the
     lengths) equals the reference at every step."""

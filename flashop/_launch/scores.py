@@ -34,8 +34,9 @@ def score_args(mods: Modifiers, sm_scale: float, alibi: Optional[TensorMeta]) ->
     tanh), the bounds ``left`` and ``right`` (0 where unbounded) with HAS_LEFT / HAS_RIGHT
     (causal is a right bound of 0), the ``chunk`` length with HAS_CHUNK, HAS_SOFTCAP, and
     the (batch, head) strides of the ALiBi slopes ``alibi`` (the slopes' meta, None without
-    them) with HAS_ALIBI."""
-    if mods.is_plain:
+    them) with HAS_ALIBI. (A decode plan's ``mods`` come without their tensors, ALiBi's
+    slopes then in ``alibi`` alone: plain Modifiers with slopes are not plain here.)"""
+    if mods.is_plain and alibi is None:
         return dict(_PLAIN[mods.causal], qk_scale=sm_scale * LOG2E)
     left, right = mods.bounds
     if mods.softcap > 0:
