@@ -337,6 +337,19 @@ def test_alibi_or_sinks_as_the_only_modifiers(paged, alibi, sinks):
                                num_splits=2))
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_keys_and_values_stacked_in_one_buffer(paged):
+    """Caches that are two halves of one allocation (kv[0], kv[1], as serving engines
+    allocate them), and new keys and values unbound from one tensor: separate tensors to
+    the checks and the kernels, written and read apart."""
+    case = CacheCase((17, 40, 0), 1, 2, 2, 2, 32, 32, torch.float16, paged=paged,
+                     capacity=64, causal=True, num_splits=2)
+    (q, k_cache, v_cache, k, v), kwargs = make_call(case)
+    kv_cache = torch.stack([k_cache, v_cache])
+    kv_new = torch.stack([k, v])
+    check_cache_case(case, call=((q, kv_cache[0], kv_cache[1], kv_new[0], kv_new[1]), kwargs))
+
+
 def test_decode_loop_matches_reference_step_by_step():
     """A paged decode loop appending one token at a time (the caller advances the
     lengths) equals the reference at every step."""

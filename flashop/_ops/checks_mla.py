@@ -22,8 +22,11 @@ MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 def _leading_view(view: Optional[torch.Tensor], base: Optional[torch.Tensor]) -> Optional[bool]:
     """None where ``view`` and ``base`` do not share memory (or one is None); True where
     ``view`` is ``base[..., :n]`` (dtype, start, strides and the other dims ``base``'s);
-    False where they share memory otherwise."""
+    False where their memory overlaps otherwise (two tensors in one allocation that do not
+    overlap, as keys and values stacked in one buffer, are separate)."""
     if view is None or base is None or not torch._C._is_alias_of(view, base):
+        return None
+    if not _spans_overlap(view, base):
         return None
     return bool(view.dtype == base.dtype and view.dim() == base.dim()
                 and view.storage_offset() == base.storage_offset()
@@ -31,12 +34,30 @@ def _leading_view(view: Optional[torch.Tensor], base: Optional[torch.Tensor]) ->
                 and view.shape[-1] <= base.shape[-1])  # (symbolic sizes: a guard)
 
 
+def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes from the first to the last element of ``a`` and of ``b`` (one
+    storage) overlap; empty tensors overlap nothing."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(x: torch.Tensor) -> tuple:
+        start = x.storage_offset() * x.element_size()
+        last = sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride()))
+        return start, start + (last + 1) * x.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def cache_aliasing(k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                    v: Optional[torch.Tensor]) -> tuple:
-    """(v_cache of k_cache, v of k), each as _leading_view tells it: None where separate,
-    True where the values are the keys' leading columns, False where they share memory
-    otherwise (refused by check_cache_aliasing). Part of an eager call's checked signature:
-    shapes and strides alone do not tell a view from a tensor of its own."""
+    """(v_cache of k_cache, v of k) at MLA's head dims, each as _leading_view tells it: None
+    where separate, True where the values are the keys' leading columns, False where their
+    memory overlaps otherwise (refused by check_cache_aliasing); (None, None) at other head
+    dims, whose caches are read and written apart. Part of an eager call's checked
+    signature: shapes and strides alone do not tell a view from a tensor of its own."""
+    if not is_mla(k_cache, v_cache):
+        return None, None
     return _leading_view(v_cache, k_cache), _leading_view(v, k)
 
 
