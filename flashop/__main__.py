@@ -6,8 +6,9 @@ kernels, on a GPU, or without one in Triton's CPU interpreter (as CI tests them)
 process with TRITON_INTERPRET=1 (which Triton reads when the kernels are decorated), unless
 this process already has it. ``--only cpu-path`` / ``--only kernels`` checks one.
 
-The default run is short: a few checks and one benchmark shape, so that a first run, which
-compiles each kernel it uses (Triton caches them for later runs), ends within a minute.
+The default run is short: a few checks (one with a window and a softcap, gradients included)
+and one benchmark shape, so that a first run, which compiles each kernel it uses (Triton
+caches them for later runs), ends within a minute.
 ``--full`` checks every dtype on more shapes, every modifier, sinks with a boolean mask and
 dropout, and decoding over a paged cache, and times more shapes.
 """
@@ -142,37 +143,71 @@ def self_check(device: str, full: bool, summary: Summary) -> None:
             print(f"{row}  {worst:17.2f}  {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def _modified_dense_check(randn, gen, device: str, every: bool) -> list:
+    """A dense call with a two-sided window and a softcap, whose gradients the plain checks do
+    not reach (a dropped term of the softcap's derivative fails it); where ``every``, causal
+    with every score modifier instead (ALiBi, a gate, a float mask with its gradient)."""
+    import flashop
+    from flashop.testing import check_attention, differentiable_inputs
+
+    B, S_q, S_k, H, H_kv, D = 2, 45, 70, 4, 2, 32
+    q, k, v = randn(B, S_q, H, D), randn(B, S_k, H_kv, D), randn(B, S_k, H_kv, D)
+    mods = dict(attn_mask=None, alibi_slopes=None, g=None)
+    options = dict(window_size=(19, 7), softcap=2.0)
+    if every:
+        mods = dict(attn_mask=randn(1, H, S_q, 1, dt=torch.float32),
+                    alibi_slopes=torch.rand(H, device=device, generator=gen),
+                    g=torch.nn.functional.logsigmoid(randn(B, S_k, H, dt=torch.float32) + 2))
+        options = dict(causal=True, window_size=(24, 0), softcap=5.0)
+        mods["attn_mask"].requires_grad_()
+        mods["g"].requires_grad_()
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, lse = flashop.attention_with_lse(q, k, v, **mods, **options)
+    wrt = differentiable_inputs(q, k, v, mods["attn_mask"], mods["g"])
+    dout, dlse = randn(B, S_q, H, D), randn(B, H, S_q, dt=torch.float32)
+    grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
+    return check_attention(q, k, v, dout, dlse, out, lse, grads, **mods, **options)
+
+
+def _report(summary: Summary, dtype: torch.dtype, name: str, results) -> None:
+    worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
+    ok = summary.add(results)
+    print(f"{str(dtype)[6:]:>9}  {name:<58} {worst:17.2f}  {'ok' if ok else 'FAIL'}",
+          flush=True)
+
+
+def _randn(gen, device: str, dtype: torch.dtype):
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt, generator=gen)
+    return randn
+
+
+def quick_modifier_check(device: str, summary: Summary) -> None:
+    """The default run's one call with modifiers (fp16): a two-sided window and a softcap,
+    out, lse and gradients under the rule."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    print(f"\n{'dtype':>9}  {'case':<58} worst error/bound  result")
+    _report(summary, torch.float16, "window (19, 7), softcap 2",
+            _modified_dense_check(_randn(gen, device, torch.float16), gen, device, False))
+
+
 def modifier_check(device: str, summary: Summary) -> None:
     """Per dtype, under the same accuracy rule: every score modifier at once (dense, float
     mask with its gradient); a packed batch with a gate, a window and chunks; learned sinks
-    with a
-    boolean mask and dropout (against the reference given the kernels' own keep-mask); and
-    decoding over a paged key/value cache with an append, chunked (out and lse; the cache
+    with a boolean mask and dropout (against the reference given the kernels' own keep-mask);
+    and decoding over a paged key/value cache with an append, chunked (out and lse; the cache
     after the append bit for bit)."""
     import flashop
-    from flashop.testing import check_attention, check_attention_varlen, differentiable_inputs
+    from flashop.testing import check_attention_varlen
 
     gen = torch.Generator(device=device).manual_seed(1)
     print(f"\n{'dtype':>9}  {'case':<58} worst error/bound  result")
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        def randn(*shape, dt=dtype):
-            return torch.randn(*shape, device=device, dtype=dt, generator=gen)
-
-        B, S_q, S_k, H, H_kv, D = 2, 45, 70, 4, 2, 32
-        q, k, v = randn(B, S_q, H, D), randn(B, S_k, H_kv, D), randn(B, S_k, H_kv, D)
-        g = torch.nn.functional.logsigmoid(randn(B, S_k, H, dt=torch.float32) + 2)
-        bias = randn(1, H, S_q, 1, dt=torch.float32)
-        slopes = torch.rand(H, device=device, generator=gen)
-        options = dict(causal=True, window_size=(24, 0), softcap=5.0)
-        for t in (q, k, v, bias, g):
-            t.requires_grad_()
-        out, lse = flashop.attention_with_lse(q, k, v, bias, slopes, g, **options)
-        wrt = differentiable_inputs(q, k, v, bias, g)
-        dout, dlse = randn(B, S_q, H, D), randn(B, H, S_q, dt=torch.float32)
-        grads = torch.autograd.grad((out, lse), tuple(wrt.values()), (dout, dlse))
+        randn = _randn(gen, device, dtype)
+        H, H_kv, D = 4, 2, 32
         results = [("causal, window 24, softcap 5, ALiBi, gate, float mask (grad)",
-                    check_attention(q, k, v, dout, dlse, out, lse, grads, bias, slopes, g,
-                                    **options))]
+                    _modified_dense_check(randn, gen, device, True))]
 
         lens_q, lens_k = [0, 37, 1, 60], [5, 50, 1, 60]
         cu_q, cu_k = (torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
@@ -195,10 +230,7 @@ def modifier_check(device: str, summary: Summary) -> None:
         results.append(("paged cache (pages of 16), append 3, GQA, causal, chunk 24",
                         _cache_check(randn, gen, device, dtype)))
         for name, rs in results:
-            worst = max(r.error / r.bound if r.bound else 0.0 for r in rs)
-            ok = summary.add(rs)
-            print(f"{str(dtype)[6:]:>9}  {name:<58} {worst:17.2f}  {'ok' if ok else 'FAIL'}",
-                  flush=True)
+            _report(summary, dtype, name, rs)
 
 
 def _training_check(randn, gen, device: str, dtype: torch.dtype) -> list:
@@ -333,6 +365,8 @@ def check_cpu_path(full: bool) -> "Summary":
         self_check("cpu", full, summary)
         if full:
             modifier_check("cpu", summary)
+        else:
+            quick_modifier_check("cpu", summary)
         _say("CPU path checks " + ("passed" if not summary.failed else "FAILED"))
         rows = benchmark_cpu_path()
     print(f"\nCPU path: (4, 512, 8, 64) forward + backward, ms, {torch.get_num_threads()} "
@@ -413,6 +447,8 @@ def check_kernels(full: bool) -> "Summary":
     self_check(device, full, summary)
     if full:
         modifier_check(device, summary)
+    else:
+        quick_modifier_check(device, summary)
     _say("kernel checks " + ("passed" if not summary.failed else "FAILED"))
     if device == "cuda":
         rows = benchmark_gpu(full)

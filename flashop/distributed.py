@@ -70,6 +70,36 @@ def _ring(group, op: str) -> _Ring:
     return _Ring(dist.get_rank(group), dist.get_world_size(group), ranks, group)
 
 
+# The backend whose point-to-point sends take each device type's tensors, as named in a
+# message: gloo sends host memory only (a CUDA tensor handed to it failed inside gloo,
+# "writev ... Bad address")
+_P2P_BACKENDS = {"cuda": ("nccl", "the NCCL backend for CUDA tensors"),
+                 "cpu": ("gloo", "the gloo backend for CPU tensors")}
+
+
+def _check_backend(backend_config: str, device: torch.device, op: str) -> None:
+    """Raise unless a group whose backends are ``backend_config`` (as
+    ``dist.get_backend_config`` gives them: "cpu:gloo,cuda:gloo"; a bare name serves every
+    device type) sends ``device``'s tensors point to point."""
+    backends = dict(part.split(":", 1) if ":" in part else (device.type, part)
+                    for part in backend_config.split(","))
+    backend = backends.get(device.type)
+    if backend is not None and not (backend == "gloo" and device.type != "cpu"):
+        return
+    has = (f"its backend for {device.type} tensors is gloo, which sends CPU tensors only"
+           if backend else f"it has no backend for {device.type} tensors (its backends: "
+                           f"{backend_config})")
+    if device.type in _P2P_BACKENDS:
+        name, what = _P2P_BACKENDS[device.type]
+        use = (f"a group with {what} (init_process_group(\"{name}\") or "
+               f"new_group(backend=\"{name}\"))")
+    else:
+        use = (f"a group whose backend sends {device.type} tensors (NCCL for CUDA tensors, "
+               f"gloo for CPU tensors)")
+    raise RuntimeError(f"{op}: q, k and v are on {device}, but the process group cannot send "
+                       f"them: {has}; use {use}")
+
+
 def _exchange(ring: _Ring, send: Sequence[Tensor], recv: Sequence[Tensor]) -> list:
     """Send ``send`` to the next rank and receive ``recv`` from the previous one,
     asynchronously; returns the requests to wait on."""
@@ -412,6 +442,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *,
     check_attention_inputs(q, k, v, scale,
                            modifiers(None, alibi_slopes, None, causal, *window, softcap),
                            op=op)
+    _check_backend(dist.get_backend_config(group), q.device, op)
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         raise RuntimeError(f"{op}: alibi_slopes get no gradient (as in FlashAttention); "
                            f"detach them")

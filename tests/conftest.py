@@ -6,12 +6,27 @@ any test module imports flashop, and restored when the run ends.
 """
 
 import os
+import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+def _import_torchs_mkldnn_quietly():
+    """torch.utils.mkldnn, which Inductor imports, decorates 14 methods with
+    ``torch.jit.script_method``, which torch 2.13 deprecates: a DeprecationWarning from
+    torch's own code for each, in every process that compiles. It is imported here once with
+    that warning ignored; the warning stays on everywhere else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated",
+                                category=DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
+
+
+_import_torchs_mkldnn_quietly()
 
 settings.register_profile(
     "ci", max_examples=30, derandomize=True, deadline=None, print_blob=True,

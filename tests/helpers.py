@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -42,15 +43,109 @@ def slow_property_examples(interpreter_share: float = 1.0) -> int:
     return max(round(settings.default.max_examples * share), 1)
 
 
-# The interpreter's tiles: the forward and dQ take 16 keys at a time (in programs of 32
-# queries), dK/dV 32 keys a program and 16 queries at a time (flashop/_launch/tiles.py), the
-# decode kernel 16 keys at a time (flashop/_launch/kvcache.py)
-FWD_QUERIES, FWD_KEYS, DKDV_KEYS, DKDV_QUERIES, DECODE_KEYS = 32, 16, 32, 16, 16
+def _interpreter_tiles(kind: str):
+    from flashop._launch import kvcache, tiles
+
+    if kind == "decode":
+        return kvcache.decode_tiles(1, 16, 16, torch.float16, 0)
+    return tiles.tiles_for(kind, 16, torch.float16, torch.device(DEVICE))
+
+
+# The interpreter's tiles, as its launchers choose them: the forward and dQ take 16 keys at a
+# time (in programs of 32 queries), dK/dV 32 keys a program and 16 queries at a time, the
+# decode kernel 16 keys at a time (flashop/_launch/tiles.py, flashop/_launch/kvcache.py)
+if DEVICE == "cpu":
+    (FWD_QUERIES, FWD_KEYS), (DKDV_QUERIES, DKDV_KEYS) = (
+        (t.BLOCK_M, t.BLOCK_N) for t in map(_interpreter_tiles, ("fwd", "dkdv")))
+    DECODE_KEYS = _interpreter_tiles("decode").BLOCK_N
+else:
+    FWD_QUERIES, FWD_KEYS, DKDV_KEYS, DKDV_QUERIES, DECODE_KEYS = 32, 16, 32, 16, 16
 # Lengths past two tiles of every attention kernel, where a property test's draws spend
 # most of their time (a GPU's tiles reach 128). Shorter lengths are drawn too, and
 # @examples pin the edges.
 TWO_QUERY_TILES = DKDV_QUERIES + 1 if DEVICE == "cpu" else 129
 TWO_KEY_TILES = DKDV_KEYS + 1 if DEVICE == "cpu" else 129
+
+
+def tile_sizes() -> tuple:
+    """Every tile size the launchers choose on the test device, smallest first: the attention
+    kernels' BLOCK_M and BLOCK_N (and the forward's query tiles of BLOCK_M / 2) for every
+    kind, head dim, dtype, bound and length class of the tile table, and the decode kernel's
+    key tiles (BLOCK_N) for dense and paged caches."""
+    from flashop._launch import kvcache, tiles
+    from flashop._launch.common import max_shared_memory
+
+    device = torch.device("cpu") if DEVICE == "cpu" else torch.device(
+        "cuda", torch.cuda.current_device())
+    sizes = set()
+    head_dims = (16, 32, 64, 96, 128, 160, 192, 256)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    for kind in ("fwd", "dq", "dkdv", "dkdv_atomic"):
+        for D, dtype, causal, short, mask_grad in itertools.product(
+                head_dims, dtypes, *[(False, True)] * 3):
+            t = tiles.tiles_for(kind, D, dtype, device, mask_grad, causal, short)
+            sizes |= {t.BLOCK_M, t.BLOCK_N}
+            if t.split_m:  # two query tiles of BLOCK_M / 2 per program
+                sizes.add(t.BLOCK_M // 2)
+    for rows, D, dtype, page in itertools.product((1, 8, 64), head_dims, dtypes, (0, 16, 64)):
+        t = kvcache.decode_tiles(rows, D, D, dtype, page)
+        if DEVICE == "cuda":
+            t = kvcache.fit_shared_memory(t, D, D, dtype.itemsize,
+                                          max_shared_memory(device.index))
+        sizes.add(t.BLOCK_N)
+    return tuple(sorted(sizes))
+
+
+TILES = tile_sizes()
+
+
+def _near_multiples(most: int, sizes, spread: int, zero: bool = False) -> set:
+    """n * size + d for the sizes, n >= 1 (n >= 0 where ``zero``) and |d| <= spread, up to
+    ``most``."""
+    return {n * t + d for t in sizes for n in range(0 if zero else 1, most // t + 2)
+            for d in range(-spread, spread + 1) if n * t + d <= most}
+
+
+def _sampled(values):
+    values = sorted(values)
+    return st.sampled_from(values) if values else st.nothing()
+
+
+def tile_edges(least: int, most: int, sizes=TILES):
+    """Lengths in [least, most] at a multiple of a tile size in use (``sizes``) or one either
+    side: a sequence's queries or keys, a packed sequence's end, a cache's keys, a page's
+    end."""
+    return _sampled(n for n in _near_multiples(most, sizes, 1) if n >= least)
+
+
+# The window's bounds and the causal offset S_k - S_q are drawn up to two either side of an
+# edge: the kernels' ranges add one to them themselves (a tile's last row, the key past a
+# bound), so that two reach one either side of every edge the kernels compute.
+
+def edge_offset_keys(S_q: int, least: int, most: int, sizes=TILES):
+    """Key counts in [least, most] whose causal offset S_k - S_q is a multiple of a tile size
+    (0 included) or up to two either side, of either sign."""
+    offsets = _near_multiples(most, sizes, 2, zero=True)
+    return _sampled({S_q + s * o for o in offsets for s in (1, -1)} & set(range(least, most + 1)))
+
+
+def left_bounds_at_edges(offset: int, most: int, least: int = 0, sizes=TILES):
+    """Left window bounds in [least, most] that put the first key of a query tile (its first
+    row + offset - left, the tile starting at a multiple of the tile sizes) at a tile edge or
+    up to two either side: left - offset a multiple of a tile size (0 included) up to two
+    off, of either sign."""
+    near = _near_multiples(most + abs(offset), sizes, 2, zero=True)
+    return _sampled({offset + s * n for n in near for s in (1, -1)}
+                    & set(range(max(least, 0), most + 1)))
+
+
+def right_bounds_at_edges(offset: int, most: int, sizes=TILES):
+    """Right window bounds in [0, most] that put the last key of a query tile (its last row +
+    offset + right) at a tile edge or up to two either side: right + offset a multiple of a
+    tile size (0 included) up to two off."""
+    near = _near_multiples(most + abs(offset), sizes, 2, zero=True)
+    return _sampled({n - offset for n in near} & set(range(0, most + 1)))
+
 
 # A modifier's dtype drawn as "the inputs' dtype": strategies draw a Case before the test's
 # dtype is known (Case.in_dtype resolves it)
@@ -59,10 +154,11 @@ INPUTS = "the inputs' dtype"
 
 def lengths(least: int, most: int, short=None):
     """Lengths from ``least`` (past the kernels' tiles) to ``most`` in about 31 draws of 32,
-    ``short``'s (default: any from 1) in the others (Hypothesis repeats a draw's choices in
-    the next ones: a short one often makes several)."""
+    half of them at a tile edge (tile_edges), ``short``'s (default: any from 1) in the others
+    (Hypothesis repeats a draw's choices in the next ones: a short one often makes several)."""
     short = st.integers(1, most) if short is None else short
-    return st.integers(0, 31).flatmap(lambda i: short if i == 31 else st.integers(least, most))
+    long = st.one_of(tile_edges(least, most), st.integers(least, most))
+    return st.integers(0, 31).flatmap(lambda i: short if i == 31 else long)
 
 
 def window_bound(length: int):
@@ -119,6 +215,7 @@ class Case:
     mask_keep: float = 0.7  # fraction of pairs a boolean mask keeps
     mask_grad: bool = False  # a float attn_mask requires grad
     sinks: Optional[torch.dtype] = None  # dtype of the attention sinks (H,), learned
+    dq_atomics: bool = False  # the backward adds dQ by atomics (FLASHOP_DQ_ATOMICS=1)
     # inputs like real models' besides unit normals: q and k of a larger standard deviation
     # (scores of tens to hundreds), and keys 20-50x the others' norm
     magnitude: float = 1.0  # the standard deviation of q and k
@@ -363,9 +460,11 @@ def run_flashop(case: Case, inputs, dout, dlse, mods=None, deterministic_backwar
 def check_case(case: Case, seed: int = 0, deterministic_backward: bool = True):
     """Run flashop (outputs poisoned) and apply the accuracy rule (flashop.testing) to out,
     lse (2x) and every gradient (3x) against the fp64 reference and plain PyTorch in
-    case.dtype."""
+    case.dtype. The backward adds dQ by atomics where ``deterministic_backward`` is False
+    or ``case.dq_atomics``."""
     inputs, dout, dlse = make_inputs(case, seed)
     mods = make_modifiers(case, seed)
+    deterministic_backward = deterministic_backward and not case.dq_atomics
     out, lse, grads = run_flashop(case, inputs, dout, dlse, mods, deterministic_backward)
     assert out.dtype == case.dtype and lse.dtype == torch.float32
     wrt = differentiable_inputs(*inputs, mods["attn_mask"], mods["g"], mods["sinks"])

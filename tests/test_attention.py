@@ -16,8 +16,9 @@ from flashop._launch import attention as launch, choice, gluon as launch_gluon, 
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
 from helpers import (
-    DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, CPU_PATH_TWIN, cpu_path, deterministic_algorithms,
-    gluon_cases, head_counts, input_scales, lengths, make_inputs, poisoned_outputs, run_flashop,
+    CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, cpu_path,
+    deterministic_algorithms, edge_offset_keys, gluon_cases, head_counts, input_scales, lengths,
+    make_inputs, poisoned_outputs, run_flashop,
 )
 
 ON_GPU = DEVICE == "cuda"
@@ -33,17 +34,21 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 @st.composite
 def cases(draw):
     """A call in the test's dtype (Case.in_dtype): lengths past two tiles of every kernel in
-    most draws, up to MAX_HEADS batch entries times heads, group ratios, head dims (odd
-    ones), v head dims, causal, strided layouts, scales and large scores."""
+    most draws (at tile edges, or with a causal offset S_k - S_q at one, in many), up to
+    MAX_HEADS batch entries times heads, group ratios, head dims (odd ones), v head dims,
+    causal, strided layouts, scales and large scores, dQ by its kernel or by atomics."""
     D = draw(st.sampled_from(HEAD_DIMS))
     B, H_kv, G = head_counts(draw, MAX_HEADS)
+    S_q = draw(lengths(TWO_QUERY_TILES, MAX_SEQ))
     return Case(
-        B=B, S_q=draw(lengths(TWO_QUERY_TILES, MAX_SEQ)),
-        S_k=draw(lengths(TWO_KEY_TILES, MAX_SEQ)), H_kv=H_kv, G=G, D=D,
+        B=B, S_q=S_q, S_k=draw(st.one_of(lengths(TWO_KEY_TILES, MAX_SEQ),
+                                         edge_offset_keys(S_q, TWO_KEY_TILES, MAX_SEQ))),
+        H_kv=H_kv, G=G, D=D,
         DV=draw(st.one_of(st.just(D), st.sampled_from(HEAD_DIMS))),
         dtype=None,
         causal=draw(st.booleans()),
         layout=draw(st.sampled_from(["contiguous", "bhsd", "padded"])),
+        dq_atomics=draw(st.booleans()),
         **input_scales(draw, D),
     )
 

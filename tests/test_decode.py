@@ -17,7 +17,8 @@ import flashop
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
 from helpers import (
-    CPU_PATH_TWIN, DECODE_KEYS, DEVICE, INPUTS, cpu_path, cuda_graph, lengths, poisoned_outputs,
+    CPU_PATH_TWIN, DECODE_KEYS, DEVICE, INPUTS, TILES, cpu_path, cuda_graph, left_bounds_at_edges,
+    lengths, poisoned_outputs, right_bounds_at_edges, tile_edges,
 )
 
 
@@ -159,7 +160,10 @@ def cache_cases(draw):
     """A call in the test's dtype: dense and paged caches of two pages or more, most
     sequences' keys past a page and a key tile (the interpreter's tiles are 16 keys), so
     that their keys lie in several pages and splits; lengths from empty to full after the
-    append, appends of 0 to 5 keys, 1 to 7 queries, GQA, head dims, the modifiers."""
+    append, appends of 0 to 5 keys, 1 to 7 queries, GQA, head dims, the modifiers. In many
+    draws a sequence's keys after the append end at a key tile's or a page's edge, and the
+    window's bounds put the first or last key the first sequence's first or last query
+    attends at one."""
     paged = draw(st.booleans())
     page = draw(st.sampled_from([16, 32]))
     capacity = page * draw(st.integers(2, 4)) if paged else draw(st.integers(33, 90))
@@ -169,14 +173,23 @@ def cache_cases(draw):
     top = capacity - S_new
     least = (page if paged else DECODE_KEYS) + 1
     short = st.one_of(st.just(0), st.just(top), st.integers(0, top))
-    lens = tuple(draw(lengths(least, top, short)) for _ in range(B))
+    # keys after the append (length + S_new) at a tile's or a page's edge
+    at_edges = tile_edges(least + S_new, capacity, TILES + ((page,) if paged else ())).map(
+        lambda keys: keys - S_new)
+    lens = tuple(draw(st.one_of(lengths(least, top, short), at_edges)) for _ in range(B))
     S_q = draw(st.sampled_from([1, 1, 2, 3, 7]))
     G = draw(st.sampled_from([1, 2, 4]))
     D = draw(st.sampled_from([16, 32, 40, 64]))
     DV = draw(st.sampled_from([D, D, 24]))
     causal = draw(st.booleans())
-    left = draw(st.sampled_from([-1, -1, 20, 40]))  # narrower: an @example
-    right = -1 if causal else draw(st.sampled_from([-1, -1, 0, 3]))
+    # a few bounds (narrower ones: an @example), or bounds at a tile edge for the first
+    # sequence's first or last query (query i sits at key i + L - S_q: the kernel's ranges
+    # start from the first query's and end at the last one's); left bounds past a key tile
+    offset = lens[0] + S_new - draw(st.sampled_from([S_q, 1]))
+    left = draw(st.one_of(st.sampled_from([-1, -1, 20, 40]),
+                          left_bounds_at_edges(offset, capacity, least=DECODE_KEYS)))
+    right = -1 if causal else draw(st.one_of(st.sampled_from([-1, -1, 0, 3]),
+                                             right_bounds_at_edges(offset, capacity)))
     softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
     alibi = draw(st.sampled_from([None, None, (H_kv * G,), (B, H_kv * G)]))
     sinks = draw(st.sampled_from([None, None, torch.float32, INPUTS]))
@@ -220,6 +233,23 @@ def test_cpu_path_kvcache_matches_reference(dtype, case, seed):
     case = replace(case, dtype=dtype, sinks=dtype if case.sinks is INPUTS else case.sinks)
     with cpu_path():
         check_cache_case(case, seed)
+
+
+_T = max(TILES)  # a multiple of every tile in use
+
+
+@pytest.mark.parametrize("window_size", [(-1, -1), (_T + 3, 0)], ids=["unbounded", "window"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_keys_and_bounds_at_every_residue_of_the_tiles(paged, window_size):
+    """_T sequences whose keys after the append end at every residue of the tiles in use
+    (L = 2 * _T + b for b < _T), so that the keys' end, the pages' ends and each query's
+    first and last key under the window fall at every residue too, with 3 queries, an append
+    of 2 keys and two splits: plain fp32 inputs, so that one key too many or too few fails
+    the rule."""
+    lengths = tuple(2 * _T + b - 2 for b in range(_T))
+    check_cache_case(CacheCase(lengths, 3, 2, 1, 2, 16, 16, torch.float32, paged=paged,
+                               page=min(TILES), capacity=3 * _T, window_size=window_size,
+                               num_splits=2))
 
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128, 256])

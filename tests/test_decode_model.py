@@ -29,6 +29,8 @@ def test_greedy_tokens_equal_plain_pytorch_attention(page):
     assert torch.equal(tokens, _tokens(cfg, "sdpa"))
 
 
+# eager on purpose, which FlexAttention warns of
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 def test_flex_peer_gives_plain_pytorch_attentions_tokens():
     """The benchmark's FlexAttention peer (eager here: PyTorch's unfused reference) decodes
     the tokens of the SDPA one, so its tokens/s are those of the same model."""

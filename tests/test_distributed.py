@@ -6,6 +6,7 @@ import datetime
 import itertools
 import os
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 import flashop
 import flashop.distributed as fd
 from flashop.testing import check_attention
-from helpers import DEVICE, Case, make_inputs, make_modifiers
+from helpers import DEVICE, Case, TestCase, make_inputs, make_modifiers
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 
@@ -109,6 +110,45 @@ def test_needs_a_process_group():
             call()
 
 
+class TestBackendErrors(TestCase):
+    """The process group's backend checked against the inputs' device before any exchange
+    (gloo sends CPU tensors only; a CUDA tensor handed to it died inside gloo)."""
+
+    def message(self, backend_config, device):
+        with pytest.raises(RuntimeError) as info:
+            fd._check_backend(backend_config, torch.device(device), "ring_attention")
+        return str(info.value)
+
+    def test_gloo_with_cuda_tensors(self):
+        self.assertExpectedInline(self.message("cpu:gloo,cuda:gloo", "cuda:1"), """\
+ring_attention: q, k and v are on cuda:1, but the process group cannot send them: its backend for cuda tensors is gloo, which sends CPU tensors only; use a group with the NCCL backend for CUDA tensors (init_process_group("nccl") or new_group(backend="nccl"))""")
+
+    def test_nccl_with_cpu_tensors(self):
+        self.assertExpectedInline(self.message("cuda:nccl", "cpu"), """\
+ring_attention: q, k and v are on cpu, but the process group cannot send them: it has no backend for cpu tensors (its backends: cuda:nccl); use a group with the gloo backend for CPU tensors (init_process_group("gloo") or new_group(backend="gloo"))""")
+
+    def test_another_device(self):
+        self.assertExpectedInline(self.message("cpu:gloo,cuda:gloo", "meta"), """\
+ring_attention: q, k and v are on meta, but the process group cannot send them: it has no backend for meta tensors (its backends: cpu:gloo,cuda:gloo); use a group whose backend sends meta tensors (NCCL for CUDA tensors, gloo for CPU tensors)""")
+
+    def test_backends_that_send(self):
+        for config, device in (("cpu:gloo,cuda:gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cuda"),
+                               ("cuda:nccl", "cuda"), ("gloo", "cpu")):
+            fd._check_backend(config, torch.device(device), "ring_attention")
+
+    def test_ring_attention_checks_before_any_exchange(self):
+        """On a (faked) two-rank group of the other device's backend (NCCL for CPU inputs,
+        gloo for CUDA ones), the inputs are refused before anything is sent."""
+        x = torch.zeros(1, 8, 2, 16, device=DEVICE)
+        ring = fd._Ring(0, 2, (0, 1), None)
+        other = "cuda:nccl" if DEVICE == "cpu" else "cpu:gloo,cuda:gloo"
+        with mock.patch.object(fd, "_ring", lambda group, op: ring), \
+                mock.patch.object(fd.dist, "get_backend_config", lambda group=None: other), \
+                mock.patch.object(fd, "_exchange", side_effect=AssertionError("sent")):
+            with pytest.raises(RuntimeError, match="cannot send them"):
+                fd.ring_attention(x, x, x)
+
+
 # --- gloo process groups --------------------------------------------------------------------
 
 CASES = {
@@ -160,6 +200,9 @@ def _worker(rank, W, outdir, cases):
                             world_size=W, timeout=datetime.timedelta(seconds=120))
     try:
         _check_errors(W)
+        if not gpu:  # this group's own backends read: gloo sends no CUDA tensor
+            with pytest.raises(RuntimeError, match="NCCL backend for CUDA tensors"):
+                fd._check_backend(dist.get_backend_config(), torch.device("cuda"), "ring")
         for n, case in enumerate(cases):
             (q, k, v), dout, dlse = make_inputs(case)
             mods = make_modifiers(case)

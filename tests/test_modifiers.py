@@ -7,8 +7,9 @@ from hypothesis import example, given, strategies as st
 
 import flashop
 from helpers import (
-    DEVICE, INPUTS, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, CPU_PATH_TWIN, cpu_path, head_counts,
-    input_scales, lengths, make_inputs, make_modifiers, run_flashop, window_bound,
+    CPU_PATH_TWIN, DEVICE, INPUTS, TILES, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case,
+    cpu_path, edge_offset_keys, head_counts, input_scales, left_bounds_at_edges, lengths,
+    make_inputs, make_modifiers, right_bounds_at_edges, run_flashop, window_bound,
 )
 
 ON_GPU = DEVICE == "cuda"
@@ -24,15 +25,19 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 def modified_cases(draw, most_heads=MAX_HEADS, most_seq=MAX_SEQ):
     """A call in the test's dtype (Case.in_dtype) with random modifiers: lengths up to
     ``most_seq``, past two tiles of every kernel in most draws, up to ``most_heads`` batch
-    entries times heads, scales and large scores."""
+    entries times heads, scales and large scores, dQ by its kernel or by atomics. Lengths,
+    the causal offset S_k - S_q and the window's bounds fall at tile edges in many draws
+    (tests/helpers.py)."""
     B, H_kv, G = head_counts(draw, most_heads, groups=(1, 2))
     S_q = draw(lengths(TWO_QUERY_TILES, most_seq))
-    S_k = draw(lengths(TWO_KEY_TILES, most_seq))
+    S_k = draw(st.one_of(lengths(TWO_KEY_TILES, most_seq),
+                         edge_offset_keys(S_q, TWO_KEY_TILES, most_seq)))
     H = H_kv * G
     D = draw(st.sampled_from(HEAD_DIMS))
     causal = draw(st.booleans())
-    left = draw(window_bound(S_k))
-    right = draw(st.sampled_from([-1, 0])) if causal else draw(window_bound(S_k))
+    left = draw(st.one_of(window_bound(S_k), left_bounds_at_edges(S_k - S_q, S_k + 4)))
+    right = draw(st.sampled_from([-1, 0])) if causal else draw(
+        st.one_of(window_bound(S_k), right_bounds_at_edges(S_k - S_q, S_k + 4)))
     mask = draw(st.sampled_from([None, torch.bool, torch.float32, INPUTS]))
     mask_shape = None
     if mask is not None:
@@ -49,6 +54,7 @@ def modified_cases(draw, most_heads=MAX_HEADS, most_seq=MAX_SEQ):
         # a sparse mask leaves some queries nothing to attend
         mask_keep=draw(st.sampled_from([0.05, 0.5, 0.9])),
         mask_grad=mask not in (None, torch.bool) and draw(st.booleans()),
+        dq_atomics=draw(st.booleans()),
         **input_scales(draw, D),
     )
 
@@ -94,6 +100,26 @@ def test_everything_at_once(dtype):
     check_case(Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=24, DV=24, dtype=dtype, causal=True,
                     window_size=(20, 0), softcap=5.0, alibi=(2, 2), gate=torch.float32,
                     mask=torch.float32, mask_shape=(1, 2, 45, 1), mask_grad=True))
+
+
+_T = max(TILES)  # a multiple of every tile in use
+
+
+@pytest.mark.parametrize("dq_atomics", [False, True], ids=["dq-kernel", "dq-atomics"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("residue", [-2, -1, 0, 1, 2])
+def test_window_bound_at_every_residue_of_the_tiles(residue, side, dq_atomics):
+    """A window bound that puts the first key of every query tile (left; row i attends from
+    i + S_k - S_q - left) or its last key (right; up to i + S_k - S_q + right) at each
+    residue from two before a tile edge to two after, for every tile in use (the tiles
+    start at multiples of _T), and a key tile's first and last query alike: plain fp32
+    inputs, so that one key too many or too few fails the rule, through both backwards."""
+    if side == "left":  # 5 to 9 keys a row, from 2 * _T - residue for row _T on
+        S_q, S_k, window = _T + _T // 2, 2 * _T + _T // 2 + 4, (4 + residue, -1)
+    else:  # up to _T + residue for row 0
+        S_q, S_k, window = 3 * _T, 2 * _T + _T // 2, (-1, _T + _T // 2 + residue)
+    check_case(Case(B=1, S_q=S_q, S_k=S_k, H_kv=1, G=2, D=16, DV=16, dtype=torch.float32,
+                    window_size=window, dq_atomics=dq_atomics))
 
 
 @pytest.mark.parametrize("window_size", [(0, 0), (3, 7), (-1, 5), (9, -1), (200, 200)])

@@ -17,7 +17,10 @@ import flashop
 from flashop import flash_attn as fa
 from flashop.reference import attention_varlen_reference
 from flashop.testing import accuracy
-from helpers import DEVICE, CPU_PATH_TWIN, cpu_path, poisoned_outputs
+from helpers import (
+    CPU_PATH_TWIN, DEVICE, TILES, cpu_path, left_bounds_at_edges, poisoned_outputs,
+    right_bounds_at_edges, tile_edges,
+)
 
 ON_GPU = DEVICE == "cuda"
 
@@ -118,16 +121,22 @@ def paged_cases(draw, dtype):
     max_blocks = draw(st.integers(1, 3))
     capacity = page * max_blocks
     B = draw(st.integers(1, 3))
-    # key counts from none to the table's capacity, the ends drawn often; queries the last
-    # of them (a cached prefix and new tokens), or more than the keys
-    lens_k = [draw(st.one_of(st.just(0), st.just(capacity), st.integers(0, capacity)))
+    # key counts from none to the table's capacity, the ends drawn often, and at a page's or
+    # a key tile's edge; queries the last of them (a cached prefix and new tokens), or more
+    # than the keys
+    lens_k = [draw(st.one_of(st.just(0), st.just(capacity), st.integers(0, capacity),
+                             tile_edges(0, capacity, TILES + (page,))))
               for _ in range(B)]
     lens_q = [draw(st.one_of(st.integers(0, n), st.integers(0, 24))) for n in lens_k]
     G, H_kv = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 2))
     D = draw(st.sampled_from([16, 40] + ([64, 128] if ON_GPU else [])))
     causal = draw(st.booleans())
-    left = draw(st.sampled_from([-1, -1, 0, 7, 30]))
-    right = -1 if causal else draw(st.sampled_from([-1, -1, 0, 5]))
+    # a few bounds, or bounds at the first sequence's tile edges
+    offset = lens_k[0] - lens_q[0]
+    left = draw(st.one_of(st.sampled_from([-1, -1, 0, 7, 30]),
+                          left_bounds_at_edges(offset, capacity)))
+    right = -1 if causal else draw(st.one_of(st.sampled_from([-1, -1, 0, 5]),
+                                             right_bounds_at_edges(offset, capacity)))
     return PagedCase(
         tuple(lens_q), tuple(lens_k), H_kv, G, D, draw(st.sampled_from([D, 24])), dtype,
         page=page,

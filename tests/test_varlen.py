@@ -10,8 +10,8 @@ from torch.library import opcheck
 import flashop
 from flashop.testing import check_attention_varlen, differentiable_inputs
 from helpers import (
-    DEVICE, TWO_KEY_TILES, TestCase, CPU_PATH_TWIN, cpu_path, head_counts, op_options, poisoned_outputs,
-    window_bound,
+    CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, cpu_path, head_counts, left_bounds_at_edges, op_options,
+    poisoned_outputs, right_bounds_at_edges, TestCase, tile_edges, window_bound,
 )
 
 ON_GPU = DEVICE == "cuda"
@@ -59,18 +59,24 @@ def check_packed(args, dout, dlse, deterministic_backward=True, **options):
 
 @st.composite
 def packings(draw):
-    """A packing of 2 to 4 sequences (S_q != S_k per sequence, lengths 0 and 1 included) and
-    its options; the dtype is the test's."""
+    """A packing of 2 to 4 sequences (S_q != S_k per sequence, lengths 0 and 1 included, and
+    sequences ending at tile edges) and its options (window bounds at the first sequence's
+    tile edges in many draws); the dtype is the test's."""
     n = draw(st.integers(2, 4))
     # the first sequence's keys past two tiles of every kernel, the others' lengths any
     # (0 and 1 included)
-    any_length = st.one_of(st.sampled_from([0, 1]), st.integers(0, MAX_LEN))
-    lens_q = [draw(st.integers(1, MAX_LEN))] + [draw(any_length) for _ in range(n - 1)]
-    lens_k = [draw(st.integers(TWO_KEY_TILES, MAX_LEN))] + [
+    any_length = st.one_of(st.sampled_from([0, 1]), tile_edges(0, MAX_LEN),
+                           st.integers(0, MAX_LEN))
+    lens_q = [draw(st.one_of(tile_edges(1, MAX_LEN), st.integers(1, MAX_LEN)))] + [
+        draw(any_length) for _ in range(n - 1)]
+    lens_k = [draw(st.one_of(tile_edges(TWO_KEY_TILES, MAX_LEN),
+                             st.integers(TWO_KEY_TILES, MAX_LEN)))] + [
         draw(any_length) for _ in range(n - 1)]
     causal = draw(st.booleans())
-    left = draw(window_bound(MAX_LEN))
-    right = draw(st.sampled_from([-1, 0])) if causal else draw(window_bound(MAX_LEN))
+    offset = lens_k[0] - lens_q[0]
+    left = draw(st.one_of(window_bound(MAX_LEN), left_bounds_at_edges(offset, MAX_LEN)))
+    right = draw(st.sampled_from([-1, 0])) if causal else draw(
+        st.one_of(window_bound(MAX_LEN), right_bounds_at_edges(offset, MAX_LEN)))
     _, H_kv, G = head_counts(draw, 6 // n)  # sequences times heads <= 6: programs cost time
     shape = dict(lens_q=lens_q, lens_k=lens_k, H_kv=H_kv, G=G,
                  D=draw(st.sampled_from(HEAD_DIMS)),
