@@ -91,6 +91,8 @@ def _chunk_starts(chunk: int, kv_length: int, kv_offset: int,
     """(batch or 1, kv_length) bool: the key slots from the first that starts a chunk (slot
     j holds position kv_offset + j, counted from the row's first real token as transformers'
     chunked mask counts it); the slots before it are attended by no query."""
+    if attention_mask is not None:
+        device = attention_mask.device
     slots = torch.arange(kv_length, device=device)
     if attention_mask is None:
         return (slots >= (-kv_offset) % chunk)[None]

@@ -168,8 +168,25 @@ def test_training_step_gradients_match_eager(kind):
         assert_accurate(f"d{n}", grads[n], p.grad, plain[n], factor=3)
 
 
-@pytest.mark.parametrize("kind,cache", [("mistral", "dynamic"), ("gemma2", "static"),
-                                        ("gpt_oss", "dynamic"), ("llama4", "static")])
+def _static_generate_breaks_chunked_masks() -> bool:
+    """Whether this transformers' generate() passes ``block_sequence_ids`` to
+    create_chunked_causal_mask, which does not take it (5.17 does): its static-cache
+    generation of a chunked model then fails inside transformers for every attention
+    implementation, eager included."""
+    import inspect
+
+    from transformers import masking_utils
+    takes = (inspect.signature(masking_utils.create_masks_for_generate).parameters,
+             inspect.signature(masking_utils.create_chunked_causal_mask).parameters)
+    return "block_sequence_ids" in takes[0] and "block_sequence_ids" not in takes[1]
+
+
+@pytest.mark.parametrize("kind,cache", [
+    ("mistral", "dynamic"), ("gemma2", "static"), ("gpt_oss", "dynamic"),
+    pytest.param("llama4", "static", marks=pytest.mark.xfail(
+        _static_generate_breaks_chunked_masks(), raises=TypeError, strict=True,
+        reason="this transformers' static-cache generate() fails for chunked models "
+               "(block_sequence_ids passed to create_chunked_causal_mask)"))])
 def test_greedy_generate_gives_eagers_tokens(kind, cache):
     """Left-padded prompts, 4 new tokens past the window of 4: the dynamic cache (Mistral's
     sliding layers; gpt-oss's with sinks) and the static cache (Gemma 2's zero-filled full
@@ -474,7 +491,8 @@ def test_mask_function_masks_the_keys_before_a_chunk_start():
     out = ft.attention_mask(2, 1, 4, q_offset=9, kv_offset=6, attention_mask=mask,
                             local_size=4, config=config)
     assert out.tolist() == [[True, True, True, True], [False, False, True, True]]
-    out = ft.attention_mask(2, 1, 4, q_offset=9, kv_offset=6, local_size=4, config=config)
+    out = ft.attention_mask(2, 1, 4, q_offset=9, kv_offset=6, local_size=4, config=config,
+                            device=DEVICE)
     assert out.tolist() == [[False, False, True, True]] * 2
     assert ft.attention_mask(2, 1, 4, q_offset=11, kv_offset=8, local_size=4,
                              config=config) is None
