@@ -1,9 +1,11 @@
 """Attention benchmark: flashop against SDPA (flash, cuDNN, memory-efficient) and FlexAttention.
 
 Grid: bf16, 16384 tokens per batch (B = 16384 // N), hidden size 2048 (H = 2048 // D),
-head dims D, sequence lengths N, causal and not. Forward and backward are timed separately
-with triton.testing.do_bench (median); the backward is ``o.backward(do, retain_graph=True)``
-alone. TFLOP/s: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that.
+head dims D, sequence lengths N, causal and not. A head dim written D/DV gives the values
+DV dims and H = 2048 // DV heads (192/128: DeepSeek-V3's prefill, 16 heads, its 128 at
+tensor parallelism 8). Forward and backward are timed separately with
+triton.testing.do_bench (median); the backward is ``o.backward(do, retain_graph=True)``
+alone. TFLOP/s: forward 2*B*H*N*N*(D + DV) (halved when causal), backward 2.5x that.
 
 Providers: flashop (its defaults, eager), flashop-compiled (the same call inside
 ``torch.compile(fullgraph=True)``), flashop-deterministic (``deterministic=True``: the bitwise
@@ -14,7 +16,8 @@ flashop-no-gluon: README's Configuration, set with ``flashop.config.override`` w
 timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
 and compiled FlexAttention.
 
-Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256] [--plot out.png]
+Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256,192/128]
+       [--plot out.png]
 """
 
 import argparse
@@ -62,7 +65,7 @@ SDPA_BACKENDS = {
     "sdpa-mem": SDPBackend.EFFICIENT_ATTENTION,
 }
 CSV_HEADER = ["gpu", "torch", "triton", "provider", "dtype", "D", "N", "B", "H", "causal",
-              "pass", "ms", "tflops"]
+              "pass", "ms", "tflops", "DV"]
 RATIOS = [("flashop", "sdpa-flash"), ("flashop", "flex"), ("flashop", "sdpa-cudnn"),
           ("flashop-compiled", "flashop"), ("flashop-deterministic", "sdpa-cudnn"),
           ("flashop-fp8", "flashop")]
@@ -78,11 +81,12 @@ def import_flashop():
     return flashop
 
 
-def make_inputs(B, N, H, D, layout):
-    """Random normal bf16 q, k, v leaves requiring grad; layout 'bnhd' or 'bhnd' (contiguous)."""
-    shape = (B, N, H, D) if layout == "bnhd" else (B, H, N, D)
-    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)]
+def make_inputs(B, N, H, D, layout, DV=None):
+    """Random normal bf16 q, k, v leaves requiring grad (v with DV dims, default D); layout
+    'bnhd' or 'bhnd' (contiguous)."""
+    return [torch.randn((B, N, H, d) if layout == "bnhd" else (B, H, N, d), device="cuda",
+                        dtype=torch.bfloat16, requires_grad=True)
+            for d in (D, D, DV or D)]
 
 
 def provider_flashop(N, causal, switches=None, compiled=False, deterministic=False):
@@ -176,8 +180,8 @@ def make_provider(name, N, causal):
     raise ValueError(f"unknown provider {name}")
 
 
-def flops(B, H, N, D, causal, pass_):
-    f = 4 * B * H * N * N * D
+def flops(B, H, N, D, causal, pass_, DV=None):
+    f = 2 * B * H * N * N * (D + (DV or D))
     if causal:
         f /= 2
     return f * 2.5 if pass_ == "bwd" else f
@@ -271,18 +275,24 @@ def write_csv(path, rows, fieldnames=CSV_HEADER):
         writer.writerows(rows)
 
 
+def dims_label(D, DV=None):
+    """A head dim as --heads-dims writes it: D, or D/DV where the values' differs."""
+    return str(D) if DV in (None, D) else f"{D}/{DV}"
+
+
 def print_table(rows, providers):
     """One row per (D, N, causal, pass); TFLOP/s per provider, then flashop ratios."""
     table = {}
     for r in rows:
-        key = (r["D"], r["N"], r["causal"], r["pass"])
+        key = (dims_label(r["D"], r["DV"]), r["N"], r["causal"], r["pass"])
         table.setdefault(key, {})[r["provider"]] = r["tflops"]
     ratios = [(a, b) for a, b in RATIOS if a in providers and b in providers]
     head = ["D", "N", "causal", "pass"] + providers + [f"{a}/{b}" for a, b in ratios]
-    widths = [4, 6, 6, 4] + [max(len(h), 8) for h in head[4:]]
+    widths = [7, 6, 6, 4] + [max(len(h), 8) for h in head[4:]]
     print("\nTFLOP/s (median)", flush=True)
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)), flush=True)
-    for key in sorted(table, key=lambda k: (k[0], k[2], k[3] == "bwd", k[1])):
+    for key in sorted(table, key=lambda k: (tuple(map(int, k[0].split("/"))), k[2],
+                                            k[3] == "bwd", k[1])):
         vals = table[key]
         cells = [str(x) for x in key]
         cells += [f"{vals[p]:.1f}" if p in vals else "-" for p in providers]
@@ -300,25 +310,26 @@ def plot(rows, providers, path):
         print("matplotlib is not installed: skipping the plot", flush=True)
         return
     passes = sorted({r["pass"] for r in rows}, key=lambda p: p == "bwd")
-    cols = sorted({(r["D"], r["causal"]) for r in rows})
+    cols = sorted({(r["D"], r["DV"], r["causal"]) for r in rows})
     if not passes or not cols:
         print("no results: skipping the plot", flush=True)
         return
     fig, axes = plt.subplots(len(passes), len(cols), squeeze=False,
                              figsize=(4 * len(cols), 3.5 * len(passes)))
     for i, pass_ in enumerate(passes):
-        for j, (D, causal) in enumerate(cols):
+        for j, (D, DV, causal) in enumerate(cols):
             ax = axes[i][j]
             for p in providers:
                 pts = sorted((r["N"], r["tflops"]) for r in rows if r["provider"] == p and
-                             r["pass"] == pass_ and r["D"] == D and r["causal"] == causal)
+                             r["pass"] == pass_ and r["D"] == D and r["DV"] == DV
+                             and r["causal"] == causal)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=p)
             ax.set_xscale("log", base=2)
             ns = sorted({r["N"] for r in rows})
             ax.set_xticks(ns, [str(n) for n in ns])
             ax.minorticks_off()
-            ax.set_title(f"{pass_} D={D} causal={causal}")
+            ax.set_title(f"{pass_} D={dims_label(D, DV)} causal={causal}")
             ax.set_xlabel("N")
             ax.set_ylabel("TFLOP/s")
             ax.grid(True, alpha=0.3)
@@ -333,10 +344,24 @@ def int_list(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def dims_list(text):
+    """``64,128,192/128`` -> [(64, 64), (128, 128), (192, 128)]: (D, DV) pairs."""
+    dims = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        D, _, DV = item.partition("/")
+        try:
+            dims.append((int(D), int(DV or D)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"head dim {item!r}: expected D or D/DV, e.g. 128 or 192/128") from None
+    return dims
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads-dims", type=int_list, default=None,
-                   help="head dims D, comma-separated (default 64,128; add 256 if wanted)")
+    p.add_argument("--heads-dims", type=dims_list, default=None,
+                   help="head dims D (or D/DV: values of DV dims), comma-separated (default "
+                        "64,128; add 256 or 192/128 if wanted)")
     p.add_argument("--seqlens", type=int_list, default=None,
                    help="sequence lengths N, comma-separated (default 1024,4096,16384)")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
@@ -363,7 +388,7 @@ def parse_args(argv=None):
     if args.from_csv:
         return args
     if args.heads_dims is None:
-        args.heads_dims = [64, 128]
+        args.heads_dims = [(64, 64), (128, 128)]
     if args.seqlens is None:
         args.seqlens = [1024, 4096] if args.quick else [1024, 4096, 16384]
     args.providers = [x for x in (args.providers or ",".join(DEFAULT_PROVIDERS)).split(",") if x]
@@ -374,9 +399,10 @@ def parse_args(argv=None):
     for name in args.passes:
         if name not in ("fwd", "bwd"):
             p.error(f"unknown pass {name!r}; choose from fwd,bwd")
-    for D in args.heads_dims:
-        if D <= 0 or HIDDEN % D:
-            p.error(f"head dim {D} does not divide the hidden size {HIDDEN}")
+    for D, DV in args.heads_dims:
+        if D <= 0 or DV <= 0 or HIDDEN % DV:
+            p.error(f"head dim {dims_label(D, DV)}: the values' head dim {DV} does not divide "
+                    f"the hidden size {HIDDEN}")
     for N in args.seqlens:
         if N <= 0 or TOKENS % N:
             p.error(f"sequence length {N} does not divide {TOKENS} tokens per batch")
@@ -391,13 +417,14 @@ def read_results(paths, heads_dims=None, seqlens=None, causal="both", providers=
     for path in paths:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                r.update(D=int(r["D"]), N=int(r["N"]), B=int(r["B"]), H=int(r["H"]),
+                r.update(D=int(r["D"]), DV=int(r.get("DV") or r["D"]), N=int(r["N"]),
+                         B=int(r["B"]), H=int(r["H"]),
                          causal=r["causal"] == "True", ms=float(r["ms"]),
                          tflops=float(r["tflops"]))
                 rows.append(r)
     providers = providers.split(",") if providers else None
     return [r for r in rows
-            if (heads_dims is None or r["D"] in heads_dims)
+            if (heads_dims is None or (r["D"], r["DV"]) in heads_dims)
             and (seqlens is None or r["N"] in seqlens)
             and causal in ("both", str(r["causal"]).lower())
             and (providers is None or r["provider"] in providers)]
@@ -434,30 +461,32 @@ def main(argv=None):
         / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}.csv")
     print(f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
 
-    shapes = [(D, N, c) for D in args.heads_dims for N in args.seqlens for c in args.causal]
+    shapes = [(D, DV, N, c) for D, DV in args.heads_dims for N in args.seqlens
+              for c in args.causal]
     rows = []
-    bar = progress(shapes, desc="grid", label=lambda s: f"D={s[0]} N={s[1]} causal={s[2]}")
-    for D, N, causal in bar:
-        B, H = TOKENS // N, HIDDEN // D
-        bar.write(f"D={D} N={N} causal={causal} (B={B}, H={H})")
+    bar = progress(shapes, desc="grid",
+                   label=lambda s: f"D={dims_label(s[0], s[1])} N={s[2]} causal={s[3]}")
+    for D, DV, N, causal in bar:
+        B, H = TOKENS // N, HIDDEN // DV
+        bar.write(f"D={dims_label(D, DV)} N={N} causal={causal} (B={B}, H={H})")
         torch.manual_seed(0)
         for name in args.providers:
             inputs = None
             try:
                 fn, layout = make_provider(name, N, causal)
-                inputs = make_inputs(B, N, H, D, layout)
+                inputs = make_inputs(B, N, H, D, layout, DV)
                 passes = [p for p in args.passes if p == "fwd" or name not in FORWARD_ONLY]
                 times = bench_one(fn, inputs, passes, args.warmup, args.rep, args.cuda_graph)
             except Exception as e:  # unsupported shape, OOM, compile failure...
                 bar.write(f"  {name:<16} skipped: {type(e).__name__}: {error_line(e)}")
                 times = {}
             for pass_, ms in times.items():
-                tflops = flops(B, H, N, D, causal, pass_) / (ms * 1e-3) / 1e12
+                tflops = flops(B, H, N, D, causal, pass_, DV) / (ms * 1e-3) / 1e12
                 rows.append({"gpu": gpu, "torch": torch.__version__,
                              "triton": triton.__version__, "provider": name,
                              "dtype": "fp8" if name == "flashop-fp8" else "bf16",
                              "D": D, "N": N, "B": B, "H": H, "causal": causal, "pass": pass_,
-                             "ms": round(ms, 4), "tflops": round(tflops, 1)})
+                             "ms": round(ms, 4), "tflops": round(tflops, 1), "DV": DV})
                 bar.write(f"  {name:<16} {pass_}  {ms:8.3f} ms  {tflops:7.1f} TFLOP/s")
             del inputs
             torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ The candidates are the autotuner's (``flashop._launch.tiles.TILE_CANDIDATES``, p
 the GPU's shared memory), or those given with --tiles. Each candidate is forced on its kernel
 with ``flashop._launch.tiles.force(kind, tiles)`` while the call is timed.
 
-Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/D (non-causal, or --causal): the forward
+Times bf16 N=4096 (or --seqlen), B=16384/N, H=2048/DV (non-causal, or --causal; a head dim
+D/DV gives the values DV dims, as in benchmarks/attention.py): the forward
 alone for forward tiles; the whole backward for dK/dV and dQ tiles, varying one kernel's
 tiles at a time (the deterministic backward for "dkdv", "dq" and, at head dims above 128, the
 dK/dV kernel's parts "dv" and "dk"; the one with atomic dQ,
@@ -27,7 +28,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import import_flashop, write_csv  # noqa: E402
+from attention import dims_label, dims_list, flops, import_flashop, write_csv  # noqa: E402
 from progress import progress  # noqa: E402
 
 import_flashop()  # registers torch.ops.flashop
@@ -52,11 +53,10 @@ def parse_tiles(spec):
     return result
 
 
-def candidates(kind, D):
+def candidates(kind, D, DV):
     """The autotuner's candidates for ``kind`` that fit this GPU's shared memory."""
-    block = block_dim(D)
     props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
-    return prune_tiles(kind, block, block, 2, props["max_shared_mem"])
+    return prune_tiles(kind, block_dim(D), block_dim(DV), 2, props["max_shared_mem"])
 
 
 def graphed(fn):
@@ -73,11 +73,11 @@ def graphed(fn):
     return graph.replay
 
 
-def kernel_calls(D, N, causal):
+def kernel_calls(D, DV, N, causal):
     """{kind: (call, switches)}: the call whose time measures ``kind``'s tiles and the
     flashop.config switches it runs under."""
-    B, H = 16384 // N, 2048 // D
-    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    B, H = 16384 // N, 2048 // DV
+    q, k, v = (torch.randn(B, N, H, d, device="cuda", dtype=torch.bfloat16) for d in (D, D, DV))
     out, lse, lse_log2 = torch.ops.flashop.attention_forward(q, k, v, causal=causal)
     dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
 
@@ -98,7 +98,8 @@ def kernel_calls(D, N, causal):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads-dims", default="64,128,256")
+    parser.add_argument("--heads-dims", type=dims_list, default="64,128,256",
+                        help="head dims D (or D/DV), comma-separated")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--causal", action="store_true",
@@ -120,39 +121,38 @@ def main(argv=None):
         print("tune.py needs a CUDA GPU", file=sys.stderr)
         return 2
     N = args.seqlen
-    heads_dims = [int(d) for d in args.heads_dims.split(",")]
-    steps = [(D, kind, t) for D in heads_dims for kind in kinds
-             for t in (given or candidates(kind, D))]
+    steps = [(dims, kind, t) for dims in args.heads_dims for kind in kinds
+             for t in (given or candidates(kind, *dims))]
     rows, best, calls = [], {}, {}
-    bar = progress(steps, desc="tiles", label=lambda s: f"D={s[0]} {s[1]} {s[2]}")
-    for D, kind, t in bar:
-        if D not in calls:
-            calls = {D: kernel_calls(D, N, args.causal)}  # one head dim's inputs at a time
-        fn, switches = calls[D][kind]
+    bar = progress(steps, desc="tiles", label=lambda s: f"D={dims_label(*s[0])} {s[1]} {s[2]}")
+    for (D, DV), kind, t in bar:
+        name = dims_label(D, DV)
+        if (D, DV) not in calls:  # one head dim's inputs at a time
+            calls = {(D, DV): kernel_calls(D, DV, N, args.causal)}
+        fn, switches = calls[(D, DV)][kind]
         try:
             with config.override(**switches), tiles.force(kind, t):
                 fn()
                 run = graphed(fn) if args.cuda_graph else fn
                 ms = do_bench(run, warmup=10, rep=40, return_mode="median")
         except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
-            bar.write(f"  D={D} {kind} {t}: {type(e).__name__}")
+            bar.write(f"  D={name} {kind} {t}: {type(e).__name__}")
             continue
-        B, H = 16384 // N, 2048 // D
-        flops = 4 * B * H * N * N * D // (2 if args.causal else 1)
-        tflops = FLOPS_FACTOR[kind] * flops / ms * 1e-9
-        rows.append(dict(D=D, N=N, causal=args.causal, kind=kind, BLOCK_M=t.BLOCK_M,
+        B, H = 16384 // N, 2048 // DV
+        tflops = FLOPS_FACTOR[kind] * flops(B, H, N, D, args.causal, "fwd", DV) / ms * 1e-9
+        rows.append(dict(D=D, DV=DV, N=N, causal=args.causal, kind=kind, BLOCK_M=t.BLOCK_M,
                          BLOCK_N=t.BLOCK_N, split_m=t.split_m, num_warps=t.num_warps,
                          num_stages=t.num_stages, ms=round(ms, 4), tflops=round(tflops, 1)))
-        bar.write(f"  D={D} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s")
-        if (D, kind) not in best or ms < best[(D, kind)][0]:
-            best[(D, kind)] = (ms, t)
+        bar.write(f"  D={name} {kind} {t}: {ms:.3f} ms {tflops:.0f} TFLOP/s")
+        if (name, D, kind) not in best or ms < best[(name, D, kind)][0]:
+            best[(name, D, kind)] = (ms, t)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; best tiles (B={16384 // N}, N={N}, "
           f"bf16, {'causal' if args.causal else 'non-causal'}):")
-    for (D, kind), (ms, t) in sorted(best.items()):
+    for (name, D, kind), (ms, t) in sorted(best.items()):
         current = tiles.tiles_for(kind, D, torch.bfloat16, torch.device("cuda"),
                                   causal=args.causal, short=tiles.is_short(N))
-        print(f"  D={D:>3} {kind:>11}: {t}  {ms:.3f} ms   (table: {current})")
+        print(f"  D={name:>7} {kind:>11}: {t}  {ms:.3f} ms   (table: {current})")
     if args.out and rows:
         write_csv(Path(args.out), rows, fieldnames=list(rows[0]))
     return 0

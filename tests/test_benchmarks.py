@@ -25,7 +25,9 @@ def test_results_are_read_back_with_their_numbers_and_filtered(tmp_path):
     rows = attention.read_results([tmp_path / "a.csv"])
     assert [(r["provider"], r["D"], r["N"], r["causal"], r["pass"], r["ms"], r["tflops"])
             for r in rows] == ROWS
-    assert [r["D"] for r in attention.read_results([tmp_path / "a.csv"], heads_dims=[64])] == [64]
+    assert [r["D"] for r in attention.read_results([tmp_path / "a.csv"],
+                                                   heads_dims=[(64, 64)])] == [64]
+    assert [r["DV"] for r in rows] == [128, 128, 64]  # files without the column: DV = D
     assert len(attention.read_results([tmp_path / "a.csv"], causal="false")) == 2
     assert [r["provider"] for r in attention.read_results([tmp_path / "a.csv"],
                                                           providers="flex")] == ["flex"]
@@ -40,6 +42,23 @@ def test_from_csv_prints_the_table_and_ratios_of_several_files(tmp_path, capsys)
     assert "GPU: GPU X | torch 2.0 | triton 3.0" in out
     line = next(x for x in out.splitlines() if x.split()[:4] == ["128", "1024", "False", "fwd"])
     assert line.split()[4:] == ["300.0", "250.0", "1.20"]
+
+
+def test_values_head_dim_is_read_parsed_and_counted(tmp_path, capsys):
+    """A D/DV head dim (192/128, DeepSeek's prefill): parsed from --heads-dims, its FLOPs
+    2 * B * H * N^2 * (D + DV), its rows told apart from D's in the table."""
+    assert attention.dims_list("64, 192/128") == [(64, 64), (192, 128)]
+    assert attention.flops(1, 1, 2, 192, False, "fwd", 128) == 2 * 4 * 320
+    assert attention.flops(1, 1, 2, 64, True, "bwd") == 4 * 4 * 64 / 2 * 2.5
+    rows = [dict(gpu="GPU X", torch="2.0", triton="3.0", provider="flashop", dtype="bf16",
+                 D=192, N=4096, B=4, H=16, causal=True, **{"pass": "fwd"}, ms=1.0, tflops=t,
+                 DV=dv) for dv, t in ((128, 400.0), (192, 500.0))]
+    attention.write_csv(tmp_path / "a.csv", rows)
+    assert attention.main(["--from-csv", str(tmp_path / "a.csv"), "--heads-dims",
+                           "192/128"]) == 0
+    lines = [x.split() for x in capsys.readouterr().out.splitlines()]
+    assert ["192/128", "4096", "True", "fwd", "400.0"] in lines
+    assert not any(x[:1] == ["192"] for x in lines)
 
 
 def test_from_csv_with_nothing_selected_fails(tmp_path, capsys):
