@@ -2,6 +2,8 @@
 buckets everywhere; the autotuned kernels themselves on a GPU (the interpreter runs one
 config only)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -50,6 +52,21 @@ def test_shared_memory_counts_the_staged_fp32_dq_tile_of_the_atomic_backward():
 def test_the_tables_tiles_fit_a_hopper_gpu(kind, block, causal, short):
     t = tile_table._gpu_tiles(kind, block, hopper=True, causal=causal, short=short)
     assert tile_table.shared_memory_bytes(kind, t, block, block, 2) <= H200_SHARED_MEMORY, t
+
+
+@pytest.mark.parametrize("value_dim", [64, 128, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+def test_the_forward_above_128_takes_a_third_stage_where_the_values_leave_room(head_dim,
+                                                                              value_dim):
+    """Head dims above 128 on Hopper: three stages of key and value tiles where the values'
+    are at most 128 wide (DeepSeek's prefill, D = 192 and DV = 128), two where they are
+    wider; either fits the shared memory."""
+    t = tile_table._gpu_tiles("fwd", head_dim, hopper=True, value_dim=value_dim)
+    assert t.num_stages == (3 if value_dim <= 128 else 2)
+    block_dv = tile_table.next_power_of_2(value_dim)
+    assert tile_table.shared_memory_bytes("fwd", t, 256, block_dv, 2) <= H200_SHARED_MEMORY
+    assert tile_table.shared_memory_bytes("fwd", replace(t, num_stages=3), 256, 256, 2) > \
+        H200_SHARED_MEMORY
 
 
 @pytest.mark.parametrize("kind", sorted(tile_table.TILE_CANDIDATES))

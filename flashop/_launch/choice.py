@@ -240,7 +240,7 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
         tma = decline(why, "tensor descriptors: v is read keys-last")
     else:
         tma = uses_tma(q, k, v, p.head_dim, p.S_k, why)
-    t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k, why)
+    t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k, why, p.DV)
     autotune = tiles.autotunes(q.dtype)
     options = {"tensor descriptors": tma, "scale folded into the exponent": fold}
     if autotune:

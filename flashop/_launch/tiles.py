@@ -93,13 +93,15 @@ def is_short(S_k) -> bool:
 
 
 def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
-               short: bool = False) -> Tiles:
+               short: bool = False, value_dim: int = 0) -> Tiles:
     """Tiles of 16-bit inputs per kernel and head dim: the fastest of benchmarks/tune.py's
     sweep on Hopper. GPUs before Hopper have less shared memory: smaller tiles at head dims
     above 128 there. ``causal``: under a causal-like bound, whose programs are short and
     unequal (smaller backward tiles with three stages at D <= 64). ``short``: fewer than
     SHORT_KEYS keys (with a causal-like bound, 64-row forward tiles with 4 warps and smaller
-    backward tiles)."""
+    backward tiles). ``value_dim``: the values' head dim where it is below ``head_dim``
+    (the forward above 128 keeps a third stage of key and value tiles where the values'
+    are at most 128 wide)."""
     short_causal = causal and short
     if kind == "fwd":
         if hopper and short_causal and head_dim <= 128:
@@ -108,7 +110,11 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
             return Tiles(256, 64, 8, 3, split_m=True)
         if head_dim <= 128:
             return Tiles(128, 64, 8, 3)
-        return Tiles(128, 64, 8, 2) if hopper else Tiles(64, 32, 4, 2)
+        if not hopper:
+            return Tiles(64, 32, 4, 2)
+        # three stages fit where the values' tiles are at most 128 wide (D = 192, DV = 128:
+        # 208 KiB; 1.18x two stages, H200), not at DV = 256 (256 KiB)
+        return Tiles(128, 64, 8, 3 if 0 < value_dim <= 128 else 2)
     if kind == "dkdv_atomic":
         if head_dim <= 128:
             return Tiles(64, 128, 8, 3)
@@ -161,8 +167,9 @@ def forced() -> tuple:
 
 
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
-              mask_grad: bool = False, causal: bool = False, short: bool = False) -> Tiles:
-    """The tiles of ``kind`` (see _gpu_tiles for ``causal`` and ``short``)."""
+              mask_grad: bool = False, causal: bool = False, short: bool = False,
+              value_dim: int = 0) -> Tiles:
+    """The tiles of ``kind`` (see _gpu_tiles for ``causal``, ``short`` and ``value_dim``)."""
     if kind in FORCED:
         return FORCED[kind]
     if INTERPRETING:
@@ -178,7 +185,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         # e4m3 tiles take half the bytes: 128 keys with three stages fit at D = 256 (the
         # autotuner's pick on an H200, 1.5x the 16-bit table's tiles there)
         return Tiles(128, 128, 8, 3)
-    t = _gpu_tiles(kind, head_dim, is_hopper(device), causal, short)
+    t = _gpu_tiles(kind, head_dim, is_hopper(device), causal, short, value_dim)
     if mask_grad and t.BLOCK_M > 64:
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on Hopper (227 KiB there)
@@ -187,7 +194,7 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags: dict,
-                  S_k, why=None) -> Tiles:
+                  S_k, why=None, value_dim: int = 0) -> Tiles:
     """The forward's tiles for its modifier flags: tiles_for's, with one query tile of
     BLOCK_M / 2 rows instead of two where two measured slower or spill registers: an
     attn_mask (its loads in both tiles spill), a window's left bound (short programs whose
@@ -197,7 +204,8 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
     if "fwd" in FORCED:
         return FORCED["fwd"]
     short = is_short(S_k)
-    t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short)
+    t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short,
+                  value_dim=value_dim)
     short_causal = flags["HAS_RIGHT"] and short
     if t.split_m:
         one = ("an attn_mask" if flags["ATTN_MASK_KIND"] != 0
