@@ -11,7 +11,6 @@ from flashop import api
 from flashop._launch import attention as launch, kvcache as launch_kvcache
 from flashop._launch.choice import Choice
 from flashop._ops import attention as ops, attention_fp8 as fp8_ops, kvcache as kvcache_ops
-from flashop._ops.checks import window_bounds
 
 
 @dataclass
@@ -40,14 +39,12 @@ def _describe(name: str, **tensors) -> str:
 
 
 def _attention(fn, q, k, v, attn_mask=None, alibi_slopes=None, g=None, sinks=None, *,
-               causal=False, scale=None, window_size=(-1, -1), softcap=0.0, dropout_p=0.0,
-               deterministic=False, q_descale=None, k_descale=None, v_descale=None,
-               out_dtype=None) -> Explanation:
+               causal=False, scale=None, window_size=(-1, -1), attention_chunk=0,
+               softcap=0.0, dropout_p=0.0, deterministic=False, q_descale=None,
+               k_descale=None, v_descale=None, out_dtype=None) -> Explanation:
     op = "flashop.attention"
-    left, right = window_bounds(op, window_size)
     call = _describe(f"flashop.{fn.__name__}", q=q, k=k, v=v)
-    options = dict(causal=causal, scale=scale, window_size_left=left, window_size_right=right,
-                   softcap=softcap)
+    options = api._options(op, causal, scale, window_size, softcap, attention_chunk)
     if api._takes_fp8(op, q, (q_descale, k_descale, v_descale), out_dtype, attn_mask, g,
                       dropout_p):
         mods, packed, _ = fp8_ops._fp8_call(q, k, v, None, None, None, None, q_descale,
@@ -62,14 +59,12 @@ def _attention(fn, q, k, v, attn_mask=None, alibi_slopes=None, g=None, sinks=Non
 
 def _attention_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       alibi_slopes=None, g=None, sinks=None, *, causal=False, scale=None,
-                      window_size=(-1, -1), softcap=0.0, dropout_p=0.0, deterministic=False,
-                      block_table=None, q_descale=None, k_descale=None, v_descale=None,
-                      out_dtype=None) -> Explanation:
+                      window_size=(-1, -1), attention_chunk=0, softcap=0.0, dropout_p=0.0,
+                      deterministic=False, block_table=None, q_descale=None, k_descale=None,
+                      v_descale=None, out_dtype=None) -> Explanation:
     op = "flashop.attention_varlen"
-    left, right = window_bounds(op, window_size)
     call = _describe(f"flashop.{fn.__name__}", q=q, k=k, v=v, block_table=block_table)
-    options = dict(causal=causal, scale=scale, window_size_left=left, window_size_right=right,
-                   softcap=softcap)
+    options = api._options(op, causal, scale, window_size, softcap, attention_chunk)
     packing_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if api._takes_fp8(op, q, (q_descale, k_descale, v_descale), out_dtype, g=g,
                       dropout_p=dropout_p, block_table=block_table):

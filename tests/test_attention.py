@@ -15,6 +15,7 @@ import flashop
 from flashop._launch import attention as launch, choice, gluon as launch_gluon, plans, tiles
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
+from flashop._launch.common import is_hopper
 from helpers import (
     CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, cpu_path,
     deterministic_algorithms, edge_offset_keys, gluon_cases, head_counts, input_scales, lengths,
@@ -609,7 +610,8 @@ def test_the_dkdv_kernels_parts_with_modifiers(case):
 def test_where_the_dkdv_kernel_runs_in_parts():
     """The dK/dV kernel's launches (its PARTS): two parts, dV then dK, for 16-bit inputs above
     head dim 128 (under the interpreter, as on Hopper GPUs); one launch of both at 128 and
-    below, for fp32 inputs, and where dQ is added by atomics."""
+    below, for fp32 inputs, and where dQ is added by atomics (the `tl` kernels: the Gluon
+    backward, where it runs, has its own)."""
     def parts(D, dtype=torch.float16, **switches):
         launches = []
         original = launch._launch
@@ -623,12 +625,12 @@ def test_where_the_dkdv_kernel_runs_in_parts():
         case = Case(B=1, S_q=20, S_k=24, H_kv=1, G=1, D=D, DV=D, dtype=dtype)
         (q, k, v), dout, dlse = make_inputs(case)
         with mock.patch.object(launch, "_launch", record), \
-                flashop.config.override(**switches):
+                flashop.config.override(gluon=False, **switches):
             out, lse = flashop.attention_with_lse(q, k, v)
             torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
         return launches
 
-    hopper = DEVICE == "cpu" or launch.is_hopper(torch.device(DEVICE))
+    hopper = DEVICE == "cpu" or is_hopper(torch.device(DEVICE))
     split = [("dv", 1), ("dk", 2)] if hopper else [("dkdv", 3)]
     assert parts(160) == parts(256) == parts(160, torch.bfloat16) == split
     assert parts(128) == parts(160, torch.float32) == [("dkdv", 3)]

@@ -2,6 +2,7 @@
 gloo process groups of 1, 2 and 4 CPU processes (the kernels in Triton's interpreter), held
 to the accuracy rule against the whole sequence."""
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -16,7 +17,9 @@ import torch.multiprocessing as mp
 import flashop
 import flashop.distributed as fd
 from flashop.testing import check_attention
-from helpers import DEVICE, Case, TestCase, make_inputs, make_modifiers
+from helpers import (
+    DEVICE, Case, TestCase, deterministic_algorithms, make_inputs, make_modifiers,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 
@@ -190,6 +193,26 @@ def _check_errors(W):
             fd.ring_attention(x[:, :5], x[:, :5], x[:, :5])
 
 
+def _ring_results(W, case) -> list:
+    """Ring attention's out, lse and gradients (gathered) of ``case``; with W = 1, checked
+    bitwise against the plain operator's."""
+    (q, k, v), dout, dlse = make_inputs(case)
+    mods = make_modifiers(case)
+    shards = [fd.shard_sequence(t.detach()).requires_grad_() for t in (q, k, v)]
+    assert torch.equal(fd.gather_sequence(shards[0]), q)  # the round trip is exact
+    out, lse = fd.ring_attention_with_lse(*shards, alibi_slopes=mods["alibi_slopes"],
+                                          **case.options())
+    grads = torch.autograd.grad(
+        (out, lse), shards, (fd.shard_sequence(dout), fd.shard_sequence(dlse, dim=2)))
+    result = [fd.gather_sequence(out), fd.gather_sequence(lse, dim=2)]
+    result += [fd.gather_sequence(g) for g in grads]
+    if W == 1:  # the plain op's results, bitwise
+        out1, lse1 = flashop.attention_with_lse(q, k, v, **mods, **case.options())
+        want = [out1, lse1, *torch.autograd.grad((out1, lse1), (q, k, v), (dout, dlse))]
+        assert all(torch.equal(a, b) for a, b in zip(result, want))
+    return result
+
+
 def _worker(rank, W, outdir, cases):
     gpu = DEVICE == "cuda"
     if gpu:
@@ -203,22 +226,11 @@ def _worker(rank, W, outdir, cases):
         if not gpu:  # this group's own backends read: gloo sends no CUDA tensor
             with pytest.raises(RuntimeError, match="NCCL backend for CUDA tensors"):
                 fd._check_backend(dist.get_backend_config(), torch.device("cuda"), "ring")
+        # W = 1 equals the plain operator bitwise, where both run the reproducible backward
+        # (the default one may add dQ by atomics on a GPU)
         for n, case in enumerate(cases):
-            (q, k, v), dout, dlse = make_inputs(case)
-            mods = make_modifiers(case)
-            shards = [fd.shard_sequence(t.detach()).requires_grad_() for t in (q, k, v)]
-            assert torch.equal(fd.gather_sequence(shards[0]), q)  # the round trip is exact
-            out, lse = fd.ring_attention_with_lse(*shards, alibi_slopes=mods["alibi_slopes"],
-                                                  **case.options())
-            grads = torch.autograd.grad(
-                (out, lse), shards, (fd.shard_sequence(dout), fd.shard_sequence(dlse, dim=2)))
-            result = [fd.gather_sequence(out), fd.gather_sequence(lse, dim=2)]
-            result += [fd.gather_sequence(g) for g in grads]
-            if W == 1:  # the plain op's results, bitwise
-                out1, lse1 = flashop.attention_with_lse(q, k, v, **mods, **case.options())
-                want = [out1, lse1, *torch.autograd.grad((out1, lse1), (q, k, v),
-                                                         (dout, dlse))]
-                assert all(torch.equal(a, b) for a, b in zip(result, want))
+            with deterministic_algorithms() if W == 1 else contextlib.nullcontext():
+                result = _ring_results(W, case)
             if rank == 0:
                 torch.save([t.detach() for t in result], os.path.join(outdir, f"{n}.pt"))
         # every rank done before any tears its group down

@@ -141,6 +141,41 @@ def test_explain_launches_nothing_and_checks_as_the_call_does():
         error_message(flashop.attention, q, k, v, window_size=3)
 
 
+@pytest.mark.parametrize("fn", [flashop.attention, flashop.attention_with_lse,
+                                flashop.attention_varlen, flashop.attention_varlen_with_lse,
+                                flashop.attention_with_kvcache])
+def test_explain_takes_every_argument_of_the_call(fn):
+    """Each explained function's parameters, with their kinds and defaults, are its
+    explainer's (after the function itself): no argument a call takes is refused."""
+    import inspect
+
+    import importlib
+    explain_module = importlib.import_module("flashop.explain")
+    explainer = inspect.signature(explain_module._EXPLAINERS[fn])
+    params = list(explainer.parameters.values())[1:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):  # the rest passed on to the call
+        named = {p.name for p in params}
+        params += [p for p in inspect.signature(fn).parameters.values() if p.name not in named
+                   and p.kind is p.KEYWORD_ONLY]
+        params = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    assert sorted((p.name, p.kind, p.default) for p in params) == sorted(
+        (p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values())
+
+
+def test_explain_of_a_chunked_call_is_what_it_launches():
+    """attention_chunk through explain: the chunk's rules (the Gluon and warp-specialized
+    kernels decline chunks) and the kernels the call then launches."""
+    q, k, v = CALLS["plain"][0]()
+    told = flashop.explain(flashop.attention, q, k, v, causal=True, attention_chunk=16)
+    names = _launched(lambda: flashop.attention(q, k, v, causal=True, attention_chunk=16)
+                      .sum().backward())
+    assert names == _kernel_names(told.forward) + _kernel_names(told.backward)
+    if ON_GPU and gluon.available(torch.device(DEVICE)):
+        assert told.forward.path.startswith("tl forward")
+    assert error_message(flashop.explain, flashop.attention, q, k, v, attention_chunk=-2) == \
+        error_message(flashop.attention, q, k, v, attention_chunk=-2)
+
+
 class TestExplain(TestCase):
     def test_what_it_explains(self):
         q, k, v = CALLS["plain"][0]()
