@@ -107,7 +107,7 @@ def _cpu_path():
 
 def _one_check(device: str, check: tuple, seed: int) -> tuple:
     """One configuration of CHECKS: flashop's out, lse and gradients under the accuracy
-    rule; (its row of the table, the rule's results)."""
+    rule; (its row of the table, the rule's results, flashop.explain's account of it)."""
     import flashop
     from flashop.testing import check_attention
 
@@ -118,12 +118,23 @@ def _one_check(device: str, check: tuple, seed: int) -> tuple:
                for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
     dout = torch.randn(B, S_q, H, DV, device=device, dtype=dtype, generator=gen)
     dlse = torch.randn(B, H, S_q, device=device, generator=gen)
+    told = flashop.explain(flashop.attention_with_lse, q, k, v, causal=causal)
     out, lse = flashop.attention_with_lse(q, k, v, causal=causal)
     grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     results = check_attention(q, k, v, dout, dlse, out, lse, grads, causal=causal)
     row = (f"{str(dtype)[6:]:>9} {B:>2} {S_q:>5} {S_k:>5} {H:>3} {H_kv:>4} {D:>4} "
            f"{DV:>4} {str(causal):>6}")
-    return row, results
+    return row, results, told
+
+
+def _ran(told) -> str:
+    """One line of what an explained call ran: each pass's path and kernels with tiles."""
+    def part(choice):
+        kernels = "; ".join(f"{name}: {tiles}" if tiles else name
+                            for name, tiles in choice.kernels)
+        return f"{choice.path}" + (f" ({kernels})" if kernels else "")
+    return part(told.forward) + (f" | backward: {part(told.backward)}"
+                                 if told.backward is not None else "")
 
 
 def self_check(device: str, full: bool, summary: Summary) -> None:
@@ -136,11 +147,18 @@ def self_check(device: str, full: bool, summary: Summary) -> None:
     print(f"{'dtype':>9} {'B':>2} {'S_q':>5} {'S_k':>5} {'H':>3} {'H_kv':>4} {'D':>4} "
           f"{'DV':>4} {'causal':>6}  worst error/bound  result")
     seeds = range(len(checks))
+    ran = []
     with ThreadPoolExecutor(len(checks) if device == "cuda" else 1) as pool:
-        for row, results in pool.map(_one_check, [device] * len(checks), checks, seeds):
+        for row, results, told in pool.map(_one_check, [device] * len(checks), checks, seeds):
             worst = max(r.error / r.bound if r.bound else 0.0 for r in results)
             ok = summary.add(results)
             print(f"{row}  {worst:17.2f}  {'ok' if ok else 'FAIL'}", flush=True)
+            ran.append((row, told))
+    print("\nwhat each ran (flashop.explain; the first in full, with the rules that ruled "
+          "something out):")
+    print("  " + str(ran[0][1]).replace("\n", "\n  "))
+    for row, told in ran[1:]:
+        print(f"  {' '.join(row.split())}: {_ran(told)}")
 
 
 def _modified_dense_check(randn, gen, device: str, every: bool) -> list:

@@ -272,3 +272,21 @@ backward: CPU path
         self.assertEqual([n for n, _ in told.backward.kernels], [
             "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel, dV part",
             "attention_bwd_dkdv_kernel, dK part"])
+
+
+def test_the_main_job_prints_what_its_checks_ran(capsys):
+    """python -m flashop's checks print flashop.explain's account of each call they check:
+    the first in full, one line per other."""
+    import importlib
+
+    main = importlib.import_module("flashop.__main__")
+    summary = main.Summary()
+    main.self_check(DEVICE, False, summary)
+    out = capsys.readouterr().out
+    assert not summary.failed
+    dtype, B, S_q, S_k, H, H_kv, D, DV, causal = main.CHECKS[(DEVICE, False)][0]
+    q, k, v = (torch.empty(B, S, h, d, device=DEVICE, dtype=dtype)
+               for S, h, d in ((S_q, H, D), (S_k, H_kv, D), (S_k, H_kv, DV)))
+    told = flashop.explain(flashop.attention_with_lse, q, k, v, causal=causal)
+    assert "  " + str(told).replace("\n", "\n  ") in out
+    assert out.count(" | backward: ") == len(main.CHECKS[(DEVICE, False)]) - 1
