@@ -151,23 +151,23 @@ def test_compiled_graphs_reach_the_gluon_kernels_through_the_opaque_operators(mo
     q_short = q[:, :64].contiguous()
     with torch._subclasses.FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        assert choice.traced_takes_gluon(fq, fk, fv, None, mods, None)
+        assert choice.forward_runs_opaque(fq, fk, fv, None, mods, None)
         assert not choice.forward_takes_gluon(fq, fk, fv, 0.1, mods, None)  # not eager
         monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
-        assert not choice.traced_takes_gluon(fq, fk, fv, None, mods, None)
+        assert not choice.forward_runs_opaque(fq, fk, fv, None, mods, None)
         assert choice.gluon_backward_order(fq, fk, fv, fq, mods, False, None, False,
                                            traced=True) is None
         monkeypatch.setattr(torch.compiler, "_is_exporting_flag", False)
         with V.set_aot_compilation(True):
-            assert not choice.traced_takes_gluon(fq, fk, fv, None, mods, None)
+            assert not choice.forward_runs_opaque(fq, fk, fv, None, mods, None)
         for other in (dict(causal=True, window_size_left=8), dict(causal=True, softcap=5.0)):
-            assert not choice.traced_takes_gluon(fq, fk, fv, None, modifiers(**other), None)
+            assert not choice.forward_runs_opaque(fq, fk, fv, None, modifiers(**other), None)
         short = mode.from_tensor(q_short)
-        assert not choice.traced_takes_gluon(short, short, short, None, mods, None)
+        assert not choice.forward_runs_opaque(short, short, short, None, mods, None)
         assert choice.gluon_backward_order(short, short, short, short, mods, False, None,
                                            False, traced=True) is None
     # real tensors (an eager call) are never routed
-    assert not choice.traced_takes_gluon(q, k, v, None, mods, None)
+    assert not choice.forward_runs_opaque(q, k, v, None, mods, None)
     assert not choice.forward_takes_gluon(q, k, v, 0.1, mods, None, traced=True)
 
 

@@ -331,6 +331,12 @@ def choices(q, k, v, scale: Optional[float], mods: Modifiers,
         v = unit_stride_last(v)
     out = torch.empty((*q.shape[:-1], v.shape[-1]), device="meta", dtype=q.dtype)
     p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
+    if cpu.serves(q):
+        paged = packing is not None and packing.block_table is not None
+        forward = choice.ForwardChoice(*choice.cpu_path(q, k, v, p, mods,
+                                                        differentiable=not (fp8 or paged)))
+        backward_choice = choice.BackwardChoice(*choice.cpu_path(q, k, v, p, mods, True))
+        return forward, backward_choice if backward else None
     forward = choice.choose_forward(q, k, v, p, mods, fp8=fp8)
     if not backward:
         return forward, None

@@ -14,11 +14,6 @@ from flashop._launch.common import EAGER_TENSOR_TYPES
 
 _Tensor = torch.Tensor
 
-def is_traced(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data, or
-    torch.compile is tracing the call."""
-    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
-
 
 def is_direct(q: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
     """Whether a call with ``q`` and these tensors takes the direct eager path (the

@@ -17,9 +17,8 @@ import torch
 
 from flashop import config
 from flashop._launch import cpu, gluon, tiles
-from flashop._launch.calls import is_traced
 from flashop._launch.common import (
-    block_dim, decline, is_hopper, known_shorter, resolve_scale, tma_aligned,
+    block_dim, decline, is_hopper, is_traced, known_shorter, resolve_scale, tma_aligned,
 )
 from flashop._launch.options import Modifiers, Packing
 from flashop._launch.scores import LOG2E
@@ -112,12 +111,23 @@ def forward_takes_gluon(q, k, v, qk_scale: float, mods: Modifiers, packing: Opti
                         why)
 
 
-def traced_takes_gluon(q, k, v, scale: Optional[float], mods: Modifiers,
-                       packing: Optional[Packing]) -> bool:
-    """Whether a forward traced for a graph compiled here reaches the Gluon kernel when the
-    graph runs (forward_takes_gluon with ``traced``): False for an eager call."""
-    return is_traced(q) and forward_takes_gluon(
-        q, k, v, resolve_scale(scale, q.shape[-1]) * LOG2E, mods, packing, traced=True)
+def forward_runs_opaque(q, k, v, scale: Optional[float], mods: Modifiers,
+                        packing: Optional[Packing]) -> bool:
+    """Whether a traced forward runs through its opaque operator when the graph runs: on
+    the CPU path (which reads values on the host, cpu.serves), or where the Gluon kernel
+    takes it in a graph compiled here (forward_takes_gluon with ``traced``). False for an
+    eager call, which is_traced tells once."""
+    return is_traced(q) and (cpu.serves(q) or forward_takes_gluon(
+        q, k, v, resolve_scale(scale, q.shape[-1]) * LOG2E, mods, packing, traced=True))
+
+
+def backward_runs_opaque(q, k, v, dout, mods: Modifiers, attn_mask_grad: bool,
+                         packing: Optional[Packing], deterministic: bool) -> bool:
+    """As forward_runs_opaque, for the backward: the CPU path, or the Gluon backward in a
+    graph compiled here (gluon_backward_order with ``traced``)."""
+    return is_traced(q) and (cpu.serves(q) or gluon_backward_order(
+        q, k, v, dout, mods, attn_mask_grad, packing, deterministic, traced=True)
+        is not None)
 
 
 def _tma_by_default(head_dim: int, S_k, device: torch.device, why=None) -> bool:
@@ -210,10 +220,8 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
     launcher reads them): the Gluon kernel where its rule takes the call, else the
     warp-specialized kernel where its rule does (no sinks, no dropout), else the general
     kernel with its tiles (tiles.forward_tiles), its key and value tiles through tensor
-    descriptors where their rule selects them (not over pages, and v with unit stride)."""
-    if cpu.serves(q):
-        paged = p.packing is not None and p.packing.block_table is not None
-        return ForwardChoice(*cpu_path(q, k, v, p, mods, differentiable=not (fp8 or paged)))
+    descriptors where their rule selects them (not over pages, and v with unit stride).
+    The kernels' choice: a call of CPU tensors on the CPU path has cpu_path's."""
     why: list = []
     qk_scale = p.modifier_args["qk_scale"]
     if fp8:
@@ -306,9 +314,8 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
     else in key-tile order); else the tl kernels: the dQ kernel, then the dK/dV kernel (in
     two parts above head dim 128, tiles.splits_dkdv), or, where the atomics are forced
     (config.settings.dq_atomics) and there is no gate and no mask gradient, the dK/dV kernel
-    adding dQ by fp32 atomics alone. ``deterministic`` as deterministic_backward gives it."""
-    if cpu.serves(q):
-        return BackwardChoice(*cpu_path(q, k, v, p, mods, differentiable=True))
+    adding dQ by fp32 atomics alone. ``deterministic`` as deterministic_backward gives it.
+    The kernels' choice: a call of CPU tensors on the CPU path has cpu_path's."""
     why: list = []
     causal = p.flags["HAS_RIGHT"]
     ordered = gluon_backward_order(q, k, v, dout, mods, attn_mask_grad, p.packing,

@@ -18,6 +18,12 @@ from flashop.kernels import INTERPRETING
 EAGER_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def is_traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a tracer's stand-in (fake or functional tensor) rather than data, or
+    torch.compile is tracing the call."""
+    return type(x) not in EAGER_TENSOR_TYPES or torch.compiler.is_compiling()
+
+
 def decline(why: Optional[list], reason: str) -> bool:
     """A rule's answer where it rules something out: False, with ``reason`` added to ``why``
     (where given: a choice being explained, flashop/_launch/choice.py)."""

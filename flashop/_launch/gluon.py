@@ -21,8 +21,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flashop import config
-from flashop._launch.common import cdiv, decline, known_shorter, sm_count, tma_aligned
-from flashop._launch.calls import is_traced
+from flashop._launch.common import (
+    cdiv, decline, is_traced, known_shorter, sm_count, tma_aligned,
+)
 from flashop._launch.launches import launch_now, triton_version
 from flashop.kernels import INTERPRETING
 

@@ -45,8 +45,7 @@ from torch.utils.flop_counter import (
     register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count,
 )
 
-from flashop._launch import attention as launch, choice, cpu
-from flashop._launch.calls import is_traced
+from flashop._launch import attention as launch, choice
 from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Modifiers, Packing, modifiers, packing
 from flashop._ops import autocast
@@ -113,7 +112,7 @@ def run_forward(q, k, v, *args, scale=None, **options):
     kernel, in a graph compiled here; the CPU path, which reads values on the host) calls
     it through attention_forward_opaque."""
     mods, packed = _call(q, k, v, *args, scale=scale, **options)
-    if choice.traced_takes_gluon(q, k, v, scale, mods, packed) or cpu.traced(q):
+    if choice.forward_runs_opaque(q, k, v, scale, mods, packed):
         return torch.ops.flashop.attention_forward_opaque(q, k, v, *args, scale=scale,
                                                           **options)
     return launch.attention_forward(q, k, v, scale, mods, packed)
@@ -174,9 +173,8 @@ def run_backward(dout, dlse, q, k, v, out, lse_log2, *args, scale=None, attn_mas
     mods, packed = _backward_call(dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
                                   attn_mask_grad=attn_mask_grad, **options)
     deterministic = choice.deterministic_backward(deterministic)
-    if is_traced(q) and (cpu.traced(q) or choice.gluon_backward_order(
-            q, k, v, dout, mods, attn_mask_grad, packed, deterministic, traced=True)
-            is not None):
+    if choice.backward_runs_opaque(q, k, v, dout, mods, attn_mask_grad, packed,
+                                   deterministic):
         return torch.ops.flashop.attention_backward_opaque(
             dout, dlse, q, k, v, out, lse_log2, *args, scale=scale,
             attn_mask_grad=attn_mask_grad, deterministic=deterministic, **options)

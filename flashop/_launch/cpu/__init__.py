@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from flashop import config
-from flashop._launch.calls import is_traced
+from flashop._launch.common import is_traced
 from flashop.kernels import INTERPRETING
 
 
