@@ -18,7 +18,7 @@ from flashop._launch import choice, cpu, gates, gluon, tiles
 from flashop._launch.cpu import attention as cpu_attention
 from flashop._launch.cpu.dropout import dropout_mask as cpu_dropout_mask
 from flashop._launch.common import (
-    block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator,
+    block_dim, cdiv, check_row_offsets, dtype_constexprs, ensure_triton_allocator, head_blocks,
     on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
 )
 from flashop._launch.launches import launch_kernel
@@ -202,9 +202,13 @@ class Problem:
         return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, S_q=self.S_q, S_k=self.S_k,
                     G=self.H // self.H_kv, IS_VARLEN=self.packed)
 
-    def constexprs(self) -> dict:
-        """Head dims, their blocks and the dtype's options."""
-        return dict(D=self.D, DV=self.DV, BLOCK_D=block_dim(self.D), BLOCK_DV=block_dim(self.DV),
+    def constexprs(self, head_in_parts: bool = False) -> dict:
+        """Head dims, their blocks and the dtype's options; where ``head_in_parts`` (the
+        forward kernel), q's and k's head dim in the blocks of common.head_blocks
+        (BLOCK_D and BLOCK_DT)."""
+        blocks = (dict(zip(("BLOCK_D", "BLOCK_DT"), head_blocks(self.D))) if head_in_parts
+                  else dict(BLOCK_D=block_dim(self.D)))
+        return dict(D=self.D, DV=self.DV, **blocks, BLOCK_DV=block_dim(self.DV),
                     **dtype_constexprs(self.q.dtype))
 
 
@@ -215,7 +219,8 @@ def _launch(kernel, kind: str, t: tiles.Tiles, grid: Callable, lengths: tuple,
     ``seq_bucket`` argument is the bucket of ``lengths`` then, else 0 (a constant, so that
     Triton's integer specialisation compiles no extra variants of the plain kernels)."""
     if autotune:
-        tuned = tiles.autotuned(kernel, kind, kwargs["BLOCK_D"], kwargs["BLOCK_DV"],
+        block_d = kwargs["BLOCK_D"] + kwargs.get("BLOCK_DT", 0)
+        tuned = tiles.autotuned(kernel, kind, block_d, kwargs["BLOCK_DV"],
                                 kwargs["q"].element_size(), kwargs["q"].device.index)
         wrap_triton(tuned)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](
             seq_bucket=tiles.seq_bucket(*lengths), **kwargs)
@@ -311,8 +316,8 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
         return out, lse, lse_log2
     _launch(attention_fwd_kernel, "fwd", c.tiles, grid, lengths=(p.S_q, p.S_k),
             autotune=c.autotune, **io, **p.sequences(), **_paging(p.packing, k),
-            **p.modifier_args, **_sinks(mods), **_dropout_args(mods), **p.constexprs(),
-            **p.flags, FOLD_SCALE=c.fold, TMA=c.tma)
+            **p.modifier_args, **_sinks(mods), **_dropout_args(mods),
+            **p.constexprs(head_in_parts=True), **p.flags, FOLD_SCALE=c.fold, TMA=c.tma)
     return out, lse, lse_log2
 
 

@@ -49,6 +49,17 @@ def block_dim(d: int) -> int:
     return max(16 if INTERPRETING else 64, next_power_of_2(d))
 
 
+def head_blocks(d: int) -> tuple:
+    """(BLOCK_D, BLOCK_DT): the forward's blocks of q's and k's head dim: block_dim(d) and
+    no second one (0), or, where a 128-wide block and a second, narrower one cover ``d``
+    with less padding than one power-of-two block, those two (d = 192: 128 and 64 instead
+    of 256; on GPUs 128 < d <= 192)."""
+    whole = block_dim(d)
+    if d > 128 and 128 + block_dim(d - 128) < whole:
+        return 128, block_dim(d - 128)
+    return whole, 0
+
+
 def resolve_scale(scale: Optional[float], head_dim: int) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
 

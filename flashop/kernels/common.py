@@ -80,6 +80,22 @@ def score_dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def score_dot_parts(a, b, a_tail, b_tail, DOT_PRECISION: tl.constexpr):
+    """score_dot over head dims held in two parts, ``a @ b + a_tail @ b_tail``, summed as
+    one product over the whole head dim: in one fp32 accumulator, the tail's terms after
+    the first part's (the order of one product over the dims), or under the interpreter in
+    fp64 rounded to fp32 once (as score_dot)."""
+    if INTERPRETED:
+        s = tl.dot(a.to(tl.float32).to(tl.float64), b.to(tl.float32).to(tl.float64))
+        s += tl.dot(a_tail.to(tl.float32).to(tl.float64), b_tail.to(tl.float32).to(tl.float64))
+        s = s.to(tl.float32)
+    else:
+        s = tl.dot(a_tail, b_tail, tl.dot(a, b, input_precision=DOT_PRECISION),
+                   input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
 def to_bf16(x):
     """fp32 ``x`` rounded to the nearest bf16 (ties to even), as a GPU's cast rounds.
     triton<=3.9: the interpreter's fp32 -> bf16 cast truncates; this one rounds there by

@@ -12,6 +12,7 @@ import triton.language as tl
 from flashop.kernels.common import (
     INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted,
     heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, score_dot,
+    score_dot_parts,
 )
 
 # fp8 inputs: P is scaled by 448 (e4m3's largest value, 2^P_SHIFT) before its cast to e4m3
@@ -23,16 +24,21 @@ P_SHIFT = tl.constexpr(8.807354922057604)  # log2(448)
 
 @triton.jit
 def _fwd_scores(
-    b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k, qk_scale,
-    softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE: tl.constexpr,
+    b_q, b_kt, b_qt, b_ktt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q,
+    S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_DT: tl.constexpr,
 ):
     """Scores [rows, BLOCK_N] of the query rows ``o_m`` against one key tile, base 2; where
-    ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (fwd_fold does it)."""
-    b_qk = score_dot(b_q, dot_operand(b_kt, UPCAST), DOT_PRECISION)
+    ``FOLD_SCALE``, not yet multiplied by ``qk_scale`` (fwd_fold does it). Where
+    ``BLOCK_DT``, the head dims past the first block are in ``b_qt`` and ``b_ktt``."""
+    if BLOCK_DT > 0:
+        b_qk = score_dot_parts(b_q, dot_operand(b_kt, UPCAST), b_qt,
+                               dot_operand(b_ktt, UPCAST), DOT_PRECISION)
+    else:
+        b_qk = score_dot(b_q, dot_operand(b_kt, UPCAST), DOT_PRECISION)
     b_s, _ = attention_scores(
         b_qk, qk_scale, o_m[:, None], o_n[None, :], m_m[:, None], m_n[None, :], S_q, S_k,
         left, right, chunk, softcap_log2, alibi_log2, b_gk, attn_mask, stride_amq, stride_amk,
@@ -81,7 +87,8 @@ def fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks, stride_vs,
+    acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, b_qt, k, k_t, v, g_cum, attn_mask, stride_ks,
+    stride_vs,
     stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale,
     softcap_log2, alibi_log2, left, right, chunk, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr,
@@ -91,10 +98,12 @@ def _fwd_key_tiles(
     FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
     block_table, stride_kb, stride_vb, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_DT: tl.constexpr,
 ):
     """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
     ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
+    Where ``BLOCK_DT``, the head dims from BLOCK_D on are a second tile of BLOCK_DT: the
+    queries' in ``b_qt``, the keys' read with them (through ``k_t`` where ``TMA``).
 
     ``EDGE_TILE`` tiles may cross the window (causal) or chunk bounds or the end of the keys;
     the others are inside for every row of the program and skip that masking. Where ``TMA``,
@@ -134,22 +143,30 @@ def _fwd_key_tiles(
             b_kt = tl.trans(k.load([start_n, 0]))
         else:
             b_kt = load_tile(k + o_kn[None, :] + o_d[:, None], m_n[None, :],
-                             o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
+                             o_d[:, None] < D, EDGE_TILE, BLOCK_D > D)
+        b_ktt = b_kt
+        if BLOCK_DT > 0:  # [BLOCK_DT, BLOCK_N]
+            if TMA:
+                b_ktt = tl.trans(k_t.load([start_n, BLOCK_D]))
+            else:
+                o_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+                b_ktt = load_tile(k + o_kn[None, :] + o_dt[:, None], m_n[None, :],
+                                  o_dt[:, None] < D, EDGE_TILE, BLOCK_D + BLOCK_DT > D)
         b_gk = 0.0
         if HAS_GATE:
             b_gk = tl.load(g_cum + o_n * stride_gs, mask=m_n, other=0.0)[None, :]
         # [TILE_M, BLOCK_N]
         b_s = _fwd_scores(
-            b_q, b_kt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k,
-            qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE, HAS_LEFT,
-            HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE,
-            UPCAST, DOT_PRECISION)
-        if SPLIT_M:
+            b_q, b_kt, b_qt, b_ktt, b_gk, o_m, m_m, o_n, m_n, attn_mask, stride_amq, stride_amk,
+            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE,
+            HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
+            FOLD_SCALE, UPCAST, DOT_PRECISION, BLOCK_DT)
+        if SPLIT_M:  # (never with BLOCK_DT: two query tiles are for head dims up to 128)
             b_s2 = _fwd_scores(
-                b_q2, b_kt, b_gk, o_m2, m_m2, o_n, m_n, attn_mask, stride_amq, stride_amk, S_q, S_k,
-                qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE, HAS_LEFT,
-                HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
-                FOLD_SCALE, UPCAST, DOT_PRECISION)
+                b_q2, b_kt, b_qt, b_ktt, b_gk, o_m2, m_m2, o_n, m_n, attn_mask, stride_amq,
+                stride_amk, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk,
+                EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
+                ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION, 0)
         if TMA:
             b_v = v.load([start_n, 0])
         else:
@@ -245,6 +262,7 @@ def attention_fwd_kernel(
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
 ):
     """o[b, i, h] = softmax_j(score(i, j)) v[b, j, h // G], score as attention_scores.
 
@@ -289,6 +307,9 @@ def attention_fwd_kernel(
     sequence and key/value head, FlashAttention-3's scaling): the query and key descales
     multiply the score scale, the value descale the output; P goes to the P V product in
     e4m3 (see P_SHIFT).
+    Where ``BLOCK_DT`` (not 0), q's and k's head dims are two tiles, the first BLOCK_D wide
+    and whole, the rest BLOCK_DT wide (D = 192: 128 and 64, where one power-of-two tile
+    would be 256 wide, a third of it padding); never with ``SPLIT_M``.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
@@ -333,11 +354,15 @@ def attention_fwd_kernel(
     o += i_b * stride_ob + q_start * stride_os + i_h * stride_oh
     lse += i_b * stride_lb + i_h * stride_lh + q_start
     lse_log2 += i_b * stride_lb + i_h * stride_lh + q_start
+    k_t = k  # the descriptor of the keys' head dims past BLOCK_D, where TMA and BLOCK_DT
     if TMA:
         # (a sequence without keys loads no tile; its descriptors keep one row)
         n_rows = tl.maximum(S_k, 1)
         k = tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
                                       block_shape=[BLOCK_N, BLOCK_D])
+        if BLOCK_DT > 0:
+            k_t = tl.make_tensor_descriptor(k_t, shape=[n_rows, D], strides=[stride_ks, 1],
+                                            block_shape=[BLOCK_N, BLOCK_DT])
         v = tl.make_tensor_descriptor(v, shape=[n_rows, DV], strides=[stride_vs, 1],
                                       block_shape=[BLOCK_N, BLOCK_DV])
 
@@ -351,8 +376,14 @@ def attention_fwd_kernel(
     m_m = o_m < S_q
     # [TILE_M, BLOCK_D]
     b_q = load_tile(q + o_m[:, None] * stride_qs + o_d[None, :], m_m[:, None], o_d[None, :] < D,
-                    True, BLOCK_D != D)
+                    True, BLOCK_D > D)
     b_q = dot_operand(b_q, UPCAST)
+    b_qt = b_q  # [TILE_M, BLOCK_DT]: the head dims past BLOCK_D (a placeholder without)
+    if BLOCK_DT > 0:
+        o_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        b_qt = load_tile(q + o_m[:, None] * stride_qs + o_dt[None, :], m_m[:, None],
+                         o_dt[None, :] < D, True, BLOCK_D + BLOCK_DT > D)
+        b_qt = dot_operand(b_qt, UPCAST)
     m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([TILE_M], dtype=tl.float32)
     sink_log2 = 0.0
@@ -377,7 +408,7 @@ def attention_fwd_kernel(
     acc2 = 0.0
     if SPLIT_M:
         b_q2 = load_tile(q + o_m2[:, None] * stride_qs + o_d[None, :], m_m2[:, None],
-                         o_d[None, :] < D, True, BLOCK_D != D)
+                         o_d[None, :] < D, True, BLOCK_D > D)
         b_q2 = dot_operand(b_q2, UPCAST)
         m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
         l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
@@ -420,7 +451,8 @@ def attention_fwd_kernel(
             else:
                 start_n, end_n = u_hi, mid
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
-                acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, k, v, g_cum, attn_mask, stride_ks,
+                acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, b_qt, k, k_t, v, g_cum, attn_mask,
+                stride_ks,
                 stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2,
                 start_n, end_n,
                 S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
@@ -428,12 +460,13 @@ def attention_fwd_kernel(
                 HAS_ALIBI, HAS_GATE,
                 ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
                 dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
-                FP8)
+                FP8, BLOCK_DT)
     if SPLIT_M and (HAS_RIGHT or HAS_CHUNK):
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
-            acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, k, v, g_cum, attn_mask, stride_ks,
+            acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, b_q2, k, k, v, g_cum, attn_mask,
+            stride_ks,
             stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid,
             hi,
             S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
@@ -441,7 +474,7 @@ def attention_fwd_kernel(
             HAS_GATE,
             ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
             dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
-                FP8)
+            FP8, 0)
 
     fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
