@@ -151,7 +151,7 @@ def test_transformers_models_with_fp32_weights_under_bf16_autocast(kind):
     same autocast, against a float64 per-row reference), and greedy generation (its decoding
     steps take fp32 queries over the bf16 cache)."""
     pytest.importorskip("transformers")
-    from test_transformers import left_padded_batch, per_row_reference, positions, tiny_model
+    from tiny_models import left_padded_batch, per_row_reference, positions, tiny_model
 
     from flashop.testing import accuracy
 

@@ -15,10 +15,11 @@ import triton.language as tl
 from torch.library import opcheck
 
 import flashop
+# fresh_plans: an autouse fixture, which pytest finds in this module's names
+from cache_cases import APPEND_INDEX, CacheCase, fresh_plans, kwargs_ref, make_call  # noqa: F401
 from flashop.reference import attention_with_kvcache_reference, kvcache_append_reference
 from flashop.testing import accuracy
 from helpers import DEVICE, CPU_PATH_TWIN, cpu_path, poisoned_outputs
-from test_decode import APPEND_INDEX, CacheCase, fresh_plans, kwargs_ref, make_call  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashop
-from helpers import DEVICE, Case, make_inputs, make_modifiers, replayed_launches
+from helpers import DEVICE, Case, make_inputs, make_modifiers, make_packed, replayed_launches
 
 
 @pytest.fixture
@@ -69,8 +69,6 @@ def _dense_grads(dropout_p=0.0):
 
 
 def _packed_grads():
-    from test_varlen import make_packed
-
     args, dout, dlse = make_packed([9, 14], [12, 3], H_kv=1, G=2, D=16, dtype=torch.float16)
     out, lse = flashop.attention_varlen_with_lse(**args, causal=True)
     return torch.autograd.grad((out, lse), (args["q"], args["k"], args["v"]), (dout, dlse))

@@ -146,8 +146,8 @@ def _cache_example(case, seed=0, *rest) -> Drawn:
     """Real work for a decode call: some sequence's keys in two splits (it attends keys of
     two key tiles and the call takes two splits or more), in two pages of a paged cache.
     A left-padded sequence's keys start at its cache_leftpad row (drawn from the seed)."""
+    from cache_cases import make_call
     from flashop.reference import keys_in_bounds
-    from test_decode import make_call
 
     splits = decode_splits(case)
     pads = [0] * case.B

@@ -24,9 +24,9 @@ from flashop.testing import check_attention, check_attention_varlen, dropout_mas
 from helpers import (
     op_options,
     CPU_PATH_TWIN, DEVICE, Case, TestCase, cpu_path, cuda_graph, error_message, gluon_cases,
-    make_inputs, make_modifiers, poisoned_outputs, slow_property_examples,
+    make_inputs, make_modifiers, make_packed, poisoned_outputs, slow_property_examples,
 )
-from test_modifiers import DTYPES, EDGES, SMALLER, modified_cases
+from modifier_cases import DTYPES, EDGES, SMALLER, modified_cases
 
 # each example draws its Philox mask four times (forward, both backward kernels, the
 # reference's), in numpy under the interpreter: about 2 s of CPU there, for a third of the
@@ -233,8 +233,6 @@ def test_dropout_everything_at_once():
 
 
 def test_packed_dropout_matches_reference_with_its_mask():
-    from test_varlen import make_packed
-
     args, dout, dlse = make_packed([7, 0, 20, 13], [11, 5, 20, 4], H_kv=1, G=2, D=16,
                                    dtype=torch.float16, gate=torch.float32)
     options = dict(causal=True, window_size=(6, -1))
@@ -438,8 +436,6 @@ def test_opcheck_with_dropout():
 
 
 def test_opcheck_packed_with_sinks_and_dropout():
-    from test_varlen import make_packed
-
     args, dout, dlse = make_packed([5, 0, 12], [9, 4, 7], H_kv=1, G=2, D=16,
                                    dtype=torch.float32)
     sinks = torch.randn(2, device=DEVICE, requires_grad=True)

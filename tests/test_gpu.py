@@ -14,7 +14,8 @@ import torch
 
 import flashop
 from flashop.testing import check_attention, check_attention_varlen
-from helpers import DEVICE, Case, cuda_graph, make_inputs
+from helpers import DEVICE, Case, cuda_graph, make_inputs, make_packed
+from paged_cases import PagedCase, check_paged, make_paged
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")]
@@ -117,8 +118,6 @@ def test_cuda_graph_capture_of_the_python_apis_backward():
 def test_cuda_graph_capture_of_packed_batches_with_modifiers():
     """attention_varlen (gate, window, ALiBi) needs no host synchronisation either: the
     offsets stay on the device."""
-    from test_varlen import make_packed
-
     args, dout, dlse = make_packed([0, 70, 1, 129], [5, 100, 1, 129], 2, 2, 64, torch.bfloat16,
                                    gate=torch.float32, alibi=(4,))
     leaves = args
@@ -373,7 +372,6 @@ def test_paged_prefill_under_inductor_and_autotuned(page):
     tiles (FLASHOP_AUTOTUNE=1: key tiles above and below the page size) bf16 against the
     reference of the gathered keys."""
     from torch._inductor.utils import run_and_get_code
-    from test_paged_prefill import PagedCase, check_paged, make_paged
 
     case = PagedCase((300, 1, 77), (1000, 513, 77), 2, 4, 128, 128, torch.bfloat16,
                      page=page, max_blocks=1024 // page, spare=5, causal=True, softcap=20.0)

@@ -92,7 +92,7 @@ def test_flash_attn_functions():
 
 def test_a_transformers_model_built_on_meta():
     pytest.importorskip("transformers")
-    from test_transformers import tiny_config
+    from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
     import flashop.transformers as ft

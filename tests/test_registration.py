@@ -5,7 +5,7 @@ import torch
 from torch.library import opcheck
 
 import flashop
-from helpers import Case, TestCase, make_inputs, make_modifiers
+from helpers import Case, TestCase, make_inputs, make_modifiers, make_packed
 
 OPCHECK_CASES = [
     Case(B=2, S_q=37, S_k=53, H_kv=2, G=2, D=40, DV=24, dtype=torch.float32, causal=True),
@@ -217,8 +217,6 @@ def test_the_direct_eager_path_of_packed_batches_matches_the_operator_bitwise():
     """flashop.attention_varlen_with_lse takes the same direct path (the one forward
     operator's body with the packing arguments): outputs and gradients equal the
     operator's bit for bit, the sinks' and the gate's gradients included."""
-    from test_varlen import make_packed
-
     args, dout, dlse = make_packed([5, 0, 30], [17, 4, 30], 1, 2, 16, torch.float32,
                                    gate=torch.float32, alibi=(3, 2))
     args["alibi_slopes"] = args["alibi_slopes"].detach()

@@ -15,9 +15,9 @@ import flashop
 from flashop.testing import check_attention_varlen
 from helpers import (
     DEVICE, INPUTS, Case, TestCase, check_case, CPU_PATH_TWIN, cpu_path, error_message, make_inputs,
-    make_modifiers, poisoned_outputs, slow_property_examples,
+    make_modifiers, make_packed, poisoned_outputs, slow_property_examples,
 )
-from test_modifiers import DTYPES, EDGES, SMALLER, modified_cases
+from modifier_cases import DTYPES, EDGES, SMALLER, modified_cases
 
 # two thirds of the profile's examples under the interpreter (30 would add a minute to CI)
 EXAMPLES = slow_property_examples(interpreter_share=2 / 3)
@@ -123,8 +123,6 @@ def test_sink_gradient_of_rows_that_attend_only_the_sink_under_a_large_gate():
 def test_packed_sinks_match_reference(sink_dtype):
     """With a gate; a sequence without queries, and a last one without keys (dsinks reads
     the queries' gates, which once read past the keys there)."""
-    from test_varlen import make_packed
-
     args, dout, dlse = make_packed([7, 0, 20, 13], [11, 5, 20, 0], H_kv=1, G=2, D=16,
                                    dtype=torch.bfloat16, gate=torch.float32, alibi=(4, 2))
     sinks = (3 * torch.randn(2, device=DEVICE)).to(sink_dtype).requires_grad_()

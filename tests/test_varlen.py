@@ -10,38 +10,13 @@ from torch.library import opcheck
 import flashop
 from flashop.testing import check_attention_varlen, differentiable_inputs
 from helpers import (
-    CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, cpu_path, head_counts, left_bounds_at_edges, op_options,
-    poisoned_outputs, right_bounds_at_edges, TestCase, tile_edges, window_bound,
+    CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, cpu_path, head_counts, left_bounds_at_edges, make_packed,
+    op_options, poisoned_outputs, right_bounds_at_edges, TestCase, tile_edges, window_bound,
 )
 
 ON_GPU = DEVICE == "cuda"
 MAX_LEN = 300 if ON_GPU else 40
 HEAD_DIMS = [16, 64, 128] if ON_GPU else [8, 16, 24]
-
-
-def make_packed(lens_q, lens_k, H_kv, G, D, dtype, seed=0, gate=None, alibi=None):
-    """q, k, v (requiring grad), cu_seqlens, max lengths, g, slopes, dout, dlse."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    H = H_kv * G
-
-    def cu(lens):
-        return torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
-
-    cu_q, cu_k = cu(lens_q), cu(lens_k)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, H, D, device=DEVICE, generator=gen).to(dtype).requires_grad_()
-    k = torch.randn(tk, H_kv, D, device=DEVICE, generator=gen).to(dtype).requires_grad_()
-    v = torch.randn(tk, H_kv, D, device=DEVICE, generator=gen).to(dtype).requires_grad_()
-    g = None
-    if gate is not None:
-        g = torch.nn.functional.logsigmoid(
-            2 + torch.randn(tk, H, device=DEVICE, generator=gen)).to(gate).requires_grad_()
-    slopes = None if alibi is None else torch.rand(alibi, device=DEVICE, generator=gen)
-    dout = torch.randn(tq, H, D, device=DEVICE, generator=gen).to(dtype)
-    dlse = torch.randn(H, tq, device=DEVICE, generator=gen)
-    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=max(lens_q, default=0), max_seqlen_k=max(lens_k, default=0),
-                alibi_slopes=slopes, g=g), dout, dlse
 
 
 def check_packed(args, dout, dlse, deterministic_backward=True, **options):
