@@ -15,7 +15,7 @@ import flashop
 from flashop._launch import attention as launch, choice, gluon as launch_gluon, plans, tiles
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
-from flashop._launch.common import is_hopper
+from flashop._launch.common import head_blocks, is_hopper
 from helpers import (
     CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, cpu_path,
     deterministic_algorithms, edge_offset_keys, gluon_cases, head_counts, input_scales, lengths,
@@ -592,6 +592,33 @@ def test_where_the_kernels_fold_the_scale():
 def test_large_head_dims(D):
     check_case(Case(B=1, S_q=20, S_k=37, H_kv=1, G=2, D=D, DV=D, dtype=torch.float16,
                     causal=True))
+
+
+@pytest.mark.parametrize("tma", [None, True], ids=["default", "descriptors"])
+@pytest.mark.parametrize("case", [
+    Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=192, DV=128, dtype=torch.bfloat16, causal=True),
+    Case(B=1, S_q=37, S_k=37, H_kv=2, G=1, D=160, DV=160, dtype=torch.float32),
+    Case(B=1, S_q=30, S_k=53, H_kv=1, G=3, D=130, DV=64, dtype=torch.float16, causal=True,
+         window_size=(20, 0), softcap=5.0, gate=torch.float32, sinks=torch.float32),
+    Case(B=2, S_q=40, S_k=40, H_kv=1, G=1, D=176, DV=176, dtype=torch.bfloat16, causal=True,
+         magnitude=8.0, outlier_keys=2, layout="bhsd"),
+], ids=["deepseek-192-128", "fp32-160", "130-modifiers", "176-large-scores"])
+def test_the_forward_with_the_head_dim_in_two_tiles(case, tma):
+    """Head dims whose forward takes q's and k's head dim as a 128-wide tile and a narrower
+    one (common.head_blocks; D = 192: 128 + 64): out, lse and the gradients under the rule,
+    with and without tensor descriptors, and the launch's blocks asserted."""
+    launched = []
+    original = launch._launch
+
+    def record(kernel, kind, *args, **kwargs):
+        if kind == "fwd":
+            launched.append((kwargs["BLOCK_D"], kwargs["BLOCK_DT"]))
+        return original(kernel, kind, *args, **kwargs)
+
+    with mock.patch.object(launch, "_launch", record), flashop.config.override(tma=tma):
+        check_case(case)
+    assert launched == [(128, head_blocks(case.D)[1])] and launched[0][1] > 0
+    assert head_blocks(192) == (128, 64) and head_blocks(256)[1] == head_blocks(128)[1] == 0
 
 
 @pytest.mark.parametrize("case", [
