@@ -13,9 +13,10 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
 from flashop._launch import attention as launch, choice, gluon as launch_gluon, plans, tiles
+from flashop.kernels import INTERPRETING
 from flashop.kernels.common import LOG2E
 from flashop._launch.tiles import Tiles
-from flashop._launch.common import head_blocks, is_hopper
+from flashop._launch.common import block_dim, head_blocks, is_hopper
 from helpers import (
     CPU_PATH_TWIN, DEVICE, TWO_KEY_TILES, TWO_QUERY_TILES, Case, check_case, cpu_path,
     deterministic_algorithms, edge_offset_keys, gluon_cases, head_counts, input_scales, lengths,
@@ -605,8 +606,9 @@ def test_large_head_dims(D):
 ], ids=["deepseek-192-128", "fp32-160", "130-modifiers", "176-large-scores"])
 def test_the_forward_with_the_head_dim_in_two_tiles(case, tma):
     """Head dims whose forward takes q's and k's head dim as a 128-wide tile and a narrower
-    one (common.head_blocks; D = 192: 128 + 64): out, lse and the gradients under the rule,
-    with and without tensor descriptors, and the launch's blocks asserted."""
+    one (common.head_blocks; D = 192: 128 + 64; choice.head_in_parts: under the interpreter,
+    on GPUs one tile until measured there): out, lse and the gradients under the rule, with
+    and without tensor descriptors, and the launch's blocks asserted."""
     launched = []
     original = launch._launch
 
@@ -617,7 +619,10 @@ def test_the_forward_with_the_head_dim_in_two_tiles(case, tma):
 
     with mock.patch.object(launch, "_launch", record), flashop.config.override(tma=tma):
         check_case(case)
-    assert launched == [(128, head_blocks(case.D)[1])] and launched[0][1] > 0
+    parts = head_blocks(case.D)
+    assert parts[1] > 0
+    assert launched == [parts if INTERPRETING else (block_dim(case.D), 0)]
+    assert choice.head_in_parts(case.D) == INTERPRETING
     assert head_blocks(192) == (128, 64) and head_blocks(256)[1] == head_blocks(128)[1] == 0
 
 

@@ -202,12 +202,14 @@ class Problem:
         return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, S_q=self.S_q, S_k=self.S_k,
                     G=self.H // self.H_kv, IS_VARLEN=self.packed)
 
-    def constexprs(self, head_in_parts: bool = False) -> dict:
-        """Head dims, their blocks and the dtype's options; where ``head_in_parts`` (the
-        forward kernel), q's and k's head dim in the blocks of common.head_blocks
-        (BLOCK_D and BLOCK_DT)."""
-        blocks = (dict(zip(("BLOCK_D", "BLOCK_DT"), head_blocks(self.D))) if head_in_parts
-                  else dict(BLOCK_D=block_dim(self.D)))
+    def constexprs(self, head_in_parts: Optional[bool] = None) -> dict:
+        """Head dims, their blocks and the dtype's options. The forward kernel's
+        (``head_in_parts`` given) add BLOCK_DT: q's and k's head dim in common.head_blocks'
+        two blocks where ``head_in_parts``, else in one (BLOCK_DT 0)."""
+        blocks = dict(BLOCK_D=block_dim(self.D))
+        if head_in_parts is not None:
+            blocks = dict(zip(("BLOCK_D", "BLOCK_DT"), head_blocks(self.D) if head_in_parts
+                              else (block_dim(self.D), 0)))
         return dict(D=self.D, DV=self.DV, **blocks, BLOCK_DV=block_dim(self.DV),
                     **dtype_constexprs(self.q.dtype))
 
@@ -317,7 +319,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     _launch(attention_fwd_kernel, "fwd", c.tiles, grid, lengths=(p.S_q, p.S_k),
             autotune=c.autotune, **io, **p.sequences(), **_paging(p.packing, k),
             **p.modifier_args, **_sinks(mods), **_dropout_args(mods),
-            **p.constexprs(head_in_parts=True), **p.flags, FOLD_SCALE=c.fold, TMA=c.tma)
+            **p.constexprs(c.head_in_parts), **p.flags, FOLD_SCALE=c.fold, TMA=c.tma)
     return out, lse, lse_log2
 
 
