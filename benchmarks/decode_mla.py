@@ -118,7 +118,7 @@ def row(gpu, copy_gbps, provider, layout, page, point, us, splits="auto", tiles=
 def sweep(flashop, point, tensors, tiles, splits, gpu, copy_gbps) -> list:
     """flashop's paged call timed with each tile and split count; rows, fastest first."""
     from flashop._launch import tiles as tile_table
-    from flashop._launch.kvcache import DecodeTiles
+    from flashop._launch.decode_tiles import DecodeTiles
 
     q, _, pages, table, lengths = tensors
     rows = []

@@ -44,10 +44,10 @@ def slow_property_examples(interpreter_share: float = 1.0) -> int:
 
 
 def _interpreter_tiles(kind: str):
-    from flashop._launch import kvcache, tiles
+    from flashop._launch import decode_tiles, tiles
 
     if kind == "decode":
-        return kvcache.decode_tiles(1, 16, 16, torch.float16, 0)
+        return decode_tiles.decode_tiles(1, 16, 16, torch.float16, 0)
     return tiles.tiles_for(kind, 16, torch.float16, torch.device(DEVICE))
 
 
@@ -72,7 +72,7 @@ def tile_sizes() -> tuple:
     kernels' BLOCK_M and BLOCK_N (and the forward's query tiles of BLOCK_M / 2) for every
     kind, head dim, dtype, bound and length class of the tile table, and the decode kernel's
     key tiles (BLOCK_N) for dense and paged caches."""
-    from flashop._launch import kvcache, tiles
+    from flashop._launch import decode_tiles, tiles
     from flashop._launch.common import max_shared_memory
 
     device = torch.device("cpu") if DEVICE == "cpu" else torch.device(
@@ -88,10 +88,10 @@ def tile_sizes() -> tuple:
             if t.split_m:  # two query tiles of BLOCK_M / 2 per program
                 sizes.add(t.BLOCK_M // 2)
     for rows, D, dtype, page in itertools.product((1, 8, 64), head_dims, dtypes, (0, 16, 64)):
-        t = kvcache.decode_tiles(rows, D, D, dtype, page)
+        t = decode_tiles.decode_tiles(rows, D, D, dtype, page)
         if DEVICE == "cuda":
-            t = kvcache.fit_shared_memory(t, D, D, dtype.itemsize,
-                                          max_shared_memory(device.index))
+            t = decode_tiles.fit_shared_memory(t, D, D, dtype.itemsize,
+                                               max_shared_memory(device.index))
         sizes.add(t.BLOCK_N)
     return tuple(sorted(sizes))
 

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import flashop
+from flashop._launch.problem import PLAIN_FLAGS
 from flashop._launch import attention as launch, choice, gluon as launch_gluon, plans, tiles
 from flashop.kernels import INTERPRETING
 from flashop.kernels.common import LOG2E
@@ -178,7 +179,7 @@ WS_CASES = [
 
 def _takes_ws(case: Case) -> bool:
     q, k, v = make_inputs(case)[0]
-    flags = launch._PLAIN_FLAGS[case.causal]
+    flags = PLAIN_FLAGS[case.causal]
     return choice.uses_ws(q, k, v, flags, max(case.D, case.DV), case.S_k, False)
 
 
@@ -203,7 +204,7 @@ def test_where_the_warp_specialized_kernel_runs():
             assert not _takes_ws(replace(base, **other)), other
         assert _takes_ws(replace(base, D=80, DV=80, layout="bhsd"))
         q, k, v = make_inputs(base)[0]
-        modifiers = launch._PLAIN_FLAGS[False]
+        modifiers = PLAIN_FLAGS[False]
         for flag in ("HAS_LEFT", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_GATE", "ATTN_MASK_KIND"):
             flags = {**modifiers, flag: True}
             assert not choice.uses_ws(q, k, v, flags, 64, base.S_k, False), flag
@@ -556,7 +557,7 @@ def test_long_causal_with_the_tables_split_tiles(case):
     """Causal over >= 4096 keys at 64 < D <= 128: on Hopper the table's two query tiles per
     program, ordered heaviest first across heads (tiles.forward_tiles)."""
     if torch.cuda.get_device_capability()[0] >= 9:
-        flags = dict(launch._PLAIN_FLAGS[True])
+        flags = dict(PLAIN_FLAGS[True])
         assert tiles.forward_tiles(case.D, case.dtype, torch.device(DEVICE), flags,
                                    case.S_k).split_m
     check_case(case)
@@ -568,7 +569,7 @@ def test_non_positive_scales(scale, causal):
     """A scale <= 0 (the forward folds only a positive one into its exponent: the row max of
     unscaled scores is the scaled scores' max only then), with a window's masked tiles and
     rows past the tiles; 0 gives each row a uniform average of its keys."""
-    flags = launch._PLAIN_FLAGS[causal]
+    flags = PLAIN_FLAGS[causal]
     assert choice.folds_scale(0.3, flags, torch.float16)
     assert not choice.folds_scale(scale, flags, torch.float16)
     check_case(Case(B=1, S_q=45, S_k=70, H_kv=1, G=2, D=96, DV=96, dtype=torch.float16,
@@ -578,7 +579,7 @@ def test_non_positive_scales(scale, causal):
 def test_where_the_kernels_fold_the_scale():
     """The forward and the backward fold alike, whatever their tiles and head dims; fp32
     never (choice.folds_scale)."""
-    flags = dict(launch._PLAIN_FLAGS[False])
+    flags = dict(PLAIN_FLAGS[False])
     for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
         folds = functools.partial(choice.folds_scale, dtype=dtype)
         assert folds(0.1, flags) and folds(0.1, {**flags, "HAS_RIGHT": True})

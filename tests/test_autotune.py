@@ -10,6 +10,7 @@ import triton
 
 import flashop
 from flashop import config
+from flashop._launch.problem import PLAIN_FLAGS
 from flashop._launch import attention as launch, tiles as tile_table
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
@@ -181,7 +182,7 @@ def test_the_forward_splits_its_query_tile_only_where_it_measured_faster():
     if not INTERPRETING:
         return
     cpu = torch.device("cpu")
-    flags = dict(launch._PLAIN_FLAGS[False])
+    flags = dict(PLAIN_FLAGS[False])
     t = tile_table.forward_tiles(128, torch.float16, cpu, flags, 100)
     assert t.split_m and t.constexprs("fwd") == dict(BLOCK_M=32, BLOCK_N=16, SPLIT_M=True)
     assert tile_table.forward_tiles(64, torch.float16, cpu, flags, 100) == Tiles(32, 16)
@@ -189,7 +190,7 @@ def test_the_forward_splits_its_query_tile_only_where_it_measured_faster():
     for change, S_k in ((dict(ATTN_MASK_KIND=1), 10**5), (dict(ATTN_MASK_KIND=2), 10**5),
                         (dict(HAS_LEFT=True), 10**5), (dict(HAS_RIGHT=True), 4095)):
         assert tile_table.forward_tiles(128, torch.float16, cpu, dict(flags, **change), S_k) == one
-    causal = launch._PLAIN_FLAGS[True]
+    causal = PLAIN_FLAGS[True]
     assert tile_table.forward_tiles(128, torch.float16, cpu, causal, 4096).split_m
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     assert tile_table.forward_tiles(128, torch.float16, cpu, causal,

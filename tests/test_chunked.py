@@ -14,6 +14,7 @@ from hypothesis import example, given, settings, strategies as st
 from torch.library import opcheck
 
 import flashop
+from flashop._launch.problem import PLAIN_FLAGS
 from flashop._launch import attention as launch
 from flashop._launch import tiles
 from flashop._launch.options import modifiers
@@ -361,9 +362,9 @@ def test_gluon_and_warp_specialized_kernels_decline_chunks(monkeypatch):
             assert choice.gluon_backward_order(q, q, q, q, plain, False, None, True) is not None
             assert choice.gluon_backward_order(q, q, q, q, chunked, False, None, True) is None
     q = torch.empty(1, 256, 2, 128, dtype=torch.float16, device=DEVICE)
-    flags = dict(launch._PLAIN_FLAGS[True])
+    flags = dict(PLAIN_FLAGS[True])
     with flashop.config.override(warp_specialize=True):
-        assert choice.uses_ws(q, q, q, launch._PLAIN_FLAGS[False], 128, 256, False)
+        assert choice.uses_ws(q, q, q, PLAIN_FLAGS[False], 128, 256, False)
         assert not choice.uses_ws(q, q, q, dict(flags, HAS_CHUNK=True), 128, 256, False)
     assert tiles.forward_tiles(128, torch.float16, torch.device(DEVICE), flags, 8192).split_m
     assert not tiles.forward_tiles(128, torch.float16, torch.device(DEVICE),
@@ -539,11 +540,12 @@ def test_decoding_splits_share_the_chunks_keys(monkeypatch):
     """The split count as on an H200 (132 SMs): a decoding step over a 128k-key cache shares
     its query's chunk among the splits (chunks of 8192: 33 splits of two 128-key tiles;
     chunks of 1024: 5), where without a chunk the splits share the capacity (61)."""
-    from flashop._launch import kvcache as launch_decode
+    from flashop._launch import decode_tiles, kvcache as launch_decode
     from flashop._launch.common import tensor_meta
 
-    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
-    monkeypatch.setattr(launch_decode, "sm_count", lambda device: 132)
+    for module in (launch_decode, decode_tiles):
+        monkeypatch.setattr(module, "INTERPRETING", False)
+    monkeypatch.setattr(decode_tiles, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch_decode, "max_shared_memory", lambda index: 227 * 1024)
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16, device=DEVICE)
     cache = torch.empty(1, 131072, 2, 128, dtype=torch.bfloat16, device=DEVICE)

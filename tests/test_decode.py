@@ -563,10 +563,12 @@ def test_a_repeated_signature_reuses_its_checks_and_plan(monkeypatch):
 
 @pytest.fixture
 def decode_rules_on_gpus(monkeypatch):
-    """flashop.launch_decode with its GPU rules (not the interpreter's small tiles)."""
-    from flashop._launch import kvcache as launch_decode
-    monkeypatch.setattr(launch_decode, "INTERPRETING", False)
-    return launch_decode
+    """The decode kernels' tile and split rules (flashop/_launch/decode_tiles.py) as on a GPU
+    (not the interpreter's small tiles), and their launcher's."""
+    from flashop._launch import decode_tiles, kvcache
+    monkeypatch.setattr(decode_tiles, "INTERPRETING", False)
+    monkeypatch.setattr(kvcache, "INTERPRETING", False)
+    return decode_tiles
 
 
 def test_split_rule_on_gpus(decode_rules_on_gpus):

@@ -131,15 +131,15 @@ def _packed_example(args, dout, dlse, deterministic_backward=True, **options) ->
 
 def decode_splits(case) -> int:
     """The splits the decode call takes (num_splits, or the launcher's rule)."""
-    from flashop._launch import kvcache
+    from flashop._launch import decode_tiles
     from flashop._launch.common import block_dim
 
     rows = case.G * case.S_q
     d, dv = block_dim(case.D), block_dim(case.DV)
-    t = kvcache.decode_tiles(rows, d, dv, case.dtype, case.page if case.paged else 0)
-    return kvcache.call_splits(case.num_splits, case.B * case.H_kv * -(-rows // t.BLOCK_M),
-                               case.capacity, t, d, dv, case.dtype.itemsize,
-                               torch.device("cpu"))
+    t = decode_tiles.decode_tiles(rows, d, dv, case.dtype, case.page if case.paged else 0)
+    return decode_tiles.call_splits(
+        case.num_splits, case.B * case.H_kv * -(-rows // t.BLOCK_M), case.capacity, t, d, dv,
+        case.dtype.itemsize, torch.device("cpu"))
 
 
 def _cache_example(case, seed=0, *rest) -> Drawn:

@@ -152,8 +152,9 @@ def test_warp_specialized_forward_under_inductor_and_in_cuda_graphs():
 
     q = torch.randn(2, 200, 4, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    launch, choice = flashop._launch.attention, flashop._launch.choice
-    assert choice.uses_ws(q, k, v, launch._PLAIN_FLAGS[False], 128, 256, False)
+    from flashop._launch import choice
+    from flashop._launch.problem import PLAIN_FLAGS
+    assert choice.uses_ws(q, k, v, PLAIN_FLAGS[False], 128, 256, False)
     eager = flashop.attention_with_lse(q, k, v)
     torch._dynamo.reset()
     compiled = torch.compile(flashop.attention_with_lse, fullgraph=True, dynamic=False)

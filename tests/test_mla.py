@@ -206,7 +206,7 @@ def test_forced_tiles(tiles, page):
     a tile in two pages (32 keys, pages of 16) and each key's page id loaded, both a GPU's
     ways at pages below its 64-key tiles; 32 rows a program."""
     from flashop._launch import tiles as tile_table
-    from flashop._launch.kvcache import DecodeTiles
+    from flashop._launch.decode_tiles import DecodeTiles
     with tile_table.force("mla", DecodeTiles(*tiles)):
         check_mla_case(MlaCase((page - 3, 2 * page + 5), 2, 2, 8, paged=True, page=page,
                                capacity=4 * page, num_splits=3))

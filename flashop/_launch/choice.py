@@ -1,5 +1,5 @@
 """What an attention call runs, and why: the forward's and the backward's choice of kernels,
-tiles and options, made once per call from its description (attention.Problem).
+tiles and options, made once per call from its description (problem.Problem).
 
 ``choose_forward`` and ``choose_backward`` are the one place that reads the rules (the Gluon
 kernels' in gluon.py, the tile table's in tiles.py, the descriptors' and the warp-specialized
@@ -234,7 +234,7 @@ def head_in_parts(head_dim: int, why=None) -> bool:
 
 
 def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardChoice:
-    """The forward's kernel for the call ``p`` (attention.Problem) of q, k, v (as the
+    """The forward's kernel for the call ``p`` (problem.Problem) of q, k, v (as the
     launcher reads them): the Gluon kernel where its rule takes the call, else the
     warp-specialized kernel where its rule does (no sinks, no dropout), else the general
     kernel with its tiles (tiles.forward_tiles), its key and value tiles through tensor
@@ -331,7 +331,7 @@ class BackwardChoice(Choice):
 
 def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
                     deterministic: bool) -> BackwardChoice:
-    """The backward's kernels for the call ``p`` (attention.Problem): the Gluon backward
+    """The backward's kernels for the call ``p`` (problem.Problem): the Gluon backward
     where its rule takes the call (dQ by atomics unless the backward must be reproducible,
     else in key-tile order); else the tl kernels: the dQ kernel, then the dK/dV kernel (in
     two parts above head dim 128, tiles.splits_dkdv), or, where the atomics are forced

@@ -324,7 +324,7 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
     (B, H, S_q), where serves() said it takes the call (``out`` as
     attention.attention_forward_outputs allocates it, which its descriptor can address); the
-    dropout arguments as the ``tl`` forward takes them (attention._dropout_args)."""
+    dropout arguments as the ``tl`` forward takes them (problem.dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = forward_tiles(D, DROPOUT)
@@ -400,7 +400,7 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
     the zeroed fp32 buffers that backward_buffer() made; dQ added into ``dq_acc`` in
     key-tile order where ``dq_sem`` is given, by atomics where it is None;
     ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it; the dropout
-    arguments as the ``tl`` kernels take them (attention._dropout_args)."""
+    arguments as the ``tl`` kernels take them (problem.dropout_args)."""
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     deterministic = dq_sem is not None

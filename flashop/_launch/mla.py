@@ -22,9 +22,9 @@ from flashop._launch.common import (
 )
 from flashop._launch.calls import eager_meta
 from flashop._launch.launches import Planned, launch_planned
+from flashop._launch.decode_tiles import DecodeTiles, call_splits, fit_shared_memory
 from flashop._launch.kvcache import (
-    DecodeTiles, _Plan, call_splits, fit_shared_memory, index_tensors, input_strides,
-    kvcache_outputs, merge_launch, plain_append_launch,
+    _Plan, index_tensors, input_strides, kvcache_outputs, merge_launch, plain_append_launch,
 )
 from flashop._launch.options import PLAIN, Modifiers
 from flashop._launch.scores import score_args

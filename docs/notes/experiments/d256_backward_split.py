@@ -45,18 +45,19 @@ import torch  # noqa: E402
 from torch._library.triton import set_wrap_triton_enabled  # noqa: E402
 
 from flashop import config  # noqa: E402
-from flashop._launch import attention as A, fastpath, tiles  # noqa: E402
+from flashop._launch import attention as A, choice, launches, tiles  # noqa: E402
 from flashop._launch.options import PLAIN  # noqa: E402
 from flashop._launch.tiles import Tiles  # noqa: E402
 
 DEVICE = "cpu" if args.compile else "cuda"
 if args.compile:
-    tiles.is_hopper = A.is_hopper = lambda device: True
+    tiles.is_hopper = choice.is_hopper = lambda device: True
+    A.cpu.serves = choice.cpu.serves = lambda x: False  # CPU tensors stand in for the GPU's
 
-    def _warm(kernel, grid, kwargs):
+    def _warm(kernel, grid, **kwargs):
         kernel.warmup(grid=grid, **kwargs)
 
-    fastpath._launch_now = _warm
+    launches.launch_now = _warm
 
 _launch = A._launch
 

@@ -11,7 +11,7 @@ sys.path.insert(0, os.getcwd())
 import torch, triton
 import flashop
 import flashop._launch.kvcache as kv
-from flashop._launch.kvcache import DecodeTiles
+from flashop._launch.decode_tiles import DecodeTiles
 
 F8 = torch.float8_e4m3fn
 H, H_KV, D = 32, 8, 128
