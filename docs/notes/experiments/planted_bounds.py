@@ -44,44 +44,56 @@ class Planted:
 COMMON, FORWARD, BACKWARD, DECODE_K = (f"flashop/kernels/{n}.py"
                                        for n in ("common", "forward", "backward", "decode"))
 
-PLANTED = [
-    # key_tile_range: the key tiles a query tile visits (forward, dQ kernel)
+CHUNKED = ["tests/test_tile_ranges.py", "tests/test_chunked.py"]
+
+_K = [
+    # key_range: the key tiles a query tile visits (forward, dQ kernel, decoding)
     Planted("K1", "lo one tile too high where a query tile's first key ends a key tile (drops "
             "one key of a sliding window whose left bound falls on a tile edge)", COMMON,
-            "lo = tl.minimum((tl.maximum(start_m + off - left, 0) // BLOCK_N)",
-            "lo = tl.minimum((tl.maximum(start_m + off - left + 1, 0) // BLOCK_N)", DENSE),
+            "lo = tl.minimum((tl.maximum(start_first, 0) // BLOCK_N) * BLOCK_N, hi)",
+            "lo = tl.minimum((tl.maximum(start_first + 1, 0) // BLOCK_N) * BLOCK_N, hi)",
+            DENSE),
     Planted("K2", "u_lo one tile too low where the last row's first key follows a tile edge "
             "(one key left of the window unmasked)", COMMON,
-            "u_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + off - left, 0), BLOCK_N)",
-            "u_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 2 + off - left, 0), BLOCK_N)", DENSE),
+            "u_lo = tl.cdiv(tl.maximum(start_last, 0), BLOCK_N) * BLOCK_N",
+            "u_lo = tl.cdiv(tl.maximum(start_last - 1, 0), BLOCK_N) * BLOCK_N", DENSE),
     Planted("K3", "hi one key short (a tile holding only the last row's last key skipped)",
-            COMMON, "tl.maximum(start_m + BLOCK_M + off + right, 0))",
-            "tl.maximum(start_m + BLOCK_M - 1 + off + right, 0))", DENSE),
+            COMMON, "tl.maximum(key_end(p_last, right, chunk, HAS_RIGHT, HAS_CHUNK), 0))",
+            "tl.maximum(key_end(p_last, right, chunk, HAS_RIGHT, HAS_CHUNK) - 1, 0))", DENSE),
     Planted("K4", "u_hi one tile too high where the first row's last key ends a tile but one "
             "(one key right of the window unmasked)", COMMON,
-            "(tl.maximum(start_m + off + right + 1, 0) // BLOCK_N)",
-            "(tl.maximum(start_m + off + right + 2, 0) // BLOCK_N)", DENSE),
+            "u_hi = tl.minimum((tl.maximum(end_first, 0) // BLOCK_N) * BLOCK_N, n_full)",
+            "u_hi = tl.minimum((tl.maximum(end_first + 1, 0) // BLOCK_N) * BLOCK_N, n_full)",
+            DENSE),
     Planted("K5", "the keys' last partial tile unmasked where S_k is one short of a tile",
             COMMON, "n_full = (S_k // BLOCK_N) * BLOCK_N",
             "n_full = ((S_k + 1) // BLOCK_N) * BLOCK_N", DENSE),
+]
+
+PLANTED = [
+    *_K,
     # query_tile_range: the query tiles a key tile visits (dK/dV kernel, dQ by atomics)
     Planted("Q1", "lo one tile too high where the first query of a key tile ends a query tile",
-            COMMON, "(tl.maximum(start_n - off - right, 0) // BLOCK_M)",
-            "(tl.maximum(start_n - off - right + 1, 0) // BLOCK_M)", DENSE),
+            COMMON, "lo = tl.minimum((tl.maximum(first, 0) // BLOCK_M) * BLOCK_M, S_q)",
+            "lo = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_M) * BLOCK_M, S_q)", DENSE),
     Planted("Q2", "u_lo one tile too low (one pair above the right bound unmasked)", COMMON,
-            "start_n + BLOCK_N - 1 - off - right, 0), BLOCK_M)",
-            "start_n + BLOCK_N - 2 - off - right, 0), BLOCK_M)", DENSE),
+            "u_lo = tl.cdiv(tl.maximum(first_all, 0), BLOCK_M) * BLOCK_M",
+            "u_lo = tl.cdiv(tl.maximum(first_all - 1, 0), BLOCK_M) * BLOCK_M", DENSE),
     Planted("Q3", "hi one query short (a query tile holding only the last query skipped)",
-            COMMON, "tl.maximum(start_n + BLOCK_N - off + left, 0))",
-            "tl.maximum(start_n + BLOCK_N - 1 - off + left, 0))", DENSE),
+            COMMON, "key_end(n_last, left, chunk, HAS_LEFT, HAS_CHUNK) - off,",
+            "key_end(n_last, left, chunk, HAS_LEFT, HAS_CHUNK) - off - 1,", DENSE),
     Planted("Q4", "u_hi one tile too high (one pair left of the window unmasked)", COMMON,
-            "(tl.maximum(start_n - off + left + 1, 0) // BLOCK_M)",
-            "(tl.maximum(start_n - off + left + 2, 0) // BLOCK_M)", DENSE),
+            "u_hi = (tl.maximum(end_all, 0) // BLOCK_M) * BLOCK_M",
+            "u_hi = (tl.maximum(end_all + 1, 0) // BLOCK_M) * BLOCK_M", DENSE),
+    # the chunks' bounds (key_start, key_end; the edge tiles' mask)
+    Planted("C1", "a chunk starts one position early", COMMON,
+            "return (tl.maximum(pos + chunk, 0) // chunk) * chunk - chunk",
+            "return (tl.maximum(pos + chunk + 1, 0) // chunk) * chunk - chunk", CHUNKED),
     # attention_scores: the masks of edge tiles
     Planted("E1", "the right bound's mask drops its last key", COMMON,
-            "(o_k <= o_q + (S_k - S_q) + right)", "(o_k < o_q + (S_k - S_q) + right)", DENSE),
+            "(o_k <= o_pos + right)", "(o_k < o_pos + right)", DENSE),
     Planted("E2", "the left bound's mask drops its first key", COMMON,
-            "(o_k >= o_q + (S_k - S_q) - left)", "(o_k > o_q + (S_k - S_q) - left)", DENSE),
+            "(o_k >= o_pos - left)", "(o_k > o_pos - left)", DENSE),
     # the kernels' own range arithmetic
     Planted("B1", "dK/dV: the last partial query tile read without row masks where S_q is one "
             "short of a tile", BACKWARD, "(S_q // BLOCK_M) * BLOCK_M))",
@@ -100,21 +112,10 @@ PLANTED = [
             FORWARD, "S_k = tl.minimum(S_k, capacity)", "S_k = tl.minimum(S_k, capacity - 1)",
             PACKED),
     # decoding (attention_decode_kernel, the append)
-    Planted("D1", "lo one tile too high where the first query's first key ends a key tile",
-            DECODE_K, "tl.maximum(i_first + off - left, 0), hi)",
-            "tl.maximum(i_first + off - left + 1, 0), hi)", DECODE),
-    Planted("D2", "u_lo one tile too low where the last query's first key follows a tile edge",
-            DECODE_K, "tl.cdiv(tl.maximum(i_last + off - left, 0), BLOCK_N)",
-            "tl.cdiv(tl.maximum(i_last + off - left - 1, 0), BLOCK_N)", DECODE),
-    Planted("D3", "hi one key short under a right bound", DECODE_K,
-            "tl.maximum(i_last + off + right + 1, 0))", "tl.maximum(i_last + off + right, 0))",
-            DECODE),
-    Planted("D4", "u_hi one tile too high under a right bound", DECODE_K,
-            "(tl.maximum(i_first + off + right + 1, 0) // BLOCK_N)",
-            "(tl.maximum(i_first + off + right + 2, 0) // BLOCK_N)", DECODE),
-    Planted("D5", "one key past the cache's keys read where they end one short of a tile",
-            DECODE_K, "u_hi = (L_read // BLOCK_N) * BLOCK_N",
-            "u_hi = ((L_read + 1) // BLOCK_N) * BLOCK_N", DECODE),
+    # decoding reads its keys' tiles through the same key_range: K1-K5's faults against the
+    # decode tests alone
+    *[Planted(f"D{i}", f"{k.name}'s fault, in decoding", k.path, k.old, k.new, DECODE)
+      for i, k in enumerate(_K, 1)],
     Planted("D6", "the splits' runs one tile short where the keys end one past a tile edge",
             DECODE_K, "tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), n_splits)",
             "tl.cdiv(tl.cdiv(hi - lo - 1, BLOCK_N), n_splits)", DECODE),
