@@ -18,12 +18,13 @@ from flashop._launch.common import (
 )
 from flashop._launch.options import PLAIN, Modifiers, Packing
 from flashop._launch.scores import LOG2E, score_args, sink_args
+
 _NO_GATE_OR_MASK = dict(g_cum=None, attn_mask=None, stride_gb=0, stride_gs=0, stride_gh=0,
                         stride_amb=0, stride_amh=0, stride_amq=0, stride_amk=0, HAS_GATE=False,
                         ATTN_MASK_KIND=0)
 
 
-def modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float,
+def _modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: float,
                    packing: Optional[Packing]) -> tuple[dict, dict]:
     """The kernels' modifier arguments by name (scores.score_args; the ALiBi slopes, the
     gate's cumulative sum and the attn_mask with their strides, None where absent) and
@@ -42,10 +43,10 @@ def modifier_args(q: torch.Tensor, k: torch.Tensor, mods: Modifiers, sm_scale: f
         args.update(attn_mask=mask, ATTN_MASK_KIND=2 if mask.dtype == torch.bool else 1,
                     **dict(zip(("stride_amb", "stride_amh", "stride_amq", "stride_amk"),
                                mask.stride())))
-    return split_flags(args)
+    return _split_flags(args)
 
 
-def split_flags(args: dict) -> tuple[dict, dict]:
+def _split_flags(args: dict) -> tuple[dict, dict]:
     """``args`` apart from its compile-time flags (the upper-case names), and the flags."""
     flags = {name: value for name, value in args.items() if name.isupper()}
     return {name: value for name, value in args.items() if name not in flags}, flags
@@ -54,7 +55,7 @@ def split_flags(args: dict) -> tuple[dict, dict]:
 # the arguments (but the scale) and flags of calls without modifiers (but causal)
 PLAIN_ARGS, PLAIN_FLAGS = {}, {}
 for _causal in (False, True):
-    PLAIN_ARGS[_causal], PLAIN_FLAGS[_causal] = split_flags(
+    PLAIN_ARGS[_causal], PLAIN_FLAGS[_causal] = _split_flags(
         {**score_args(PLAIN[_causal], 1.0, None), **_NO_GATE_OR_MASK, "alibi": None})
 
 
@@ -74,7 +75,7 @@ def sinks_args(mods: Modifiers) -> dict:
     return dict(sinks=mods.sinks, **sink_args(tensor_meta(mods.sinks)))
 
 
-def seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
+def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
     """The kernels' (batch, seq, head) strides: a packed (total, H, D) tensor has batch
     stride 0 (each program offsets its sequence's start instead); a paged cache (pages,
     page_size, H_kv, D) gives its page stride as the batch's. The tensors themselves are
@@ -129,18 +130,18 @@ class Problem:
         # a paged cache's rows are offset within a page (pages by 64-bit offsets)
         S_kv = S_k if packing is None or packing.block_table is None else k.shape[1]
         check_row_offsets(op, (q, k, v, x),
-                          tuple(seq_strides(t, packing)[1] for t in (q, k, v, x)),
+                          tuple(_seq_strides(t, packing)[1] for t in (q, k, v, x)),
                           (S_q, S_kv, S_kv, S_q))
         H, D, H_kv, DV = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
         sm_scale = resolve_scale(scale, D)
-        args, flags = modifier_args(q, k, mods, sm_scale, packing)
+        args, flags = _modifier_args(q, k, mods, sm_scale, packing)
         return cls(q, packing, B, S_q, S_k, H, H_kv, D, DV, sm_scale, args, flags,
                    packing is not None, max(D, DV))
 
     def strides(self, prefix: str, x: torch.Tensor) -> dict:
         """``stride_<prefix>b``, ``..s``, ``..h`` of a (batch, seq, head, dim) tensor."""
         return dict(zip((f"stride_{prefix}b", f"stride_{prefix}s", f"stride_{prefix}h"),
-                        seq_strides(x, self.packing)))
+                        _seq_strides(x, self.packing)))
 
     def row_strides(self, prefix: str, x: torch.Tensor) -> dict:
         """``stride_<prefix>b``, ``..h`` of per-row fp32 values: (B, H, S) dense, (H, total)
