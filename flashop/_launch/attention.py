@@ -191,8 +191,9 @@ def choices(q, k, v, scale: Optional[float], mods: Modifiers,
         paged = packing is not None and packing.block_table is not None
         forward = choice.ForwardChoice(*choice.cpu_path(q, k, v, p, mods,
                                                         differentiable=not (fp8 or paged)))
-        backward_choice = choice.BackwardChoice(*choice.cpu_path(q, k, v, p, mods, True))
-        return forward, backward_choice if backward else None
+        if not backward:
+            return forward, None
+        return forward, choice.BackwardChoice(*choice.cpu_path(q, k, v, p, mods, True))
     forward = choice.choose_forward(q, k, v, p, mods, fp8=fp8)
     if not backward:
         return forward, None
