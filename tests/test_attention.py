@@ -596,7 +596,7 @@ def test_large_head_dims(D):
                     causal=True))
 
 
-@pytest.mark.parametrize("tma", [None, True], ids=["default", "descriptors"])
+@pytest.mark.parametrize("how", ["default", "descriptors", "dq-atomics"])
 @pytest.mark.parametrize("case", [
     Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=192, DV=128, dtype=torch.bfloat16, causal=True),
     Case(B=1, S_q=37, S_k=37, H_kv=2, G=1, D=160, DV=160, dtype=torch.float32),
@@ -605,25 +605,38 @@ def test_large_head_dims(D):
     Case(B=2, S_q=40, S_k=40, H_kv=1, G=1, D=176, DV=176, dtype=torch.bfloat16, causal=True,
          magnitude=8.0, outlier_keys=2, layout="bhsd"),
 ], ids=["deepseek-192-128", "fp32-160", "130-modifiers", "176-large-scores"])
-def test_the_forward_with_the_head_dim_in_two_tiles(case, tma):
-    """Head dims whose forward takes q's and k's head dim as a 128-wide tile and a narrower
-    one (common.head_blocks; D = 192: 128 + 64; choice.head_in_parts: under the interpreter,
-    on GPUs one tile until measured there): out, lse and the gradients under the rule, with
-    and without tensor descriptors, and the launch's blocks asserted."""
-    launched = []
+def test_the_head_dim_in_two_tiles(case, how):
+    """Head dims whose tl kernels take q's and k's head dim as a 128-wide tile and a
+    narrower one (common.head_blocks; D = 192: 128 + 64; choice.head_in_parts: under the
+    interpreter, and on Hopper GPUs in the passes of choice.HOPPER_HEAD_PARTS; elsewhere one
+    tile): out, lse and the gradients under the rule, with tensor descriptors and with the
+    dK/dV kernel adding dQ by atomics too, and every launch's blocks asserted."""
+    launched = {}
     original = launch._launch
 
     def record(kernel, kind, *args, **kwargs):
-        if kind == "fwd":
-            launched.append((kwargs["BLOCK_D"], kwargs["BLOCK_DT"]))
+        launched[kind] = (kwargs["BLOCK_D"], kwargs["BLOCK_DT"])
         return original(kernel, kind, *args, **kwargs)
 
-    with mock.patch.object(launch, "_launch", record), flashop.config.override(tma=tma):
-        check_case(case)
-    parts = head_blocks(case.D)
+    atomics = how == "dq-atomics"
+    with mock.patch.object(launch, "_launch", record), \
+            flashop.config.override(tma=True if how == "descriptors" else None):
+        check_case(case, deterministic_backward=not atomics)
+    parts, one = head_blocks(case.D), (block_dim(case.D), 0)
     assert parts[1] > 0
-    assert launched == [parts if INTERPRETING else (block_dim(case.D), 0)]
-    assert choice.head_in_parts(case.D) == INTERPRETING
+    device = torch.device(DEVICE)
+    takes = {pass_: INTERPRETING or (is_hopper(device) and pass_ in choice.HOPPER_HEAD_PARTS)
+             for pass_ in ("fwd", "bwd")}
+    if atomics and case.gate is None:
+        kinds = {"fwd", "dkdv_atomic"}
+    elif tiles.splits_dkdv(case.D, case.dtype, device):
+        kinds = {"fwd", "dq", "dv", "dk"}
+    else:
+        kinds = {"fwd", "dq", "dkdv"}
+    assert launched == {kind: parts if takes["fwd" if kind == "fwd" else "bwd"] else one
+                        for kind in kinds}
+    for pass_ in ("fwd", "bwd"):
+        assert choice.head_in_parts(case.D, device, pass_=pass_) == takes[pass_]
     assert head_blocks(192) == (128, 64) and head_blocks(256)[1] == head_blocks(128)[1] == 0
 
 

@@ -13,7 +13,8 @@ from flashop import config
 from flashop._launch.problem import PLAIN_FLAGS
 from flashop._launch import attention as launch, tiles as tile_table
 from flashop.kernels import INTERPRETING
-from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from flashop.kernels.backward import attention_bwd_dkdv_kernel
+from flashop.kernels.backward_dq import attention_bwd_dq_kernel
 from flashop.kernels.forward import attention_fwd_kernel
 from flashop._launch.common import block_dim
 from flashop._launch.tiles import Tiles

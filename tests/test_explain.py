@@ -213,6 +213,7 @@ tl backward
   attention_bwd_dkdv_kernel, dQ by atomics: 16x32 tiles, 4 warps, 1 stage
   attention_bwd_cast_kernel
   bitwise reproducible: False
+  q's and k's head dim in tiles of: 128 + 32
   - Gluon backward: not under Triton's interpreter""")
         cu = torch.tensor([0, 10, 24], device=DEVICE, dtype=torch.int32)
         pages = _t(4, 16, 2, 64)

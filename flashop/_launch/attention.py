@@ -25,7 +25,8 @@ from flashop._launch.options import Modifiers, Packing
 from flashop._launch.problem import Problem, dropout_args, paging_args, sinks_args
 from flashop._launch.scores import sink_log2
 from flashop.kernels import INTERPRETING
-from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from flashop.kernels.backward import attention_bwd_dkdv_kernel
+from flashop.kernels.backward_dq import attention_bwd_dq_kernel
 from flashop.kernels.backward_buffer import (
     attention_bwd_cast_kernel, attention_bwd_preprocess_kernel,
 )
@@ -298,8 +299,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     common = dict(q=q, k=k, v=v, do=dout, lse_log2=lse_log2, delta=delta, **p.strides("q", q),
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
                   **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
-                  **p.modifier_args, **dropout_args(mods), **p.constexprs(), **p.flags,
-                  FOLD_SCALE=choice.folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype))
+                  **p.modifier_args, **dropout_args(mods), **p.constexprs(c.head_in_parts),
+                  **p.flags, FOLD_SCALE=choice.folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype))
     if not c.dq_atomic:
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(

@@ -218,18 +218,27 @@ class ForwardChoice(Choice):
     head_in_parts: bool = False
 
 
-def head_in_parts(head_dim: int, why=None) -> bool:
-    """Whether the tl forward reads q's and k's head dim as two tiles, a 128-wide one and a
-    narrower one (common.head_blocks: D = 192 as 128 + 64 rather than 256, a third of it
-    padding; 128 < D <= 192 on GPUs): under the interpreter, so that CI runs the form. Not
-    on GPUs yet: it compiles for sm_90 without spills, but its speed and its results there
-    are unmeasured (performance notes, entry 114)."""
+# the passes whose tl kernels take q's and k's head dim in two tiles on Hopper GPUs, where
+# that measured faster than one tile (performance notes, entry 116)
+HOPPER_HEAD_PARTS = {"fwd"}
+
+
+def head_in_parts(head_dim: int, device: torch.device, why=None, pass_: str = "fwd") -> bool:
+    """Whether the tl kernels of ``pass_`` ("fwd", "bwd") read q's and k's head dim as two
+    tiles, a 128-wide one and a narrower one (common.head_blocks: D = 192 as 128 + 64 rather
+    than 256, a third of it padding; 128 < D <= 192): on Hopper GPUs where HOPPER_HEAD_PARTS
+    says so (the forward measured 3-10% faster than one tile at D = 160 and 192), and under
+    the interpreter, so that CI runs the form; other GPUs keep one tile (unmeasured there)."""
     blocks = head_blocks(head_dim)
     if not blocks[1]:
         return False
-    if not INTERPRETING:
-        return decline(why, f"q's and k's head dim in tiles of {blocks[0]} + {blocks[1]}: "
-                            f"not on GPUs yet (unmeasured there)")
+    what = f"q's and k's head dim in tiles of {blocks[0]} + {blocks[1]}"
+    if INTERPRETING:
+        return True
+    if not (device.type == "cuda" and is_hopper(device)):
+        return decline(why, f"{what}: measured on Hopper GPUs only")
+    if pass_ not in HOPPER_HEAD_PARTS:
+        return decline(why, f"{what}: not in the backward on GPUs (unmeasured there)")
     return True
 
 
@@ -268,7 +277,7 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
         tma = uses_tma(q, k, v, p.head_dim, p.S_k, why)
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k, why, p.DV)
     autotune = tiles.autotunes(q.dtype)
-    parts = head_in_parts(p.D, why)
+    parts = head_in_parts(p.D, q.device, why)
     options = {"tensor descriptors": tma, "scale folded into the exponent": fold}
     if parts:
         options["q's and k's head dim in tiles of"] = " + ".join(map(str, head_blocks(p.D)))
@@ -327,6 +336,7 @@ class BackwardChoice(Choice):
     parts: tuple = ()  # the tl dK/dV kernel's launches: (kind, PARTS)
     tiles: dict = field(default_factory=dict)  # kind -> Tiles
     autotune: bool = False
+    head_in_parts: bool = False  # head_in_parts: q's and k's head dim in two tiles
 
 
 def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
@@ -386,8 +396,12 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
         kernels = ([("attention_bwd_preprocess_kernel", None)] + kernels
                    + [("attention_bwd_cast_kernel", None)])
     autotune = tiles.autotunes(q.dtype)
+    head_parts = head_in_parts(p.D, q.device, why, "bwd")
     options = {"bitwise reproducible": not dq_atomic}
+    if head_parts:
+        options["q's and k's head dim in tiles of"] = " + ".join(map(str, head_blocks(p.D)))
     if autotune:
         options["tiles"] = "autotuned (FLASHOP_AUTOTUNE=1)"
     return BackwardChoice("tl backward", kernels, options, why, dq_atomic=dq_atomic,
-                          parts=parts, tiles=found, autotune=autotune)
+                          parts=parts, tiles=found, autotune=autotune,
+                          head_in_parts=head_parts)

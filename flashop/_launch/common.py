@@ -50,7 +50,7 @@ def block_dim(d: int) -> int:
 
 
 def head_blocks(d: int) -> tuple:
-    """(BLOCK_D, BLOCK_DT): the forward's blocks of q's and k's head dim: block_dim(d) and
+    """(BLOCK_D, BLOCK_DT): the tl kernels' blocks of q's and k's head dim: block_dim(d) and
     no second one (0), or, where a 128-wide block and a second, narrower one cover ``d``
     with less padding than one power-of-two block, those two (d = 192: 128 and 64 instead
     of 256; on GPUs 128 < d <= 192)."""

@@ -157,7 +157,7 @@ class Problem:
                     G=self.H // self.H_kv, IS_VARLEN=self.packed)
 
     def constexprs(self, head_in_parts: Optional[bool] = None) -> dict:
-        """Head dims, their blocks and the dtype's options. The forward kernel's
+        """Head dims, their blocks and the dtype's options. The tl forward's and backward's
         (``head_in_parts`` given) add BLOCK_DT: q's and k's head dim in common.head_blocks'
         two blocks where ``head_in_parts``, else in one (BLOCK_DT 0)."""
         blocks = dict(BLOCK_D=block_dim(self.D))

@@ -159,6 +159,13 @@ def load_tile(p, m_rows, m_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 
 @triton.jit
+def lse_rows(lse_log2):
+    """The forward's base-2 lse of a tile of rows; a row that attended nothing (-inf)
+    becomes +inf, so its recomputed probabilities exp2(s - lse) are exactly 0."""
+    return tl.where(lse_log2 == float("-inf"), float("inf"), lse_log2)
+
+
+@triton.jit
 def tanh(x):
     """tanh from exp2 (no libdevice call, so it also runs under the interpreter); saturates
     to +-1 without NaN for large |x|."""

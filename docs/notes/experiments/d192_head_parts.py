@@ -1,10 +1,10 @@
 """The forward with q's and k's head dim in two tiles (common.head_blocks: D = 192 as 128 +
 64) against one power-of-two tile (256), with cuDNN, in one process (performance notes,
-entry 114).
+entries 114 and 116).
 
 Times flashop.attention's forward (bf16, 16384 tokens per batch, H = 2048 // DV, the grid's
-protocol) with the parts (choice.head_in_parts patched to take them, as the interpreter
-does), with one tile (the GPUs' default until measured), and SDPA's cuDNN; checks the
+protocol) with the parts and with one tile (choice.head_in_parts patched to take them or
+not; Hopper's default is the parts since entry 116), and SDPA's cuDNN; checks the
 parts' output against the one tile's (relative Frobenius error). Then a few tiles for the
 parts at N = 4k, causal (tiles.force).
 
@@ -36,8 +36,12 @@ args = ap.parse_args()
 start = time.time()
 
 
-def in_parts(head_dim, why=None):
+def in_parts(head_dim, device, why=None):
     return head_blocks(head_dim)[1] > 0
+
+
+def one_tile(head_dim, device, why=None):
+    return False
 
 
 def tflops(B, H, N, D, DV, causal, ms):
@@ -60,9 +64,10 @@ for dims in args.dims.split(","):
             v = torch.randn(B, N, H, DV, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
                 run = lambda: flashop.attention(q, k, v, causal=causal)  # noqa: E731
-                plans.clear_plans()  # (an eager call's plan keeps the blocks it was made with)
-                ref = run()
-                one = do_bench(run, warmup=25, rep=100, return_mode="median")
+                with mock.patch.object(choice, "head_in_parts", one_tile):
+                    plans.clear_plans()  # (an eager call's plan keeps its blocks)
+                    ref = run()
+                    one = do_bench(run, warmup=25, rep=100, return_mode="median")
                 with mock.patch.object(choice, "head_in_parts", in_parts):
                     plans.clear_plans()
                     out = run()
