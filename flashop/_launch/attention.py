@@ -133,14 +133,12 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     lse in natural-log units, and in base 2 for the backward. e4m3 inputs take their
     ``descales`` (q's, k's, v's: (B, H_kv) fp32 or None) and give out in ``out_dtype``.
     CPU tensors take the CPU path (cpu.serves)."""
+    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packing is not None, out_dtype)
     if cpu.serves(q):
-        outputs = attention_forward_outputs(q, k, v, packing is not None, out_dtype)
         return cpu_attention.attention_forward(q, k, v, resolve_scale(scale, q.shape[-1]), mods,
-                                               packing, descales, outputs)
+                                               packing, descales, (out, lse, lse_log2))
     q, k = unit_stride_last(q), unit_stride_last(k)
     v = _fp8_values(v) if q.dtype == torch.float8_e4m3fn else unit_stride_last(v)
-    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None,
-                                                   out_dtype=out_dtype)
     if out.numel() == 0:
         return out, lse, lse_log2
     p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
@@ -239,15 +237,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     the dK/dV kernel adding dQ by atomics alone). ``deterministic`` as
     choice.deterministic_backward gives it. CPU tensors take the CPU path (cpu.serves),
     reproducible whatever ``deterministic`` says."""
+    grads = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask, attn_mask_grad)
     if cpu.serves(q):
-        grads = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask, attn_mask_grad)
         return cpu_attention.attention_backward(dout, dlse, q, k, v, out, lse_log2,
                                                 resolve_scale(scale, q.shape[-1]), mods,
                                                 attn_mask_grad, packing, grads)
+    dq, dk, dv, dg, dmask = grads
     q, k, v, out, dout = (unit_stride_last(x) for x in (q, k, v, out, dout))
     lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
-    dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
-                                                       attn_mask_grad)
     if (packing is not None and packing.batch == 0) or q.numel() == 0 or k.numel() == 0:
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()
