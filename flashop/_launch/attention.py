@@ -22,7 +22,9 @@ from flashop._launch.common import (
 )
 from flashop._launch.launches import launch_kernel
 from flashop._launch.options import Modifiers, Packing
-from flashop._launch.problem import Problem, dropout_args, paging_args, sinks_args
+from flashop._launch.problem import (
+    Problem, dropout_args, fp8_args, paging_args, sinks_args,
+)
 from flashop._launch.scores import sink_log2
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
@@ -110,21 +112,6 @@ def _fp8_values(v: torch.Tensor) -> torch.Tensor:
     return y[0] if packed else y
 
 
-_NOT_FP8 = dict(q_descale=None, k_descale=None, v_descale=None, stride_dsb=0, FP8=False)
-
-
-def _fp8_args(q: torch.Tensor, descales: Optional[tuple], B: int, H_kv: int) -> dict:
-    """The forward's fp8 arguments: for e4m3 inputs the three descales, (B, H_kv) fp32
-    (ones where None: a fill, which an eager call's plan replays), and their batch stride;
-    none otherwise."""
-    if q.dtype != torch.float8_e4m3fn:
-        return _NOT_FP8
-    given = descales or (None, None, None)
-    q_ds, k_ds, v_ds = (q.new_full((B, H_kv), 1.0, dtype=torch.float32) if d is None
-                        else d.contiguous() for d in given)
-    return dict(q_descale=q_ds, k_descale=k_ds, v_descale=v_ds, stride_dsb=H_kv, FP8=True)
-
-
 @on_inputs_device
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None, descales: Optional[tuple] = None,
@@ -144,7 +131,7 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
     if p.packed and p.B == 0:  # no sequences: no token attends anything
         return out.zero_(), lse.fill_(float("-inf")), lse_log2.fill_(float("-inf"))
-    fp8 = _fp8_args(q, descales, p.B, p.H_kv)
+    fp8 = fp8_args(q, descales, p.B, p.H_kv)
     c = choice.choose_forward(q, k, v, p, mods, fp8=fp8["FP8"])
     qk_scale = p.modifier_args["qk_scale"]
     if c.path == "Gluon forward":

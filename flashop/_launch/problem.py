@@ -1,8 +1,8 @@
 """One attention call as the kernels see it (attention.py's launchers, and choice.py's rules
 read it): its shapes, scale, modifier arguments and flags, made once by Problem.describe,
 and the kernels' keyword arguments that follow from it (strides, sequences, pages, sinks,
-dropout, head-dim blocks); the check that the kernels' 32-bit row offsets reach every row
-(check_row_offsets, which the decoding launchers make too).
+dropout, fp8 descales, head-dim blocks); the check that the kernels' 32-bit row offsets
+reach every row (check_row_offsets, which the decoding launchers make too).
 """
 
 from __future__ import annotations
@@ -73,6 +73,21 @@ def sinks_args(mods: Modifiers) -> dict:
     if mods.sinks is None:
         return _NO_SINKS
     return dict(sinks=mods.sinks, **sink_args(tensor_meta(mods.sinks)))
+
+
+_NOT_FP8 = dict(q_descale=None, k_descale=None, v_descale=None, stride_dsb=0, FP8=False)
+
+
+def fp8_args(q: torch.Tensor, descales: Optional[tuple], B: int, H_kv: int) -> dict:
+    """The forward's fp8 arguments: for e4m3 inputs the three descales, (B, H_kv) fp32
+    (ones where None: a fill, which an eager call's plan replays), and their batch stride;
+    none otherwise."""
+    if q.dtype != torch.float8_e4m3fn:
+        return _NOT_FP8
+    given = descales or (None, None, None)
+    q_ds, k_ds, v_ds = (q.new_full((B, H_kv), 1.0, dtype=torch.float32) if d is None
+                        else d.contiguous() for d in given)
+    return dict(q_descale=q_ds, k_descale=k_ds, v_descale=v_ds, stride_dsb=H_kv, FP8=True)
 
 
 def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
