@@ -364,9 +364,9 @@ def clear_plans() -> None:
 class PlannedBody:
     """An operator's body (``body(*args, **options)``: its checks, then a launcher) for the
     direct eager path, by plans: the first call of a signature (its key: calls.plan_key,
-    the arguments' signatures, the options and the switches) runs the body,
-    its checks included, and records its plan; later calls of that signature replay the plan
-    (no checks: they read the signature alone, which passed them). A body that computes
+    the arguments' signatures, the options and the switches) runs the body, its checks
+    included, and records its plan; later calls of that signature replay the plan (no
+    checks: they read the signature alone, which passed them). A body that computes
     anything besides allocations, fills, copies, views and launches (a gate's cumulative
     sum, a value read on the host), and every call while autotuning (its launches bypass
     launch_now), run the body each time. The body runs with wrap_triton off (the kernels
