@@ -161,7 +161,7 @@ class TestDevices(TestCase):
 def test_sequences_past_32_bit_offsets_are_refused():
     """A (batch, head) slice spanning 2**31 elements would overflow the kernels' row offsets
     (checked on meta tensors, so nothing large is allocated)."""
-    from flashop._launch.common import check_row_offsets
+    from flashop._launch.problem import check_row_offsets
 
     def check(x):
         check_row_offsets("flashop.attention", (x,), (x.stride(1),), (x.shape[1],))

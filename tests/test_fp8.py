@@ -281,7 +281,7 @@ def test_fp8_broken_kernel_fails(monkeypatch):
     """The accuracy check fails where the kernel drops the values' descale."""
     import flashop._launch.attention as launch
 
-    original = launch._fp8_args
+    original = launch.fp8_args
 
     def without_v_descale(q, descales, B, H_kv):
         args = original(q, descales, B, H_kv)
@@ -289,7 +289,7 @@ def test_fp8_broken_kernel_fails(monkeypatch):
             args = dict(args, v_descale=torch.ones_like(args["v_descale"]))
         return args
 
-    monkeypatch.setattr(launch, "_fp8_args", without_v_descale)
+    monkeypatch.setattr(launch, "fp8_args", without_v_descale)
     q, k, v, qd, kd, vd = fp8_inputs(1, 64, 64, 1, 1, 32, 32, seed=6)
     vd = vd * 3  # a descale far from 1
     out, lse = flashop.attention_with_lse(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)

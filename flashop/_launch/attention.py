@@ -22,7 +22,9 @@ from flashop._launch.common import (
 )
 from flashop._launch.launches import launch_kernel
 from flashop._launch.options import Modifiers, Packing
-from flashop._launch.problem import Problem, dropout_args, paging_args, sinks_args
+from flashop._launch.problem import (
+    Problem, dropout_args, fp8_args, paging_args, sinks_args,
+)
 from flashop._launch.scores import sink_log2
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import attention_bwd_dkdv_kernel
@@ -111,21 +113,6 @@ def _fp8_values(v: torch.Tensor) -> torch.Tensor:
     return y[0] if packed else y
 
 
-_NOT_FP8 = dict(q_descale=None, k_descale=None, v_descale=None, stride_dsb=0, FP8=False)
-
-
-def _fp8_args(q: torch.Tensor, descales: Optional[tuple], B: int, H_kv: int) -> dict:
-    """The forward's fp8 arguments: for e4m3 inputs the three descales, (B, H_kv) fp32
-    (ones where None: a fill, which an eager call's plan replays), and their batch stride;
-    none otherwise."""
-    if q.dtype != torch.float8_e4m3fn:
-        return _NOT_FP8
-    given = descales or (None, None, None)
-    q_ds, k_ds, v_ds = (q.new_full((B, H_kv), 1.0, dtype=torch.float32) if d is None
-                        else d.contiguous() for d in given)
-    return dict(q_descale=q_ds, k_descale=k_ds, v_descale=v_ds, stride_dsb=H_kv, FP8=True)
-
-
 @on_inputs_device
 def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
                       packing: Optional[Packing] = None, descales: Optional[tuple] = None,
@@ -134,20 +121,18 @@ def attention_forward(q, k, v, scale: Optional[float], mods: Modifiers,
     lse in natural-log units, and in base 2 for the backward. e4m3 inputs take their
     ``descales`` (q's, k's, v's: (B, H_kv) fp32 or None) and give out in ``out_dtype``.
     CPU tensors take the CPU path (cpu.serves)."""
+    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packing is not None, out_dtype)
     if cpu.serves(q):
-        outputs = attention_forward_outputs(q, k, v, packing is not None, out_dtype)
         return cpu_attention.attention_forward(q, k, v, resolve_scale(scale, q.shape[-1]), mods,
-                                               packing, descales, outputs)
+                                               packing, descales, (out, lse, lse_log2))
     q, k = unit_stride_last(q), unit_stride_last(k)
     v = _fp8_values(v) if q.dtype == torch.float8_e4m3fn else unit_stride_last(v)
-    out, lse, lse_log2 = attention_forward_outputs(q, k, v, packed=packing is not None,
-                                                   out_dtype=out_dtype)
     if out.numel() == 0:
         return out, lse, lse_log2
     p = Problem.describe("flashop.attention", q, k, v, out, scale, mods, packing)
     if p.packed and p.B == 0:  # no sequences: no token attends anything
         return out.zero_(), lse.fill_(float("-inf")), lse_log2.fill_(float("-inf"))
-    fp8 = _fp8_args(q, descales, p.B, p.H_kv)
+    fp8 = fp8_args(q, descales, p.B, p.H_kv)
     c = choice.choose_forward(q, k, v, p, mods, fp8=fp8["FP8"])
     qk_scale = p.modifier_args["qk_scale"]
     if c.path == "Gluon forward":
@@ -240,15 +225,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
     the dK/dV kernel adding dQ by atomics alone). ``deterministic`` as
     choice.deterministic_backward gives it. CPU tensors take the CPU path (cpu.serves),
     reproducible whatever ``deterministic`` says."""
+    grads = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask, attn_mask_grad)
     if cpu.serves(q):
-        grads = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask, attn_mask_grad)
         return cpu_attention.attention_backward(dout, dlse, q, k, v, out, lse_log2,
                                                 resolve_scale(scale, q.shape[-1]), mods,
                                                 attn_mask_grad, packing, grads)
+    dq, dk, dv, dg, dmask = grads
     q, k, v, out, dout = (unit_stride_last(x) for x in (q, k, v, out, dout))
     lse_log2 = lse_log2.contiguous()  # fp32 rows: the kernels index them with a unit stride
-    dq, dk, dv, dg, dmask = attention_backward_outputs(q, k, v, mods.g, mods.attn_mask,
-                                                       attn_mask_grad)
     if (packing is not None and packing.batch == 0) or q.numel() == 0 or k.numel() == 0:
         # nothing attends anything: every gradient is zero (dq needs writing when S_k == 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), dg.zero_(), dmask.zero_()

@@ -1,6 +1,6 @@
-"""Which calls are eager, and the keys of their signatures: what the direct eager path
-(flashop/_ops/eager.py), the eager plans (plans.py) and the launches (launches.py) ask of a
-call before they take a shortcut."""
+"""The keys of eager calls' signatures: what the plans of the direct eager path
+(flashop/_ops/eager.py, plans.py) and the decoding launchers' plans (kvcache.py, mla.py)
+hold of a call."""
 
 from __future__ import annotations
 
@@ -13,20 +13,6 @@ from flashop._launch import tiles
 from flashop._launch.common import EAGER_TENSOR_TYPES
 
 _Tensor = torch.Tensor
-
-
-def is_direct(q: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a call with ``q`` and these tensors takes the direct eager path (the
-    operators' bodies run without the dispatcher): eager tensors (no subclass: fake,
-    functional, DTensor, ...) with data (not on the meta device, whose calls the operators'
-    fakes answer), nothing that must see the operator (a compiler or tracer, a dispatch
-    mode, a functorch transform), and config.settings.direct_eager."""
-    return (config.settings.direct_eager and not q.is_meta and type(q) in EAGER_TENSOR_TYPES
-            and not torch.compiler.is_compiling()
-            and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active()
-            and not torch._C._get_tracing_state())
 
 
 def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
@@ -98,6 +84,15 @@ def make_key(parts: tuple) -> Optional[Key]:
         return Key(parts)
     except TypeError:
         return None
+
+
+def plan_key(args: tuple, options: dict, more=None) -> Optional[Key]:
+    """The key of an operator body's plan for its call of ``args`` and ``options``
+    (plans.PlannedBody): the arguments' signature(), the options by name, type and value,
+    the environment(), and ``more``, what else of the tensors the body's checks or choices
+    read (whether one is a view of another's memory); None where a part cannot be hashed."""
+    return make_key((signature(args), tuple(options.items()),
+                     tuple([v.__class__ for v in options.values()]), environment(), more))
 
 
 def environment() -> tuple:

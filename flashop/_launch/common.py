@@ -1,6 +1,6 @@
 """Helpers every launcher uses: head-dim blocks, the dtype's compile-time options, scales,
-strides and the checks on them, the GPU's generation and Triton's scratch allocator. (The
-kernels' launches are flashop/_launch/launches.py's.)"""
+strides, the GPU's generation and Triton's scratch allocator. (The kernels' launches are
+flashop/_launch/launches.py's; the check on their row offsets is problem.py's.)"""
 
 from __future__ import annotations
 
@@ -97,18 +97,6 @@ class TensorMeta(NamedTuple):
 
 def tensor_meta(t: Optional[torch.Tensor]) -> Optional[TensorMeta]:
     return None if t is None else TensorMeta(t.shape, t.stride(), t.dtype, t.device)
-
-
-def check_row_offsets(op: str, tensors: tuple, row_strides: tuple, rows: tuple) -> None:
-    """The kernels offset rows within one (batch, head) slice, or within one packed
-    sequence, in 32-bit integers: ``rows[i]`` rows of ``tensors[i]`` of row stride
-    ``row_strides[i]`` must span fewer than 2**31 elements."""
-    for x, stride, n in zip(tensors, row_strides, rows):
-        if n * stride >= 2**31:
-            raise ValueError(
-                f"{op}: a tensor of shape {tuple(x.shape)} and strides {x.stride()} spans "
-                f"2**31 elements or more along its sequence dimension, past the kernels' "
-                f"32-bit row offsets; split the sequence or the heads")
 
 
 def on_inputs_device(launcher: Callable) -> Callable:

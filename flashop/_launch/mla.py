@@ -17,8 +17,8 @@ import torch
 from flashop._launch import cpu, tiles as tile_table
 from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
-    TensorMeta, cdiv, check_row_offsets, dtype_constexprs, max_shared_memory,
-    next_power_of_2, on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
+    TensorMeta, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2, on_inputs_device,
+    resolve_scale, tensor_meta, unit_stride_last,
 )
 from flashop._launch.calls import eager_meta
 from flashop._launch.launches import Planned, launch_planned
@@ -27,6 +27,7 @@ from flashop._launch.kvcache import (
     _Plan, index_tensors, input_strides, kvcache_outputs, merge_launch, plain_append_launch,
 )
 from flashop._launch.options import PLAIN, Modifiers
+from flashop._launch.problem import check_row_offsets
 from flashop._launch.scores import score_args
 from flashop.kernels import INTERPRETING
 from flashop.kernels.decode import attention_decode_merge_kernel, kvcache_append_kernel

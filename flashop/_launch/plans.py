@@ -21,7 +21,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashop import config
-from flashop._launch.calls import Key, environment, make_key, signature
+from flashop._launch.calls import Key, plan_key
 from flashop._launch.launches import (
     CompiledLaunch, kernel_launches, launch_and_keep, launches_kept, recorder,
 )
@@ -244,7 +244,7 @@ class _PlannedLaunch:
     tensors (and of the tensors its descriptors describe, remade for each call); the kernel
     Triton compiled for it. What Triton specialises a tensor on (its dtype and whether its
     address is 16-byte aligned) is the same on every call of the plan: its key holds the
-    arguments' dtypes and alignment (signature()), the allocations are the caching
+    arguments' dtypes and alignment (calls.signature), the allocations are the caching
     allocator's (aligned) and each view sits at its recorded offset from its base."""
 
     __slots__ = ("kernel", "grid", "names", "tensor_names", "take", "static", "compiled",
@@ -363,10 +363,10 @@ def clear_plans() -> None:
 
 class PlannedBody:
     """An operator's body (``body(*args, **options)``: its checks, then a launcher) for the
-    direct eager path, by plans: the first call of a signature (``key``: the arguments'
-    signature(), the options by name, type and value, and the environment()) runs the body,
-    its checks included, and records its plan; later calls of that signature replay the plan
-    (no checks: they read the signature alone, which passed them). A body that computes
+    direct eager path, by plans: the first call of a signature (its key: calls.plan_key,
+    the arguments' signatures, the options and the switches) runs the body, its checks
+    included, and records its plan; later calls of that signature replay the plan (no
+    checks: they read the signature alone, which passed them). A body that computes
     anything besides allocations, fills, copies, views and launches (a gate's cumulative
     sum, a value read on the host), and every call while autotuning (its launches bypass
     launch_now), run the body each time. The body runs with wrap_triton off (the kernels
@@ -382,16 +382,12 @@ class PlannedBody:
         _BODIES.append(self)
 
     def __call__(self, *args, **options):
-        return self.run(self.key(args, options), args, options)
-
-    def key(self, args: tuple, options: dict) -> Optional[Key]:
         more = self.more_key(args) if self.more_key is not None else None
-        return make_key((signature(args), tuple(options.items()),
-                         tuple([v.__class__ for v in options.values()]), environment(), more))
+        return self.run(plan_key(args, options, more), args, options)
 
     def run(self, key: Optional[Key], args: tuple, options: dict):
-        """The body's call of ``args`` and ``options``, whose key (or one that tells apart
-        at least as much) is ``key``; None (no key): the body."""
+        """The body's call of ``args`` and ``options``, whose key (calls.plan_key, or one
+        that tells apart at least as much) is ``key``; None (no key): the body."""
         plan = self.plans.get(key, _MISSING) if key is not None else None
         if plan is None or config.settings.autotune:
             return self._run(args, options)

@@ -1,7 +1,8 @@
 """One attention call as the kernels see it (attention.py's launchers, and choice.py's rules
 read it): its shapes, scale, modifier arguments and flags, made once by Problem.describe,
 and the kernels' keyword arguments that follow from it (strides, sequences, pages, sinks,
-dropout, head-dim blocks).
+dropout, fp8 descales, head-dim blocks); the check that the kernels' 32-bit row offsets
+reach every row (check_row_offsets, which the decoding launchers make too).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import torch
 
 from flashop._launch import gates
 from flashop._launch.common import (
-    block_dim, check_row_offsets, dtype_constexprs, head_blocks, resolve_scale, tensor_meta,
-    unit_stride_last,
+    block_dim, dtype_constexprs, head_blocks, resolve_scale, tensor_meta, unit_stride_last,
 )
 from flashop._launch.options import PLAIN, Modifiers, Packing
 from flashop._launch.scores import LOG2E, score_args, sink_args
@@ -75,6 +75,21 @@ def sinks_args(mods: Modifiers) -> dict:
     return dict(sinks=mods.sinks, **sink_args(tensor_meta(mods.sinks)))
 
 
+_NOT_FP8 = dict(q_descale=None, k_descale=None, v_descale=None, stride_dsb=0, FP8=False)
+
+
+def fp8_args(q: torch.Tensor, descales: Optional[tuple], B: int, H_kv: int) -> dict:
+    """The forward's fp8 arguments: for e4m3 inputs the three descales, (B, H_kv) fp32
+    (ones where None: a fill, which an eager call's plan replays), and their batch stride;
+    none otherwise."""
+    if q.dtype != torch.float8_e4m3fn:
+        return _NOT_FP8
+    given = descales or (None, None, None)
+    q_ds, k_ds, v_ds = (q.new_full((B, H_kv), 1.0, dtype=torch.float32) if d is None
+                        else d.contiguous() for d in given)
+    return dict(q_descale=q_ds, k_descale=k_ds, v_descale=v_ds, stride_dsb=H_kv, FP8=True)
+
+
 def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
     """The kernels' (batch, seq, head) strides: a packed (total, H, D) tensor has batch
     stride 0 (each program offsets its sequence's start instead); a paged cache (pages,
@@ -83,6 +98,18 @@ def _seq_strides(x: torch.Tensor, packing: Optional[Packing]) -> tuple:
     functionalization under torch.compile."""
     strides = x.stride()
     return strides[:3] if packing is None or x.dim() == 4 else (0, *strides[:2])
+
+
+def check_row_offsets(op: str, tensors: tuple, row_strides: tuple, rows: tuple) -> None:
+    """The kernels offset rows within one (batch, head) slice, or within one packed
+    sequence, in 32-bit integers: ``rows[i]`` rows of ``tensors[i]`` of row stride
+    ``row_strides[i]`` must span fewer than 2**31 elements."""
+    for x, stride, n in zip(tensors, row_strides, rows):
+        if n * stride >= 2**31:
+            raise ValueError(
+                f"{op}: a tensor of shape {tuple(x.shape)} and strides {x.stride()} spans "
+                f"2**31 elements or more along its sequence dimension, past the kernels' "
+                f"32-bit row offsets; split the sequence or the heads")
 
 
 _NOT_PAGED = dict(block_table=None, stride_tb=0, capacity=0, PAGE_SIZE=1, IS_PAGED=False)

@@ -1,8 +1,8 @@
 """The eager path of the Python API: a call of plain tensors with nothing watching (no
-torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform; see
-calls.is_direct) runs the operators' bodies directly, skipping the dispatcher's layers
-and the registered operator's generated autograd function, a large part of a short call's
-host time. The bodies run by plans (plans.PlannedBody): a signature's first call runs
+torch.compile, export, FX or JIT tracing, dispatch mode or functorch transform:
+is_direct) runs the operators' bodies directly, skipping the dispatcher's layers and the
+registered operator's generated autograd function, a large part of a short call's host
+time. The bodies run by plans (plans.PlannedBody): a signature's first call runs
 the body, its checks included, and later calls replay its allocations and launches. The
 attention forward runs in an autograd function (where a gradient is wanted) whose backward
 runs the backward operator's body the same way. Results, checks and messages are the
@@ -18,13 +18,29 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from flashop._launch.calls import aliasing, environment, is_direct, make_key, signature
+from flashop import config
+from flashop._launch.calls import aliasing, environment, make_key, plan_key, signature
+from flashop._launch.common import EAGER_TENSOR_TYPES
 from flashop._ops import attention as ops
 from flashop._ops import attention_fp8 as attention_fp8_ops
 from flashop._ops import autocast, kvcache
 
 # the attention operators' bodies as the direct path runs them
 _forward, _backward = ops.planned_forward, ops.planned_backward
+
+
+def is_direct(q: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call with ``q`` and these tensors takes the direct eager path (the
+    operators' bodies run without the dispatcher): eager tensors (no subclass: fake,
+    functional, DTensor, ...) with data (not on the meta device, whose calls the operators'
+    fakes answer), nothing that must see the operator (a compiler or tracer, a dispatch
+    mode, a functorch transform), and config.settings.direct_eager."""
+    return (config.settings.direct_eager and not q.is_meta and type(q) in EAGER_TENSOR_TYPES
+            and not torch.compiler.is_compiling()
+            and all(t is None or type(t) in EAGER_TENSOR_TYPES for t in tensors)
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
+            and not torch._C._get_tracing_state())
 
 
 # fp32 zeros by (device, shape), each a view of one zero element, never written: the
@@ -134,7 +150,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
                   alibi_slopes, g, sinks, ops.dropout_seed(q, options.get("dropout_p", 0.0)))
         options = {name: options[name] for name in _OPTIONS}
-        key = _forward.key(inputs, options)
+        key = plan_key(inputs, options)
         differentiable = (q, k, v, attn_mask, alibi_slopes, g, sinks)
         if torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in differentiable):
