@@ -65,10 +65,31 @@ def test_the_forward_above_128_takes_a_third_stage_where_the_values_leave_room(h
     wider; either fits the shared memory."""
     t = tile_table._gpu_tiles("fwd", head_dim, hopper=True, value_dim=value_dim)
     assert t.num_stages == (3 if value_dim <= 128 else 2)
+    # an attn_mask's tiles are pipelined too: two stages (a float mask's took 233 KiB)
+    assert tile_table._gpu_tiles("fwd", head_dim, hopper=True, value_dim=value_dim,
+                                 masked=True).num_stages == 2
     block_dv = tile_table.next_power_of_2(value_dim)
     assert tile_table.shared_memory_bytes("fwd", t, 256, block_dv, 2) <= H200_SHARED_MEMORY
     assert tile_table.shared_memory_bytes("fwd", replace(t, num_stages=3), 256, 256, 2) > \
         H200_SHARED_MEMORY
+
+
+@pytest.mark.parametrize("value_dim", [128, 160, 192])
+@pytest.mark.parametrize("kind", ["dv", "dk"])
+def test_the_dkdv_parts_take_a_third_stage_where_the_head_dim_is_in_two_tiles(kind,
+                                                                              value_dim):
+    """The dK/dV kernel's parts above head dim 128 on Hopper: three stages where q's and k's
+    head dim is in two tiles (D = 192: 128 + 64 wide) and the values' at most 128 wide, with
+    no attn_mask; two otherwise. The three fit the shared memory at those widths."""
+    parts = tile_table._gpu_tiles(kind, 256, hopper=True, value_dim=value_dim,
+                                  head_in_parts=True)
+    one = tile_table._gpu_tiles(kind, 256, hopper=True, value_dim=value_dim)
+    masked = tile_table._gpu_tiles(kind, 256, hopper=True, value_dim=value_dim,
+                                   head_in_parts=True, masked=True)
+    assert parts.num_stages == (3 if value_dim <= 128 else 2)
+    assert one.num_stages == masked.num_stages == 2
+    block_dv = tile_table.next_power_of_2(value_dim)
+    assert tile_table.shared_memory_bytes(kind, parts, 192, block_dv, 2) <= H200_SHARED_MEMORY
 
 
 @pytest.mark.parametrize("kind", sorted(tile_table.TILE_CANDIDATES))

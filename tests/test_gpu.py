@@ -396,7 +396,8 @@ def test_paged_prefill_under_inductor_and_autotuned(page):
 # odd shapes for compute-sanitizer: (B, S_q, S_k, H, H_kv, D, DV, causal)
 SANITIZER_SHAPES = [(1, 1, 1, 1, 1, 59, 59, True), (2, 77, 131, 6, 2, 111, 40, True),
                     (1, 257, 65, 3, 3, 80, 80, True), (1, 129, 129, 2, 1, 256, 256, False),
-                    (2, 33, 1000, 4, 1, 96, 96, False), (2, 77, 256, 4, 2, 128, 128, False)]
+                    (2, 33, 1000, 4, 1, 96, 96, False), (2, 77, 256, 4, 2, 128, 128, False),
+                    (2, 77, 131, 4, 2, 176, 128, True)]  # (the head dim in 128 + 64 tiles)
 
 SANITIZER_SCRIPT = """
 import sys, torch, flashop

@@ -219,16 +219,17 @@ class ForwardChoice(Choice):
 
 
 # the passes whose tl kernels take q's and k's head dim in two tiles on Hopper GPUs, where
-# that measured faster than one tile (performance notes, entry 116)
-HOPPER_HEAD_PARTS = {"fwd"}
+# that measured faster than one tile (forward 1.03-1.10x, backward 1.16-1.19x at D = 160
+# and 192 on an H200; performance notes, entry 116)
+HOPPER_HEAD_PARTS = {"fwd", "bwd"}
 
 
 def head_in_parts(head_dim: int, device: torch.device, why=None, pass_: str = "fwd") -> bool:
     """Whether the tl kernels of ``pass_`` ("fwd", "bwd") read q's and k's head dim as two
     tiles, a 128-wide one and a narrower one (common.head_blocks: D = 192 as 128 + 64 rather
     than 256, a third of it padding; 128 < D <= 192): on Hopper GPUs where HOPPER_HEAD_PARTS
-    says so (the forward measured 3-10% faster than one tile at D = 160 and 192), and under
-    the interpreter, so that CI runs the form; other GPUs keep one tile (unmeasured there)."""
+    says so, and under the interpreter, so that CI runs the form; other GPUs keep one tile
+    (unmeasured there)."""
     blocks = head_blocks(head_dim)
     if not blocks[1]:
         return False
@@ -238,7 +239,8 @@ def head_in_parts(head_dim: int, device: torch.device, why=None, pass_: str = "f
     if not (device.type == "cuda" and is_hopper(device)):
         return decline(why, f"{what}: measured on Hopper GPUs only")
     if pass_ not in HOPPER_HEAD_PARTS:
-        return decline(why, f"{what}: not in the backward on GPUs (unmeasured there)")
+        return decline(why, f"{what}: not in the {'forward' if pass_ == 'fwd' else 'backward'}"
+                            f" on GPUs (unmeasured there)")
     return True
 
 
@@ -384,9 +386,11 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
         parts = (("dv", 1), ("dk", 2))
     else:
         parts = (("dkdv", 3),)
+    head_parts = head_in_parts(p.D, q.device, why, "bwd")
     for kind, _ in parts:
         found[kind] = tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal,
-                                      short=short)
+                                      short=short, value_dim=p.DV, head_in_parts=head_parts,
+                                      masked=p.flags["ATTN_MASK_KIND"] != 0)
     names = {"dq": "attention_bwd_dq_kernel", "dkdv": "attention_bwd_dkdv_kernel",
              "dkdv_atomic": "attention_bwd_dkdv_kernel, dQ by atomics",
              "dv": "attention_bwd_dkdv_kernel, dV part", "dk": "attention_bwd_dkdv_kernel, "
@@ -396,7 +400,6 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
         kernels = ([("attention_bwd_preprocess_kernel", None)] + kernels
                    + [("attention_bwd_cast_kernel", None)])
     autotune = tiles.autotunes(q.dtype)
-    head_parts = head_in_parts(p.D, q.device, why, "bwd")
     options = {"bitwise reproducible": not dq_atomic}
     if head_parts:
         options["q's and k's head dim in tiles of"] = " + ".join(map(str, head_blocks(p.D)))

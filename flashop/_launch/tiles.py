@@ -93,7 +93,8 @@ def is_short(S_k) -> bool:
 
 
 def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
-               short: bool = False, value_dim: int = 0) -> Tiles:
+               short: bool = False, value_dim: int = 0, head_in_parts: bool = False,
+               masked: bool = False) -> Tiles:
     """Tiles of 16-bit inputs per kernel and head dim: the fastest of benchmarks/tune.py's
     sweep on Hopper. GPUs before Hopper have less shared memory: smaller tiles at head dims
     above 128 there. ``causal``: under a causal-like bound, whose programs are short and
@@ -101,7 +102,11 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
     SHORT_KEYS keys (with a causal-like bound, 64-row forward tiles with 4 warps and smaller
     backward tiles). ``value_dim``: the values' head dim where it is below ``head_dim``
     (the forward above 128 keeps a third stage of key and value tiles where the values'
-    are at most 128 wide)."""
+    are at most 128 wide; so do the dK/dV kernel's parts where ``head_in_parts``, q's and
+    k's head dim in two tiles: choice.head_in_parts). ``masked``: an attn_mask, whose tiles
+    are pipelined with the keys': no third stage above head dim 128 (a float mask's took
+    the shared memory past Hopper's 227 KiB at D = 176, DV = 128)."""
+    third = 0 < value_dim <= 128 and not masked
     short_causal = causal and short
     if kind == "fwd":
         if hopper and short_causal and head_dim <= 128:
@@ -114,16 +119,20 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
             return Tiles(64, 32, 4, 2)
         # three stages fit where the values' tiles are at most 128 wide (D = 192, DV = 128:
         # 208 KiB; 1.18x two stages, H200), not at DV = 256 (256 KiB)
-        return Tiles(128, 64, 8, 3 if 0 < value_dim <= 128 else 2)
+        return Tiles(128, 64, 8, 3 if third else 2)
     if kind == "dkdv_atomic":
         if head_dim <= 128:
             return Tiles(64, 128, 8, 3)
         # one stage: with two, the staged fp32 dQ tile takes the shared memory past 227 KiB
         return Tiles(64, 64, 8, 1) if hopper else Tiles(32, 64, 8, 1)
-    if kind == "dv":  # the dK/dV kernel's parts (splits_dkdv): head dims above 128
-        return Tiles(64, 128, 8, 2)
+    # the dK/dV kernel's parts (splits_dkdv): head dims above 128; a third stage where the
+    # head dim is in two tiles (D = 192: 128 + 64) and the values' are at most 128 wide
+    # (DV = 128: dK 1.06-1.16x, dV 1.02-1.09x two stages, H200)
+    stages = 3 if head_in_parts and third else 2
+    if kind == "dv":
+        return Tiles(64, 128, 8, stages)
     if kind == "dk":
-        return Tiles(32, 128, 8, 2)
+        return Tiles(32, 128, 8, stages)
     if kind == "dkdv":
         if head_dim <= 64:
             return Tiles(32, 64, 4, 3) if causal or short else Tiles(32, 128, 4, 3)
@@ -168,8 +177,9 @@ def forced() -> tuple:
 
 def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device,
               mask_grad: bool = False, causal: bool = False, short: bool = False,
-              value_dim: int = 0) -> Tiles:
-    """The tiles of ``kind`` (see _gpu_tiles for ``causal``, ``short`` and ``value_dim``)."""
+              value_dim: int = 0, head_in_parts: bool = False, masked: bool = False) -> Tiles:
+    """The tiles of ``kind`` (see _gpu_tiles for ``causal``, ``short``, ``value_dim``,
+    ``head_in_parts`` and ``masked``)."""
     if kind in FORCED:
         return FORCED[kind]
     if INTERPRETING:
@@ -185,7 +195,8 @@ def tiles_for(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device
         # e4m3 tiles take half the bytes: 128 keys with three stages fit at D = 256 (the
         # autotuner's pick on an H200, 1.5x the 16-bit table's tiles there)
         return Tiles(128, 128, 8, 3)
-    t = _gpu_tiles(kind, head_dim, is_hopper(device), causal, short, value_dim)
+    t = _gpu_tiles(kind, head_dim, is_hopper(device), causal, short, value_dim, head_in_parts,
+                   masked)
     if mask_grad and t.BLOCK_M > 64:
         # dQ storing its fp32 dS tile for the attn_mask gradient: a 128x64 tile with 3
         # stages needs 256 KiB of shared memory on Hopper (227 KiB there)
@@ -205,7 +216,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, device: torch.device, flags
         return FORCED["fwd"]
     short = is_short(S_k)
     t = tiles_for("fwd", head_dim, dtype, device, causal=flags["HAS_RIGHT"], short=short,
-                  value_dim=value_dim)
+                  value_dim=value_dim, masked=flags["ATTN_MASK_KIND"] != 0)
     short_causal = flags["HAS_RIGHT"] and short
     if t.split_m:
         one = ("an attn_mask" if flags["ATTN_MASK_KIND"] != 0
