@@ -55,6 +55,8 @@ CASES = {
     "window_softcap": dict(S_q=150, window_size=(40, 7), softcap=5.0),
     "alibi_sinks_dv": dict(G=2, DV=32, causal=True, alibi=True, sinks=True),
     "chunks": dict(G=2, S_q=150, attention_chunk=48, window_size=(40, -1)),
+    # DeepSeek's prefill dims: q's and k's head dim in two tiles (choice.head_in_parts)
+    "head_192_128": dict(S_q=130, S_k=150, D=192, DV=128, causal=True),
 }
 
 
