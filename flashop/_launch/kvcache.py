@@ -18,9 +18,9 @@ from flashop._launch import cpu
 from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, block_dim, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2,
-    on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
+    on_inputs_device, resolve_scale, unit_stride_last,
 )
-from flashop._launch.calls import eager_meta
+from flashop._launch.calls import call_plan
 from flashop._launch.choice import Choice
 from flashop._launch.decode_tiles import (
     call_splits, decode_tiles, fit_shared_memory, short_run_tiles,
@@ -309,9 +309,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     values = mods if alibi is None and sinks is None else replace(mods, alibi_slopes=None,
                                                                     sinks=None)
     options = (values, scale, num_splits, rotary_interleaved)
-    metas = eager_meta(*tensors)
-    plan = (_plan(metas, options) if metas is not None
-            else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    plan = call_plan(_plan, tensors, options)
     if plan_only:
         return plan
     if plan.append is not None:

@@ -18,9 +18,9 @@ from flashop._launch import cpu, tiles as tile_table
 from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2, on_inputs_device,
-    resolve_scale, tensor_meta, unit_stride_last,
+    resolve_scale, unit_stride_last,
 )
-from flashop._launch.calls import eager_meta
+from flashop._launch.calls import call_plan
 from flashop._launch.launches import Planned, launch_planned
 from flashop._launch.decode_tiles import DecodeTiles, call_splits, fit_shared_memory
 from flashop._launch.kvcache import (
@@ -148,9 +148,7 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
     q = unit_stride_last(q)
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, cache_leftpad)
     options = (mods.causal, scale, num_splits, values_in_keys, tile_table.forced())
-    metas = eager_meta(*tensors)
-    plan = (_plan(metas, options) if metas is not None
-            else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    plan = call_plan(_plan, tensors, options)
     if plan_only:
         return plan
     if plan.append is not None:
