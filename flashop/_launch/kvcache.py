@@ -318,25 +318,34 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        cache_batch_idx=cache_batch_idx, block_table=block_table,
                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, k_descale=k_descale,
                        v_descale=v_descale)
+    return launch_split_kv(
+        attention_decode_kernel, plan, q, v_cache, k_cache=k_cache, v_cache=v_cache,
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+        alibi=alibi, sinks=sinks, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, k_descale=scores_descale, v_descale=v_descale)
+
+
+def launch_split_kv(kernel, plan: _Plan, q: torch.Tensor, v_cache: torch.Tensor, /,
+                    **tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV attention of ``plan`` (a decode launcher's, after its append): out and
+    lse allocated (kvcache_outputs(q, v_cache)), ``kernel`` launched with q and the call's
+    other ``tensors`` by name (the kernel's v_cache among them), writing out and lse
+    directly (one split) or the splits' partial outputs, which the merge kernel combines;
+    no launch where the output is empty. Returns (out, lse)."""
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
     check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
                       (q.shape[1], q.shape[1]))
+    o_part = lse_part = None  # one split: the kernel writes out and lse directly
     if plan.parts is not None:
         o_part = q.new_empty(plan.parts[0], dtype=torch.float32)
         lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
-    else:  # the kernel writes out and lse directly
-        o_part = lse_part = None
     so, sl = out.stride(), lse.stride()
     outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
                    stride_lb=sl[0], stride_lh=sl[1])
-    launch_planned(
-        attention_decode_kernel, plan.decode, q=q, k_cache=k_cache, v_cache=v_cache,
-        o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
-        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        k_descale=scores_descale, v_descale=v_descale, **outputs)
+    launch_planned(kernel, plan.decode, q=q, o_part=o_part, lse_part=lse_part, **tensors,
+                   **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)
