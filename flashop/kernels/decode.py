@@ -31,7 +31,7 @@ import triton.language as tl
 from flashop.kernels.common import (
     LN2, LOG2E, attention_scores, dot_operand, key_range, load_tile, round_to, to_e4m3,
 )
-from flashop.kernels.decode_steps import cache_rows, softmax_step
+from flashop.kernels.decode_steps import key_tile, pv_step, softmax_step
 
 
 @triton.jit
@@ -200,11 +200,10 @@ def _decode_key_tiles(
     o_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        m_n = o_n < L_read
-        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
-                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
-                                TILE_PAGE, EDGE_TILE)
+        o_n, m_n, o_kn, o_vn = key_tile(
+            block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, IS_PAGED=IS_PAGED, TILE_PAGE=TILE_PAGE,
+            EDGE_TILE=EDGE_TILE)
         # K^T tile [BLOCK_D, BLOCK_N]
         b_kt = load_tile(k_cache + o_kn[None, :] + o_d[:, None], m_n[None, :],
                          o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
@@ -221,11 +220,10 @@ def _decode_key_tiles(
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
         if FP8_CACHE:
             b_v = b_v.to(b_q.dtype)
-        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
+        b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
         # [ROWS, BLOCK_DV]
-        acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
-                     acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc = pv_step(acc, alpha, b_p.to(b_v.dtype), b_v, UPCAST=UPCAST,
+                      DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
 

@@ -1,23 +1,30 @@
 """Steps of the key loop shared by the decoding kernels over a key/value cache (decode.py's
 split-KV kernel and mla.py's latent-cache kernel): where a tile's keys and values live in a
-dense or paged cache, and the online softmax over a tile of scores. Vocabulary as in
-decode.py."""
+dense or paged cache, the online softmax over a tile of scores and the output's P V update.
+Vocabulary as in decode.py.
+
+torch<2.13: a step that takes a tensor returns no store's offset (that torch's mutation
+analysis would count the tensor as written, see common.py)."""
 
 import triton
 import triton.language as tl
 
+from flashop.kernels.common import dot_operand
+
 
 @triton.jit
-def cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-               TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr):
-    """The key and value caches' row offsets (int64, [BLOCK_N]) of the keys ``o_n`` of the
-    tile starting at ``start_n`` (``m_n``: those below the readable keys), from the caches'
-    pointers at this KV head (dense: at this sequence's first key). Paged: ``block_table``
-    points at this sequence's pages; where ``TILE_PAGE`` (the tile lies in one page) the
-    tile's one page id is loaded, else each key's (a vector, which the pipeliner
-    prefetches), masked on ``EDGE_TILE`` tiles. (For loads only: torch<2.13 counts a
-    helper's arguments as written where its results offset a store, see common.py.)"""
+def key_tile(block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
+             TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr):
+    """The keys ``o_n`` [BLOCK_N] of the tile starting at ``start_n`` (a multiple of
+    BLOCK_N), ``m_n`` those below the ``L_read`` readable keys, and the key and value
+    caches' row offsets (int64) of the keys, from the caches' pointers at this KV head
+    (dense: at this sequence's first key). Paged: ``block_table`` points at this sequence's
+    pages; where ``TILE_PAGE`` (the tile lies in one page) the tile's one page id is
+    loaded, else each key's (a vector, which the pipeliner prefetches), masked on
+    ``EDGE_TILE`` tiles."""
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    m_n = o_n < L_read
     if IS_PAGED:
         if TILE_PAGE:
             i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
@@ -29,8 +36,9 @@ def cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs, stride_vc
             else:
                 i_page = tl.load(block_table + o_n // PAGE_SIZE).to(tl.int64)
             o_row = o_n % PAGE_SIZE
-        return i_page * stride_kcb + o_row * stride_kcs, i_page * stride_vcb + o_row * stride_vcs
-    return o_n.to(tl.int64) * stride_kcs, o_n.to(tl.int64) * stride_vcs
+        return (o_n, m_n, i_page * stride_kcb + o_row * stride_kcs,
+                i_page * stride_vcb + o_row * stride_vcs)
+    return o_n, m_n, o_n.to(tl.int64) * stride_kcs, o_n.to(tl.int64) * stride_vcs
 
 
 @triton.jit
@@ -48,3 +56,13 @@ def softmax_step(b_s, m_i, l_i, EDGE_TILE: tl.constexpr):
     b_p = tl.math.exp2(b_s - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     return b_p, alpha, l_i * alpha + tl.sum(b_p, 1), m_new
+
+
+@triton.jit
+def pv_step(acc, alpha, b_p, b_v, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The running output ``acc`` [ROWS, DV] after one more key tile: ``acc`` rescaled by
+    softmax_step's ``alpha`` [ROWS], plus P V, ``b_p`` [ROWS, BLOCK_N] the tile's P already
+    in the values' dtype (the caller's conversion), ``b_v`` [BLOCK_N, DV] its values."""
+    # [ROWS, DV]
+    return tl.dot(dot_operand(b_p, UPCAST), dot_operand(b_v, UPCAST), acc * alpha[:, None],
+                  input_precision=DOT_PRECISION)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import LN2, attention_scores, dot_operand, load_tile, round_to
-from flashop.kernels.decode_steps import cache_rows, softmax_step
+from flashop.kernels.decode_steps import key_tile, pv_step, softmax_step
 
 
 @triton.jit
@@ -47,11 +47,10 @@ def _mla_key_tiles(
     o_dr = DV + tl.arange(0, D_ROPE)
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        m_n = o_n < L_read
-        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
-                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
-                                TILE_PAGE, EDGE_TILE)
+        o_n, m_n, o_kn, o_vn = key_tile(
+            block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, IS_PAGED=IS_PAGED, TILE_PAGE=TILE_PAGE,
+            EDGE_TILE=EDGE_TILE)
         # the keys' latent dims [BLOCK_N, DV]
         b_k = load_tile(k_cache + o_kn[:, None] + o_dv[None, :], m_n[:, None], None,
                         EDGE_TILE, False)
@@ -71,16 +70,15 @@ def _mla_key_tiles(
             p_attn_mask=k_cache, stride_amq=0, stride_amk=0, EDGE_TILE=EDGE_TILE,
             HAS_LEFT=False, HAS_RIGHT=IS_CAUSAL, HAS_CHUNK=False, HAS_SOFTCAP=False,
             HAS_ALIBI=False, HAS_GATE=False, ATTN_MASK_KIND=0, SCALED=True)
-        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
+        b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
         if V_IN_K:  # the values: the same latent block, read once for both products
             b_v = b_kl
         else:  # [BLOCK_N, DV]
-            b_v = dot_operand(load_tile(v_cache + o_vn[:, None] + o_dv[None, :],
-                                        m_n[:, None], None, EDGE_TILE, False), UPCAST)
+            b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None], None,
+                            EDGE_TILE, False)
         # [BLOCK_M, DV]
-        acc = tl.dot(dot_operand(round_to(b_p, b_k.dtype), UPCAST), b_v,
-                     acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc = pv_step(acc, alpha, round_to(b_p, b_k.dtype), b_v, UPCAST=UPCAST,
+                      DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
 
