@@ -31,7 +31,7 @@ import triton.language as tl
 from flashop.kernels.common import (
     LN2, LOG2E, attention_scores, dot_operand, key_range, load_tile, round_to, to_e4m3,
 )
-from flashop.kernels.decode_steps import key_tile, pv_step, softmax_step
+from flashop.kernels.decode_steps import key_tile, normalized_rows, pv_step, softmax_step
 
 
 @triton.jit
@@ -385,12 +385,9 @@ def attention_decode_kernel(
                 HAS_SOFTCAP,
                 HAS_ALIBI, FP8_CACHE, UPCAST, DOT_PRECISION)
 
-    m_empty = l_i == 0.0
-    l_safe = tl.where(m_empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
+    b_o, b_lse2 = normalized_rows(acc, l_i, m_i)
     if HAS_V_DESCALE:
         b_o *= load_descale(v_descale, i_b, i_hk, stride_vdb, True)
-    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
     o_dv = tl.arange(0, BLOCK_DV)
     m_o = m_r[:, None] & (o_dv[None, :] < DV)
     if SPLIT:

@@ -1,7 +1,7 @@
-"""Steps of the key loop shared by the decoding kernels over a key/value cache (decode.py's
-split-KV kernel and mla.py's latent-cache kernel): where a tile's keys and values live in a
-dense or paged cache, the online softmax over a tile of scores and the output's P V update.
-Vocabulary as in decode.py.
+"""Steps shared by the decoding kernels over a key/value cache (decode.py's split-KV kernel
+and mla.py's latent-cache kernel): in the key loop, where a tile's keys and values live in a
+dense or paged cache, the online softmax over a tile of scores and the output's P V update;
+after it, the normalized output and its lse. Vocabulary as in decode.py.
 
 torch<2.13: a step that takes a tensor returns no store's offset (that torch's mutation
 analysis would count the tensor as written, see common.py)."""
@@ -66,3 +66,12 @@ def pv_step(acc, alpha, b_p, b_v, UPCAST: tl.constexpr, DOT_PRECISION: tl.conste
     # [ROWS, DV]
     return tl.dot(dot_operand(b_p, UPCAST), dot_operand(b_v, UPCAST), acc * alpha[:, None],
                   input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def normalized_rows(acc, l_i, m_i):
+    """The rows' output ``acc / l`` (fp32) and base-2 lse ``m + log2(l)``: 0 and -inf for
+    a row that attended no key (l = 0)."""
+    m_empty = l_i == 0.0
+    l_safe = tl.where(m_empty, 1.0, l_i)
+    return acc / l_safe[:, None], tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))

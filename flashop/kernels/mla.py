@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import LN2, attention_scores, dot_operand, load_tile, round_to
-from flashop.kernels.decode_steps import key_tile, pv_step, softmax_step
+from flashop.kernels.decode_steps import key_tile, normalized_rows, pv_step, softmax_step
 
 
 @triton.jit
@@ -185,10 +185,7 @@ def mla_decode_kernel(
             D_ROPE, BLOCK_N, PAGE_SIZE, IS_PAGED, TILE_PAGE, part == 1, IS_CAUSAL, V_IN_K,
             UPCAST, DOT_PRECISION)
 
-    m_empty = l_i == 0.0
-    l_safe = tl.where(m_empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    b_o, b_lse2 = normalized_rows(acc, l_i, m_i)
     m_o = m_r[:, None]
     if SPLIT:
         # the partials [splits, B, S_q, H, DV] and [splits, B, H, S_q], contiguous
