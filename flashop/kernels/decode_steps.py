@@ -1,15 +1,92 @@
 """Steps shared by the decoding kernels over a key/value cache (decode.py's split-KV kernel
-and mla.py's latent-cache kernel): in the key loop, where a tile's keys and values live in a
-dense or paged cache, the online softmax over a tile of scores and the output's P V update;
-after it, the normalized output and its lse. Vocabulary as in decode.py.
+and mla.py's latent-cache kernel): a program's query rows, its sequence's keys, the caches'
+pointers at its sequence and KV head, its split's run of key tiles; in the key loop, where
+a tile's keys and values live in a dense or paged cache, the online softmax over a tile of
+scores and the output's P V update; after it, the normalized output and its lse.
+Vocabulary as in decode.py.
 
-torch<2.13: a step that takes a tensor returns no store's offset (that torch's mutation
-analysis would count the tensor as written, see common.py)."""
+Where a store's offset comes from a step's results, torch's mutation analysis (2.13's too;
+see common.py for older releases) counts every tensor that the step's arguments come from
+as written: the offsets of the outputs' stores come from query_rows, which takes no tensor,
+and from the kernel's own split index (tl.program_id(0)), not from split_run, whose bounds
+come from the lengths the kernel loads."""
 
 import triton
 import triton.language as tl
 
 from flashop.kernels.common import dot_operand
+
+
+@triton.jit
+def query_rows(G, S_q, BLOCK_M: tl.constexpr):
+    """The query rows of this program of the grid (splits, H_kv * row tiles, B): its
+    sequence ``i_b`` and KV head ``i_hk``; its tile of BLOCK_M of the KV head's ``G * S_q``
+    rows ``r = i * G + g`` (the G query heads of the KV head at each of the S_q queries),
+    each row's query ``o_i`` and query head ``o_h``, ``m_r`` the rows that exist; the
+    tile's first and last query."""
+    i_b = tl.program_id(2).to(tl.int64)
+    rows = G * S_q
+    n_row_tiles = tl.cdiv(rows, BLOCK_M)
+    i_hk = (tl.program_id(1) // n_row_tiles).to(tl.int64)
+    start_r = (tl.program_id(1) % n_row_tiles) * BLOCK_M
+    o_r = start_r + tl.arange(0, BLOCK_M)
+    m_r = o_r < rows
+    o_i = o_r // G  # query index
+    o_h = i_hk * G + o_r % G  # query head
+    i_first = start_r // G
+    i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
+    return i_b, i_hk, o_i, o_h, m_r, i_first, i_last
+
+
+@triton.jit
+def sequence_keys(cache_seqlens, cache_leftpad, i_b, S_new, capacity,
+                  HAS_LEFTPAD: tl.constexpr):
+    """Sequence ``i_b``'s cached length before the append, the row of its first key
+    (``cache_leftpad[i_b]`` where ``HAS_LEFTPAD``, else 0), its keys ``L`` (those after the
+    append, less the left padding) and how many of them are read (keys past the cache's
+    capacity never are)."""
+    cached = tl.load(cache_seqlens + i_b)
+    L = cached + S_new
+    lp = 0
+    if HAS_LEFTPAD:
+        lp = tl.load(cache_leftpad + i_b)
+        L -= lp
+    return cached, lp, L, tl.minimum(L, capacity - lp)
+
+
+@triton.jit
+def cache_bases(k_cache, v_cache, block_table, cache_batch_idx, i_b, i_hk, lp, stride_kcb,
+                stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_tb,
+                IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+                HAS_LEFTPAD: tl.constexpr):
+    """The key and value caches' pointers at KV head ``i_hk`` and, dense, at sequence
+    ``i_b``'s first key (in cache row ``cache_batch_idx[i_b]`` where ``HAS_BATCH_IDX``,
+    else ``i_b``; at position ``lp``, the left padding, where ``HAS_LEFTPAD``); paged, the
+    block table's pointer at the sequence's pages."""
+    k_base = k_cache + i_hk * stride_kch
+    v_base = v_cache + i_hk * stride_vch
+    if IS_PAGED:
+        block_table += i_b * stride_tb
+    else:
+        i_row = i_b
+        if HAS_BATCH_IDX:
+            i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
+        k_base += i_row * stride_kcb
+        v_base += i_row * stride_vcb
+        if HAS_LEFTPAD:
+            k_base += lp.to(tl.int64) * stride_kcs
+            v_base += lp.to(tl.int64) * stride_vcs
+    return k_base, v_base, block_table
+
+
+@triton.jit
+def split_run(lo, hi, i_split, BLOCK_N: tl.constexpr):
+    """Split ``i_split``'s run [s_lo, s_hi) of the key tiles from ``lo`` (a multiple of
+    BLOCK_N) to ``hi``: the splits (the grid's first axis) take whole tiles, as many each,
+    the last ones fewer or none."""
+    tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), tl.num_programs(0))
+    s_lo = tl.minimum(lo + i_split * tiles_per_split * BLOCK_N, hi)
+    return s_lo, tl.minimum(s_lo + tiles_per_split * BLOCK_N, hi)
 
 
 @triton.jit
