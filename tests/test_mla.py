@@ -244,7 +244,7 @@ def test_rows_written_once_and_read_once(monkeypatch, own_values):
     """With v_cache = k_cache[..., :512] the append writes each new row once, all 576 dims
     (no value columns of its own), and the attention takes the values from the key tile
     (V_IN_K); a v_cache of its own is appended to and read."""
-    from flashop._launch import mla as launch_mla
+    from flashop._launch import kvcache as launch_kvcache, mla as launch_mla
     launches = []
     launch = launch_mla.launch_planned
 
@@ -253,7 +253,8 @@ def test_rows_written_once_and_read_once(monkeypatch, own_values):
                          planned.static))
         return launch(kernel, planned, **per_call)
 
-    monkeypatch.setattr(launch_mla, "launch_planned", recorded)
+    monkeypatch.setattr(launch_mla, "launch_planned", recorded)  # the append
+    monkeypatch.setattr(launch_kvcache, "launch_planned", recorded)  # the attention's
     check_mla_case(MlaCase((3, 9), 1, 1, 2, paged=True, capacity=32, own_values=own_values,
                            new_values="view" if not own_values else None))
     static = dict(launches)

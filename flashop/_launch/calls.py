@@ -1,16 +1,16 @@
 """The keys of eager calls' signatures: what the plans of the direct eager path
-(flashop/_ops/eager.py, plans.py) and the decoding launchers' plans (kvcache.py, mla.py)
-hold of a call."""
+(flashop/_ops/eager.py, plans.py) and the decoding launchers' plans (kvcache.py, mla.py,
+call_plan) hold of a call."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from flashop import config
 from flashop._launch import tiles
-from flashop._launch.common import EAGER_TENSOR_TYPES
+from flashop._launch.common import EAGER_TENSOR_TYPES, tensor_meta
 
 _Tensor = torch.Tensor
 
@@ -29,6 +29,17 @@ def eager_meta(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
         else:
             return None
     return tuple(metas)
+
+
+def call_plan(plans: Callable, tensors: tuple, options: tuple):
+    """A decoding launcher's plan of a call of ``tensors`` and ``options``. ``plans``: the
+    launcher's plan maker ``(metas, options) -> plan`` under functools.lru_cache. An eager
+    call's plan is cached under its signature (eager_meta); a traced call's (its shapes may
+    be symbolic) is made anew, uncached (``plans.__wrapped__``)."""
+    metas = eager_meta(*tensors)
+    if metas is None:
+        return plans.__wrapped__(tuple(map(tensor_meta, tensors)), options)
+    return plans(metas, options)
 
 
 def signature(args: tuple) -> tuple:

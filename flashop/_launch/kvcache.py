@@ -18,9 +18,9 @@ from flashop._launch import cpu
 from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, block_dim, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2,
-    on_inputs_device, resolve_scale, tensor_meta, unit_stride_last,
+    on_inputs_device, resolve_scale, unit_stride_last,
 )
-from flashop._launch.calls import eager_meta
+from flashop._launch.calls import call_plan
 from flashop._launch.choice import Choice
 from flashop._launch.decode_tiles import (
     call_splits, decode_tiles, fit_shared_memory, short_run_tiles,
@@ -309,9 +309,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     values = mods if alibi is None and sinks is None else replace(mods, alibi_slopes=None,
                                                                     sinks=None)
     options = (values, scale, num_splits, rotary_interleaved)
-    metas = eager_meta(*tensors)
-    plan = (_plan(metas, options) if metas is not None
-            else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    plan = call_plan(_plan, tensors, options)
     if plan_only:
         return plan
     if plan.append is not None:
@@ -320,25 +318,34 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        cache_batch_idx=cache_batch_idx, block_table=block_table,
                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, k_descale=k_descale,
                        v_descale=v_descale)
+    return launch_split_kv(
+        attention_decode_kernel, plan, q, v_cache, k_cache=k_cache, v_cache=v_cache,
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+        alibi=alibi, sinks=sinks, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, k_descale=scores_descale, v_descale=v_descale)
+
+
+def launch_split_kv(kernel, plan: _Plan, q: torch.Tensor, v_cache: torch.Tensor, /,
+                    **tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV attention of ``plan`` (a decode launcher's, after its append): out and
+    lse allocated (kvcache_outputs(q, v_cache)), ``kernel`` launched with q and the call's
+    other ``tensors`` by name (the kernel's v_cache among them), writing out and lse
+    directly (one split) or the splits' partial outputs, which the merge kernel combines;
+    no launch where the output is empty. Returns (out, lse)."""
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
     check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
                       (q.shape[1], q.shape[1]))
+    o_part = lse_part = None  # one split: the kernel writes out and lse directly
     if plan.parts is not None:
         o_part = q.new_empty(plan.parts[0], dtype=torch.float32)
         lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
-    else:  # the kernel writes out and lse directly
-        o_part = lse_part = None
     so, sl = out.stride(), lse.stride()
     outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
                    stride_lb=sl[0], stride_lh=sl[1])
-    launch_planned(
-        attention_decode_kernel, plan.decode, q=q, k_cache=k_cache, v_cache=v_cache,
-        o_part=o_part, lse_part=lse_part, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, block_table=block_table, alibi=alibi, sinks=sinks,
-        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        k_descale=scores_descale, v_descale=v_descale, **outputs)
+    launch_planned(kernel, plan.decode, q=q, o_part=o_part, lse_part=lse_part, **tensors,
+                   **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)

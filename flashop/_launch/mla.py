@@ -1,10 +1,11 @@
 """Launcher of the kernel over MLA's latent cache (flashop/kernels/mla.py): the append of
 new rows, the split-KV attention and the merge of its splits (decode.py's merge kernel).
 
-As the decode launcher (flashop/_launch/kvcache.py), whose tile type, split rule, merge and
-append it shares: every choice depends on shapes, the dtype and the device, never on the
-values of ``cache_seqlens`` (no host synchronization, CUDA-graph capture, one compilation
-for all lengths), and an eager call's launches are planned once per signature.
+As the decode launcher (flashop/_launch/kvcache.py), whose tile type, split rule, append and
+launches of the attention and the merge (launch_split_kv) it shares: every choice depends
+on shapes, the dtype and the device, never on the values of ``cache_seqlens`` (no host
+synchronization, CUDA-graph capture, one compilation for all lengths), and an eager call's
+launches are planned once per signature.
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ from flashop._launch import cpu, tiles as tile_table
 from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2, on_inputs_device,
-    resolve_scale, tensor_meta, unit_stride_last,
+    resolve_scale, unit_stride_last,
 )
-from flashop._launch.calls import eager_meta
+from flashop._launch.calls import call_plan
 from flashop._launch.launches import Planned, launch_planned
 from flashop._launch.decode_tiles import DecodeTiles, call_splits, fit_shared_memory
 from flashop._launch.kvcache import (
-    _Plan, index_tensors, input_strides, kvcache_outputs, merge_launch, plain_append_launch,
+    _Plan, index_tensors, input_strides, kvcache_outputs, launch_split_kv, merge_launch,
+    plain_append_launch,
 )
 from flashop._launch.options import PLAIN, Modifiers
-from flashop._launch.problem import check_row_offsets
 from flashop._launch.scores import score_args
 from flashop.kernels import INTERPRETING
-from flashop.kernels.decode import attention_decode_merge_kernel, kvcache_append_kernel
+from flashop.kernels.decode import kvcache_append_kernel
 from flashop.kernels.mla import mla_decode_kernel
 
 # the tiles force("mla", DecodeTiles(...)) sets take the table's place (benchmarks sweep so)
@@ -148,9 +149,7 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
     q = unit_stride_last(q)
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, cache_leftpad)
     options = (mods.causal, scale, num_splits, values_in_keys, tile_table.forced())
-    metas = eager_meta(*tensors)
-    plan = (_plan(metas, options) if metas is not None
-            else _make_plan(tuple(map(tensor_meta, tensors)), options))
+    plan = call_plan(_plan, tensors, options)
     if plan_only:
         return plan
     if plan.append is not None:
@@ -159,24 +158,7 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
                        cache_seqlens=cache_seqlens,
                        cache_batch_idx=cache_batch_idx, block_table=block_table,
                        rotary_cos=None, rotary_sin=None, k_descale=None, v_descale=None)
-    out, lse = kvcache_outputs(q, v_cache)
-    if plan.decode is None:
-        return out, lse
-    check_row_offsets("flashop.attention_with_kvcache", (q, out), (q.stride(1), out.stride(1)),
-                      (q.shape[1], q.shape[1]))
-    o_part = lse_part = None  # one split: the kernel writes out and lse directly
-    if plan.parts is not None:
-        o_part = q.new_empty(plan.parts[0], dtype=torch.float32)
-        lse_part = q.new_empty(plan.parts[1], dtype=torch.float32)
-    so, sl = out.stride(), lse.stride()
-    outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
-                   stride_lb=sl[0], stride_lh=sl[1])
-    launch_planned(mla_decode_kernel, plan.decode, q=q, k_cache=k_cache,
-                   v_cache=k_cache if values_in_keys else v_cache, o_part=o_part,
-                   lse_part=lse_part, cache_seqlens=cache_seqlens,
-                   cache_batch_idx=cache_batch_idx, block_table=block_table,
-                   cache_leftpad=cache_leftpad, **outputs)
-    if plan.merge is not None:
-        launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
-                       lse_part=lse_part, **outputs)
-    return out, lse
+    return launch_split_kv(mla_decode_kernel, plan, q, v_cache, k_cache=k_cache,
+                           v_cache=k_cache if values_in_keys else v_cache,
+                           cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                           block_table=block_table, cache_leftpad=cache_leftpad)

@@ -31,7 +31,10 @@ import triton.language as tl
 from flashop.kernels.common import (
     LN2, LOG2E, attention_scores, dot_operand, key_range, load_tile, round_to, to_e4m3,
 )
-from flashop.kernels.decode_steps import cache_rows, softmax_step
+from flashop.kernels.decode_steps import (
+    cache_bases, key_tile, normalized_rows, pv_step, query_rows, sequence_keys, softmax_step,
+    split_run,
+)
 
 
 @triton.jit
@@ -200,11 +203,10 @@ def _decode_key_tiles(
     o_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        m_n = o_n < L_read
-        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
-                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
-                                TILE_PAGE, EDGE_TILE)
+        o_n, m_n, o_kn, o_vn = key_tile(
+            block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, IS_PAGED=IS_PAGED, TILE_PAGE=TILE_PAGE,
+            EDGE_TILE=EDGE_TILE)
         # K^T tile [BLOCK_D, BLOCK_N]
         b_kt = load_tile(k_cache + o_kn[None, :] + o_d[:, None], m_n[None, :],
                          o_d[:, None] < D, EDGE_TILE, BLOCK_D != D)
@@ -221,11 +223,10 @@ def _decode_key_tiles(
                         o_dv[None, :] < DV, EDGE_TILE, BLOCK_DV != DV)
         if FP8_CACHE:
             b_v = b_v.to(b_q.dtype)
-        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
+        b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
         # [ROWS, BLOCK_DV]
-        acc = tl.dot(dot_operand(b_p.to(b_v.dtype), UPCAST), dot_operand(b_v, UPCAST),
-                     acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc = pv_step(acc, alpha, b_p.to(b_v.dtype), b_v, UPCAST=UPCAST,
+                      DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -289,29 +290,13 @@ def attention_decode_kernel(
     """
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
-    i_split = tl.program_id(0).to(tl.int64)
-    n_splits = tl.num_programs(0)
-    i_b = tl.program_id(2).to(tl.int64)
-    rows = G * S_q
-    n_row_tiles = tl.cdiv(rows, BLOCK_M)
-    i_hk = (tl.program_id(1) // n_row_tiles).to(tl.int64)
-    start_r = (tl.program_id(1) % n_row_tiles) * BLOCK_M
-
-    cached = tl.load(cache_seqlens + i_b)
-    L = cached + S_new
-    lp = 0
-    if HAS_LEFTPAD:
-        lp = tl.load(cache_leftpad + i_b)
-        L -= lp
-    L_read = tl.minimum(L, capacity - lp)  # keys past the cache's capacity are never read
+    i_b, i_hk, o_i, o_h, m_r, i_first, i_last = query_rows(G, S_q, BLOCK_M=BLOCK_M)
+    cached, lp, L, L_read = sequence_keys(cache_seqlens, cache_leftpad, i_b, S_new, capacity,
+                                          HAS_LEFTPAD=HAS_LEFTPAD)
     off = L - S_q  # query i sits at key position i + off
     if HAS_K_DESCALE:
         qk_scale *= load_descale(k_descale, i_b, i_hk, stride_kdb, True)
 
-    o_r = start_r + tl.arange(0, BLOCK_M)
-    m_r = o_r < rows
-    o_i = o_r // G  # query index
-    o_h = i_hk * G + o_r % G  # query head
     o_d = tl.arange(0, BLOCK_D)
     # [BLOCK_M, BLOCK_D]
     p_q = q + i_b * stride_qb + o_i * stride_qs + o_h * stride_qh
@@ -335,30 +320,19 @@ def attention_decode_kernel(
                           other=0.0) * LOG2E
 
     # the keys of the tile's first and last query: [lo, hi), unmasked in [u_lo, u_hi)
-    i_first = start_r // G
-    i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
     lo, u_lo, u_hi, hi = key_range(i_first + off, i_last + off, tl.maximum(L_read, 0), left,
                                    right, chunk, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, BLOCK_N)
     # this split's run of key tiles
-    tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), n_splits)
-    s_lo = tl.minimum(lo + i_split * tiles_per_split * BLOCK_N, hi)
-    s_hi = tl.minimum(s_lo + tiles_per_split * BLOCK_N, hi)
+    i_split = tl.program_id(0).to(tl.int64)
+    s_lo, s_hi = split_run(lo, hi, i_split, BLOCK_N=BLOCK_N)
     s_mid_lo = tl.minimum(tl.maximum(u_lo, s_lo), s_hi)
     s_mid_hi = tl.minimum(tl.maximum(u_hi, s_mid_lo), s_hi)
 
-    if IS_PAGED:
-        k_base = k_cache + i_hk * stride_kch
-        v_base = v_cache + i_hk * stride_vch
-        block_table += i_b * stride_tb
-    else:
-        i_row = i_b
-        if HAS_BATCH_IDX:
-            i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
-        k_base = k_cache + i_row * stride_kcb + i_hk * stride_kch
-        v_base = v_cache + i_row * stride_vcb + i_hk * stride_vch
-        if HAS_LEFTPAD:
-            k_base += lp.to(tl.int64) * stride_kcs
-            v_base += lp.to(tl.int64) * stride_vcs
+    # the caches at this sequence and KV head
+    k_base, v_base, block_table = cache_bases(
+        k_cache, v_cache, block_table, cache_batch_idx, i_b, i_hk, lp, stride_kcb, stride_kcs,
+        stride_kch, stride_vcb, stride_vcs, stride_vch, stride_tb, IS_PAGED=IS_PAGED,
+        HAS_BATCH_IDX=HAS_BATCH_IDX, HAS_LEFTPAD=HAS_LEFTPAD)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -387,12 +361,9 @@ def attention_decode_kernel(
                 HAS_SOFTCAP,
                 HAS_ALIBI, FP8_CACHE, UPCAST, DOT_PRECISION)
 
-    m_empty = l_i == 0.0
-    l_safe = tl.where(m_empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
+    b_o, b_lse2 = normalized_rows(acc, l_i, m_i)
     if HAS_V_DESCALE:
         b_o *= load_descale(v_descale, i_b, i_hk, stride_vdb, True)
-    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
     o_dv = tl.arange(0, BLOCK_DV)
     m_o = m_r[:, None] & (o_dv[None, :] < DV)
     if SPLIT:

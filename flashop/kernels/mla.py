@@ -22,7 +22,10 @@ import triton
 import triton.language as tl
 
 from flashop.kernels.common import LN2, attention_scores, dot_operand, load_tile, round_to
-from flashop.kernels.decode_steps import cache_rows, softmax_step
+from flashop.kernels.decode_steps import (
+    cache_bases, key_tile, normalized_rows, pv_step, query_rows, sequence_keys, softmax_step,
+    split_run,
+)
 
 
 @triton.jit
@@ -47,11 +50,10 @@ def _mla_key_tiles(
     o_dr = DV + tl.arange(0, D_ROPE)
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        m_n = o_n < L_read
-        o_kn, o_vn = cache_rows(block_table, start_n, o_n, m_n, stride_kcb, stride_kcs,
-                                stride_vcb, stride_vcs, BLOCK_N, PAGE_SIZE, IS_PAGED,
-                                TILE_PAGE, EDGE_TILE)
+        o_n, m_n, o_kn, o_vn = key_tile(
+            block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, IS_PAGED=IS_PAGED, TILE_PAGE=TILE_PAGE,
+            EDGE_TILE=EDGE_TILE)
         # the keys' latent dims [BLOCK_N, DV]
         b_k = load_tile(k_cache + o_kn[:, None] + o_dv[None, :], m_n[:, None], None,
                         EDGE_TILE, False)
@@ -71,16 +73,15 @@ def _mla_key_tiles(
             p_attn_mask=k_cache, stride_amq=0, stride_amk=0, EDGE_TILE=EDGE_TILE,
             HAS_LEFT=False, HAS_RIGHT=IS_CAUSAL, HAS_CHUNK=False, HAS_SOFTCAP=False,
             HAS_ALIBI=False, HAS_GATE=False, ATTN_MASK_KIND=0, SCALED=True)
-        b_p, alpha, l_i, m_new = softmax_step(b_s, m_i, l_i, EDGE_TILE)
+        b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
         if V_IN_K:  # the values: the same latent block, read once for both products
             b_v = b_kl
         else:  # [BLOCK_N, DV]
-            b_v = dot_operand(load_tile(v_cache + o_vn[:, None] + o_dv[None, :],
-                                        m_n[:, None], None, EDGE_TILE, False), UPCAST)
+            b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None], None,
+                            EDGE_TILE, False)
         # [BLOCK_M, DV]
-        acc = tl.dot(dot_operand(round_to(b_p, b_k.dtype), UPCAST), b_v,
-                     acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc = pv_step(acc, alpha, round_to(b_p, b_k.dtype), b_v, UPCAST=UPCAST,
+                      DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -117,26 +118,11 @@ def mla_decode_kernel(
     attend no key get 0 and -inf. The lengths are read here, so the launch depends on shapes
     only (CUDA graphs, one compilation for all lengths)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
-    i_split = tl.program_id(0).to(tl.int64)
-    n_splits = tl.num_programs(0)
-    i_b = tl.program_id(2).to(tl.int64)
-    rows = G * S_q
-    n_row_tiles = tl.cdiv(rows, BLOCK_M)
-    i_hk = (tl.program_id(1) // n_row_tiles).to(tl.int64)
-    start_r = (tl.program_id(1) % n_row_tiles) * BLOCK_M
-
-    L = tl.load(cache_seqlens + i_b) + S_new
-    lp = 0
-    if HAS_LEFTPAD:
-        lp = tl.load(cache_leftpad + i_b)
-        L -= lp
-    L_read = tl.minimum(L, capacity - lp)  # keys past the cache's capacity are never read
+    i_b, i_hk, o_i, o_h, m_r, i_first, i_last = query_rows(G, S_q, BLOCK_M=BLOCK_M)
+    _, lp, L, L_read = sequence_keys(cache_seqlens, cache_leftpad, i_b, S_new, capacity,
+                                     HAS_LEFTPAD=HAS_LEFTPAD)
     off = L - S_q  # query i sits at key position i + off
 
-    o_r = start_r + tl.arange(0, BLOCK_M)
-    m_r = o_r < rows
-    o_i = o_r // G  # query index
-    o_h = i_hk * G + o_r % G  # query head
     o_dv = tl.arange(0, DV)
     p_q = q + i_b * stride_qb + o_i * stride_qs + o_h * stride_qh
     # [BLOCK_M, DV], [BLOCK_M, D_ROPE]
@@ -149,29 +135,18 @@ def mla_decode_kernel(
     hi = L_read
     u_hi = (L_read // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
-        i_first = start_r // G
-        i_last = (tl.minimum(start_r + BLOCK_M, rows) - 1) // G
         hi = tl.minimum(hi, tl.maximum(i_last + off + 1, 0))
         u_hi = tl.minimum(u_hi, (tl.maximum(i_first + off + 1, 0) // BLOCK_N) * BLOCK_N)
     # this split's run of key tiles: [s_lo, s_mid) inside, [s_mid, s_hi) edge tiles
-    tiles_per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), n_splits)
-    s_lo = tl.minimum(i_split * tiles_per_split * BLOCK_N, hi)
-    s_hi = tl.minimum(s_lo + tiles_per_split * BLOCK_N, hi)
+    i_split = tl.program_id(0).to(tl.int64)
+    s_lo, s_hi = split_run(0, hi, i_split, BLOCK_N=BLOCK_N)
     s_mid = tl.minimum(tl.maximum(u_hi, s_lo), s_hi)
 
-    k_base = k_cache + i_hk * stride_kch
-    v_base = v_cache + i_hk * stride_vch
-    if IS_PAGED:
-        block_table += i_b * stride_tb
-    else:
-        i_row = i_b
-        if HAS_BATCH_IDX:
-            i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
-        k_base += i_row * stride_kcb
-        v_base += i_row * stride_vcb
-        if HAS_LEFTPAD:
-            k_base += lp.to(tl.int64) * stride_kcs
-            v_base += lp.to(tl.int64) * stride_vcs
+    # the caches at this sequence and KV head
+    k_base, v_base, block_table = cache_bases(
+        k_cache, v_cache, block_table, cache_batch_idx, i_b, i_hk, lp, stride_kcb, stride_kcs,
+        stride_kch, stride_vcb, stride_vcs, stride_vch, stride_tb, IS_PAGED=IS_PAGED,
+        HAS_BATCH_IDX=HAS_BATCH_IDX, HAS_LEFTPAD=HAS_LEFTPAD)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -187,14 +162,11 @@ def mla_decode_kernel(
             D_ROPE, BLOCK_N, PAGE_SIZE, IS_PAGED, TILE_PAGE, part == 1, IS_CAUSAL, V_IN_K,
             UPCAST, DOT_PRECISION)
 
-    m_empty = l_i == 0.0
-    l_safe = tl.where(m_empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    b_lse2 = tl.where(m_empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    b_o, b_lse2 = normalized_rows(acc, l_i, m_i)
     m_o = m_r[:, None]
     if SPLIT:
         # the partials [splits, B, S_q, H, DV] and [splits, B, H, S_q], contiguous
-        H = G * (tl.num_programs(1) // n_row_tiles)
+        H = G * (tl.num_programs(1) // tl.cdiv(G * S_q, BLOCK_M))
         i_run = i_split * tl.num_programs(2) + i_b
         o_pr = (i_run * S_q + o_i) * H + o_h
         tl.store(o_part + o_pr[:, None] * DV + o_dv[None, :], b_o, mask=m_o)
