@@ -43,28 +43,35 @@ from flashop.kernels.common import (
 
 @triton.jit
 def _dkdv_query_tiles(
-    b_dk, b_dk2, b_dv, b_dgk, b_k, b_k2, b_v, b_gk, q, do, lse_log2, delta, attn_mask, dq_acc,
-    stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas, start_n, o_n, m_n, lo, hi,
-    S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk,
+    grads, b_k, b_k2, b_v, b_gk, q, do, lse_log2, delta, attn_mask, mask_strides, dq_acc,
+    stride_qs, stride_dos, stride_dqas, start_n, o_n, m_n, lo, hi, S_q, S_k, scales,
+    bounds,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, CHECK_ROWS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, dropout, DROPOUT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, PARTS: tl.constexpr = 3, BLOCK_DT: tl.constexpr = 0,
 ):
-    """Accumulate into (b_dk, b_dk2, b_dv, b_dgk) the query tiles in [lo, hi) of one query
-    head; where ``DQ_ATOMIC``, also add dS K into the fp32 ``dq_acc`` (rows of stride
-    ``stride_dqas``). ``PARTS`` (as attention_bwd_dkdv_kernel's) leaves out dV's product
-    (2) or dP's, dS's and dK's (1). Where ``BLOCK_DT``, the head dims from BLOCK_D on are a
-    second tile: K's in ``b_k2``, dK's in ``b_dk2`` (placeholders without).
+    """Accumulate into ``grads`` (b_dk, b_dk2, b_dv, b_dgk) the query tiles in [lo, hi) of
+    one query head, and return them; where ``DQ_ATOMIC``, also add dS K into the fp32
+    ``dq_acc`` (rows of stride ``stride_dqas``). ``mask_strides``, ``scales``, ``bounds`` and
+    ``dropout``: tuples, as docs/design.md's vocabulary says. ``PARTS`` (as
+    attention_bwd_dkdv_kernel's) leaves out dV's product (2) or dP's, dS's and dK's (1).
+    Where ``BLOCK_DT``, the head dims from BLOCK_D on are a second tile: K's in ``b_k2``,
+    dK's in ``b_dk2`` (placeholders without).
 
     Where ``CHECK_ROWS`` (a range that may reach past S_q), rows past S_q load q = dO = 0 and
     lse = +inf, so they add nothing; elsewhere the loads are unmasked (faster). Keys past
     S_k were loaded as 0 and their rows of dk,
     dv and dgk are never stored, so no key mask is needed.
     """
+    b_dk, b_dk2, b_dv, b_dgk = grads
+    stride_amq, stride_amk = mask_strides
+    qk_scale, softcap_log2, alibi_log2 = scales
+    left, right, chunk = bounds
+    seed, i_b, i_h, dropout_p = dropout
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     # counted from 0 rather than range(lo, hi, BLOCK_M): the compiled loop is faster
@@ -266,16 +273,16 @@ def attention_bwd_dkdv_kernel(
                     start_m, end_m = u_full, u_hi
                 else:
                     start_m, end_m = u_hi, hi
+                # triton<=3.6: p_attn_mask (None without a mask) cannot be a tuple's element
                 b_dk, b_dk2, b_dv, b_dgk = _dkdv_query_tiles(
-                    b_dk, b_dk2, b_dv, b_dgk, b_k, b_k2, b_v, b_gk, p_q, p_do, p_lse, p_delta, p_attn_mask,
-                    p_dqa, stride_qs, stride_dos, stride_amq, stride_amk, stride_dqas,
-                    start_n, o_n, m_n, start_m, end_m, S_q, S_k, qk_scale, softcap_log2,
-                    alibi_log2, left, right, chunk,
+                    (b_dk, b_dk2, b_dv, b_dgk), b_k, b_k2, b_v, b_gk, p_q, p_do, p_lse, p_delta,
+                    p_attn_mask, (stride_amq, stride_amk), p_dqa, stride_qs, stride_dos,
+                    stride_dqas, start_n, o_n, m_n, start_m, end_m, S_q, S_k,
+                    (qk_scale, softcap_log2, alibi_log2), (left, right, chunk),
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-                    ATTN_MASK_KIND,
-                    DQ_ATOMIC, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
-                    FOLD_SCALE, PARTS, BLOCK_DT)
+                    ATTN_MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION,
+                    (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, PARTS, BLOCK_DT)
         if HAS_GATE and PARTS & 2:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)

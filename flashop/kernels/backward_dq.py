@@ -20,23 +20,28 @@ from flashop.kernels.common import (
 
 @triton.jit
 def _dq_key_tiles(
-    b_dq, b_dq2, b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-    stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, hi, S_q, S_k,
-    qk_scale, softcap_log2, alibi_log2, left, right, chunk,
+    grads, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+    stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo, hi, S_q, S_k, scales, bounds,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr,
     ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, dropout, DROPOUT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr, BLOCK_DT: tl.constexpr,
 ):
-    """Accumulate into (b_dq, b_dq2, b_dgq) the key tiles in [lo, hi); ``EDGE_TILE`` as in
-    the forward; where ``BLOCK_DT``, the head dims past BLOCK_D are in ``b_q2`` and
-    ``b_dq2``.
+    """Accumulate into ``grads`` (b_dq, b_dq2, b_dgq) the key tiles in [lo, hi), and return
+    them; ``EDGE_TILE`` as in the forward; where ``BLOCK_DT``, the head dims past BLOCK_D are
+    in ``b_q2`` and ``b_dq2``. ``mask_strides``, ``scales``, ``bounds`` and ``dropout``:
+    tuples, as docs/design.md's vocabulary says.
     Where ``ATTN_MASK_GRAD``, write dS into ``dattn_mask`` (rows of stride ``stride_damq``).
     Where ``DELTA_PASS``, only add rowsum(Z * dP) (= rowsum(dO * O) of the unrounded output)
     into ``b_dgq``."""
+    b_dq, b_dq2, b_dgq = grads
+    stride_amq, stride_amk = mask_strides
+    qk_scale, softcap_log2, alibi_log2 = scales
+    left, right, chunk = bounds
+    seed, i_b, i_h, dropout_p = dropout
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for i_t in range(0, tl.cdiv(hi - lo, BLOCK_N)):  # counted from 0, as in _dkdv_query_tiles
@@ -94,50 +99,44 @@ def _dq_key_tiles(
 
 @triton.jit
 def _dq_key_ranges(
-    b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks, stride_vs,
-    stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, u_lo, u_hi, hi, S_q, S_k,
-    qk_scale, softcap_log2, alibi_log2, left, right, chunk,
+    b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
+    stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo, u_lo, u_hi, hi, S_q, S_k,
+    scales, bounds,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, dropout,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
     BLOCK_DT: tl.constexpr,
 ):
     """_dq_key_tiles over a query tile's key ranges (key_tile_range): the left edge tiles, the
     tiles every row attends, the right edge tiles; returns (dQ unscaled, its head dims past
-    BLOCK_D where ``BLOCK_DT``, b_dgq)."""
+    BLOCK_D where ``BLOCK_DT``, b_dgq). The tuples are passed on as they come."""
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_dq2 = 0.0
     if BLOCK_DT > 0:
         b_dq2 = tl.zeros([BLOCK_M, BLOCK_DT], dtype=tl.float32)
     if HAS_LEFT or HAS_CHUNK:
         b_dq, b_dq2, b_dgq = _dq_key_tiles(
-            b_dq, b_dq2, b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-            stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, lo, u_lo, S_q,
-            S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-            ATTN_MASK_KIND,
-            ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT,
-            FOLD_SCALE, DELTA_PASS, BLOCK_DT)
+            (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask,
+            dattn_mask, stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo,
+            u_lo, S_q, S_k, scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+            HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+            UPCAST, DOT_PRECISION, dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT)
     b_dq, b_dq2, b_dgq = _dq_key_tiles(
-        b_dq, b_dq2, b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-        stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, u_lo, u_hi, S_q,
-        S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV,
-        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-        ATTN_MASK_KIND,
-        ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE,
-        DELTA_PASS, BLOCK_DT)
+        (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask,
+        stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, u_lo, u_hi, S_q, S_k,
+        scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
+        dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT)
     b_dq, b_dq2, b_dgq = _dq_key_tiles(
-        b_dq, b_dq2, b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-        stride_vs, stride_gs, stride_amq, stride_amk, stride_damq, o_m, m_m, u_hi, hi, S_q, S_k,
-        qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-        True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
-        ATTN_MASK_GRAD,
-        UPCAST, DOT_PRECISION, seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE, DELTA_PASS,
-        BLOCK_DT)
+        (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask,
+        stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, u_hi, hi, S_q, S_k,
+        scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
+        dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT)
     return b_dq, b_dq2, b_dgq
 
 
@@ -244,20 +243,20 @@ def attention_bwd_dq_kernel(
         b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         _, _, b_sum = _dq_key_ranges(
             b_sum, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-            stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m, m_m, lo, u_lo, u_hi, hi,
-            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
+            stride_vs, stride_gs, (stride_amq, stride_amk), S_k, o_m, m_m, lo, u_lo, u_hi, hi, S_q,
+            S_k, (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
             BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-            dropout_p, DROPOUT, FOLD_SCALE, True, BLOCK_DT)
+            HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
+            (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, True, BLOCK_DT)
         b_delta = b_sum - b_dlse
     tl.store(delta + row, b_delta, mask=m_m)
     b_dq, b_dq2, b_dgq = _dq_key_ranges(
         tl.zeros([BLOCK_M], dtype=tl.float32), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum,
-        attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, stride_amq, stride_amk, S_k, o_m,
-        m_m, lo, u_lo, u_hi, hi, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right,
-        chunk, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
-        seed, i_b, i_h, dropout_p, DROPOUT, FOLD_SCALE, False, BLOCK_DT)
+        attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, (stride_amq, stride_amk), S_k, o_m,
+        m_m, lo, u_lo, u_hi, hi, S_q, S_k, (qk_scale, softcap_log2, alibi_log2),
+        (left, right, chunk), D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+        HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST,
+        DOT_PRECISION, (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, False, BLOCK_DT)
     b_dq = b_dq * sm_scale
     tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], round_to(b_dq, dq.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))

@@ -87,21 +87,23 @@ def fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, b_qt, k, k_t, v, g_cum, attn_mask, stride_ks,
-    stride_vs,
-    stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2, lo, hi, S_q, S_k, qk_scale,
-    softcap_log2, alibi_log2, left, right, chunk, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, seed, i_b, i_h, dropout_p, DROPOUT: tl.constexpr,
-    block_table, stride_kb, stride_vb, PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_DT: tl.constexpr,
+    state, state2, tile, tile2, b_qt, k, k_t, v, k_strides, v_strides, g_cum, stride_gs,
+    attn_mask, mask_strides, lo, hi, S_q, S_k, scales, bounds, D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    SPLIT_M: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, dropout, DROPOUT: tl.constexpr, block_table,
+    PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, FP8: tl.constexpr, BLOCK_DT: tl.constexpr,
 ):
-    """Fold the key tiles in [lo, hi) into the running (acc, l_i, m_i) of the query rows
-    ``o_m``, and where ``SPLIT_M`` into (acc2, l_i2, m_i2) of the rows ``o_m2`` as well.
+    """Fold the key tiles in [lo, hi) into the running ``state`` (acc, l_i, m_i) of the query
+    ``tile`` (b_q, o_m, m_m: its block, rows and their mask), and where ``SPLIT_M`` into
+    ``state2`` of ``tile2`` as well; returns both states' values. The other tuples
+    (docs/design.md's vocabulary): ``k_strides`` (stride_kb, stride_ks), ``v_strides``
+    (stride_vb, stride_vs, stride_vd), ``mask_strides`` (stride_amq, stride_amk),
+    ``scales`` (qk_scale, softcap_log2, alibi_log2), ``bounds`` (left, right, chunk),
+    ``dropout`` (seed, i_b, i_h, dropout_p).
     Where ``BLOCK_DT``, the head dims from BLOCK_D on are a second tile of BLOCK_DT: the
     queries' in ``b_qt``, the keys' read with them (through ``k_t`` where ``TMA``).
 
@@ -120,6 +122,16 @@ def _fwd_key_tiles(
 
     Where ``DROPOUT``, each tile's keep mask is drawn from ``seed`` (dropout_keep).
     """
+    acc, l_i, m_i = state
+    acc2, l_i2, m_i2 = state2
+    b_q, o_m, m_m = tile
+    b_q2, o_m2, m_m2 = tile2
+    stride_kb, stride_ks = k_strides
+    stride_vb, stride_vs, stride_vd = v_strides
+    stride_amq, stride_amk = mask_strides
+    qk_scale, softcap_log2, alibi_log2 = scales
+    left, right, chunk = bounds
+    seed, i_b, i_h, dropout_p = dropout
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -186,6 +198,7 @@ def _fwd_key_tiles(
             acc2, l_i2, m_i2 = fwd_fold(acc2, l_i2, m_i2, b_s2, b_v, qk_scale,
                                          EDGE_TILE or ATTN_MASK_KIND != 0, FOLD_SCALE, UPCAST,
                                          DOT_PRECISION, b_keep2, DROPOUT, FP8)
+    # flat, not two tuples: triton<=3.6 fails on a nested tuple as an assignment target
     return acc, l_i, m_i, acc2, l_i2, m_i2
 
 
@@ -451,30 +464,25 @@ def attention_fwd_kernel(
             else:
                 start_n, end_n = u_hi, mid
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
-                acc, l_i, m_i, acc2, l_i2, m_i2, b_q, b_q2, b_qt, k, k_t, v, g_cum, attn_mask,
-                stride_ks,
-                stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m, m_m, o_m2, m_m2,
-                start_n, end_n,
-                S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
+                (acc, l_i, m_i), (acc2, l_i2, m_i2), (b_q, o_m, m_m), (b_q2, o_m2, m_m2), b_qt,
+                k, k_t, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum,
+                stride_gs, attn_mask, (stride_amq, stride_amk), start_n, end_n, S_q, S_k,
+                (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
                 BLOCK_DV, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP,
-                HAS_ALIBI, HAS_GATE,
-                ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-                dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
-                FP8, BLOCK_DT)
+                HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, SPLIT_M, TMA, UPCAST,
+                DOT_PRECISION, (seed, i_b, i_h, dropout_p), DROPOUT, block_table, PAGE_SIZE,
+                IS_PAGED, FP8, BLOCK_DT)
     if SPLIT_M and (HAS_RIGHT or HAS_CHUNK):
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
-            acc2, l_i2, m_i2, acc2, l_i2, m_i2, b_q2, b_q2, b_q2, k, k, v, g_cum, attn_mask,
-            stride_ks,
-            stride_vs, stride_vd, stride_gs, stride_amq, stride_amk, o_m2, m_m2, o_m2, m_m2, mid,
-            hi,
-            S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, D, DV, BLOCK_D,
+            (acc2, l_i2, m_i2), (acc2, l_i2, m_i2), (b_q2, o_m2, m_m2), (b_q2, o_m2, m_m2), b_q2,
+            k, k, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum, stride_gs,
+            attn_mask, (stride_amq, stride_amk), mid, hi, S_q, S_k,
+            (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
             BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_GATE,
-            ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION, seed, i_b, i_h,
-            dropout_p, DROPOUT, block_table, stride_kb, stride_vb, PAGE_SIZE, IS_PAGED,
-            FP8, 0)
+            HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION,
+            (seed, i_b, i_h, dropout_p), DROPOUT, block_table, PAGE_SIZE, IS_PAGED, FP8, 0)
 
     fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
