@@ -225,7 +225,7 @@ def _decode_key_tiles(
             b_v = b_v.to(b_q.dtype)
         b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
         # [ROWS, BLOCK_DV]
-        acc = pv_step(acc, alpha, b_p.to(b_v.dtype), b_v, UPCAST=UPCAST,
+        acc = pv_step(acc, alpha, round_to(b_p, b_v.dtype), b_v, UPCAST=UPCAST,
                       DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -373,7 +373,7 @@ def attention_decode_kernel(
                  b_lse2, mask=m_r)
     else:
         tl.store(o + i_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh
-                 + o_dv[None, :], b_o.to(o.dtype.element_ty), mask=m_o)
+                 + o_dv[None, :], round_to(b_o, o.dtype.element_ty), mask=m_o)
         tl.store(lse + i_b * stride_lb + o_h * stride_lh + o_i, b_lse2 * LN2, mask=m_r)
 
 
@@ -411,6 +411,6 @@ def attention_decode_merge_kernel(
     # [BLOCK_DV]
     b_out = tl.sum(b_o * b_w[:, None], 0) / w_safe
     tl.store(o + i_b * stride_ob + i_i * stride_os + i_h * stride_oh + o_dv,
-             b_out.to(o.dtype.element_ty), mask=o_dv < DV)
+             round_to(b_out, o.dtype.element_ty), mask=o_dv < DV)
     b_lse_out = tl.where(w_sum == 0.0, float("-inf"), (m_sub + tl.math.log2(w_safe)) * LN2)
     tl.store(lse + i_b * stride_lb + i_h * stride_lh + i_i, b_lse_out)
