@@ -794,3 +794,23 @@ def test_inductor_launches_the_decode_kernels(case):
     assert "flashop.attention_with_kvcache" not in code
     assert all(torch.equal(a, b) for a, b in zip(result, expected))
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_bf16_outputs_round_to_nearest_as_a_gpu_does(num_splits):
+    """Zero queries over 64 keys whose values are zero but in the first and last key: every
+    probability is 1/64, so the output, (v_0 + v_63) / 64, is exact in fp32 (split or not),
+    and its bf16 store must round it to nearest, as a GPU's cast does (under the
+    interpreter a plain cast truncates)."""
+    B, L, H, D = 1, 64, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    v_cache = torch.zeros(B, L, H, D, dtype=torch.bfloat16)
+    v_cache[:, [0, L - 1]] = torch.randn(B, 2, H, D, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(B, L, H, D, generator=gen).to(torch.bfloat16)
+    q = torch.zeros(B, 1, H, D, dtype=torch.bfloat16)
+    seqlens = torch.full((B,), L, dtype=torch.int32)
+    out = flashop.attention_with_kvcache(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cache_seqlens=seqlens.to(DEVICE),
+        num_splits=num_splits)
+    exact = (v_cache[:, 0].float() + v_cache[:, L - 1].float()) / L
+    assert torch.equal(out[:, 0].cpu(), exact.to(torch.bfloat16))
