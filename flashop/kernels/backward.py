@@ -197,7 +197,7 @@ def attention_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
-    # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
+    # torch<=2.13: the packed sequence's offsets and lengths are loaded inline, not by a
     # helper (see the end of common.py)
     q_start = 0
     k_start = 0

@@ -180,7 +180,7 @@ def attention_bwd_dq_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // G
-    # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
+    # torch<=2.13: the packed sequence's offsets and lengths are loaded inline, not by a
     # helper (see the end of common.py)
     q_start = 0
     k_start = 0

@@ -396,12 +396,13 @@ def attention_scores(
     return b_s, t
 
 
-# torch<2.13: packed sequences: each kernel loads its sequence's offsets from cu_seqlens inline, not
-# through a helper. torch before 2.13 (its Triton mutation analysis) follows a helper call's
-# results back to all of the call's arguments, so store pointers offset by a helper's return
-# values made it count cu_seqlens (or the tensor standing in for them) as written: Inductor
-# then cloned them on every call, and with dynamic shapes failed an assertion while doing
-# so. (It also counts stores through helpers precisely, so only pointer offsets matter.)
+# torch<=2.13: packed sequences: each kernel loads its sequence's offsets from cu_seqlens
+# inline, not through a helper. torch 2.11 to 2.13 (their Triton mutation analysis) follow a
+# helper call's results back to all of the call's arguments, so store pointers offset by a
+# helper's return values made it count cu_seqlens (or the tensor standing in for them) as
+# written: Inductor then cloned them on every call, and with dynamic shapes failed an
+# assertion while doing so. (It also counts stores through helpers precisely, so only
+# pointer offsets matter.)
 
 
 @triton.jit

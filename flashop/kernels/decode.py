@@ -135,7 +135,7 @@ def kvcache_append_kernel(
     ``cache_seqlens[b] + s`` (rotate_rows). Where ``FP8_CACHE`` the (rotated) keys and the
     values are written quantized, ``k / k_descale[b, h]`` (quantize_e4m3).
 
-    The cache offsets are computed here, not in a helper: torch < 2.13's mutation analysis
+    The cache offsets are computed here, not in a helper: torch <= 2.13's mutation analysis
     follows a helper's results to all of its arguments (see common.py)."""
     i_s = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)

@@ -210,7 +210,7 @@ def _sink_rows(sink_log2, g_cum, o_m, m_m, S_q, S_k, stride_gs, i_b, i_h, k_star
     attention_scores; fwd_rows_out adds it back to lse)."""
     b_sink = tl.zeros(o_m.shape, dtype=tl.float32) + sink_log2
     if HAS_GATE:
-        # torch<2.13: the gate's pointer is offset here, not returned (see common.py's end)
+        # torch<=2.13: the gate's pointer is offset here, not returned (see common.py's end)
         o_gq = o_m + (S_k - S_q)
         b_gq = tl.load(g_cum + i_b * stride_gb + k_start * stride_gs + i_h * stride_gh
                        + o_gq * stride_gs, mask=m_m & (o_gq >= 0), other=0.0)
@@ -342,7 +342,7 @@ def attention_fwd_kernel(
         o_ds = i_b * stride_dsb + i_hk
         qk_scale = qk_scale * (tl.load(q_descale + o_ds) * tl.load(k_descale + o_ds))
         v_scale = tl.load(v_descale + o_ds)
-    # torch<2.13: the packed sequence's offsets and lengths are loaded inline, not by a
+    # torch<=2.13: the packed sequence's offsets and lengths are loaded inline, not by a
     # helper (see the end of common.py)
     q_start = 0
     k_start = 0
