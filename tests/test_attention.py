@@ -608,8 +608,7 @@ def test_large_head_dims(D):
 def test_the_head_dim_in_two_tiles(case, how):
     """Head dims whose tl kernels take q's and k's head dim as a 128-wide tile and a
     narrower one (common.head_blocks; D = 192: 128 + 64; choice.head_in_parts: under the
-    interpreter, and on Hopper GPUs in the passes of choice.HOPPER_HEAD_PARTS; elsewhere one
-    tile): out, lse and the gradients under the rule, with tensor descriptors and with the
+    interpreter and on Hopper GPUs, forward and backward; elsewhere one tile): out, lse and the gradients under the rule, with tensor descriptors and with the
     dK/dV kernel adding dQ by atomics too, and every launch's blocks asserted."""
     launched = {}
     original = launch._launch
@@ -625,18 +624,15 @@ def test_the_head_dim_in_two_tiles(case, how):
     parts, one = head_blocks(case.D), (block_dim(case.D), 0)
     assert parts[1] > 0
     device = torch.device(DEVICE)
-    takes = {pass_: INTERPRETING or (is_hopper(device) and pass_ in choice.HOPPER_HEAD_PARTS)
-             for pass_ in ("fwd", "bwd")}
+    takes = INTERPRETING or is_hopper(device)
     if atomics and case.gate is None:
         kinds = {"fwd", "dkdv_atomic"}
     elif tiles.splits_dkdv(case.D, case.dtype, device):
         kinds = {"fwd", "dq", "dv", "dk"}
     else:
         kinds = {"fwd", "dq", "dkdv"}
-    assert launched == {kind: parts if takes["fwd" if kind == "fwd" else "bwd"] else one
-                        for kind in kinds}
-    for pass_ in ("fwd", "bwd"):
-        assert choice.head_in_parts(case.D, device, pass_=pass_) == takes[pass_]
+    assert launched == {kind: parts if takes else one for kind in kinds}
+    assert choice.head_in_parts(case.D, device) == takes
     assert head_blocks(192) == (128, 64) and head_blocks(256)[1] == head_blocks(128)[1] == 0
 
 

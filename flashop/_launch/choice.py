@@ -218,30 +218,25 @@ class ForwardChoice(Choice):
     head_in_parts: bool = False
 
 
-# the passes whose tl kernels take q's and k's head dim in two tiles on Hopper GPUs, where
-# that measured faster than one tile (forward 1.03-1.10x, backward 1.16-1.19x at D = 160
-# and 192 on an H200; performance notes, entry 116)
-HOPPER_HEAD_PARTS = {"fwd", "bwd"}
-
-
-def head_in_parts(head_dim: int, device: torch.device, why=None, pass_: str = "fwd") -> bool:
-    """Whether the tl kernels of ``pass_`` ("fwd", "bwd") read q's and k's head dim as two
-    tiles, a 128-wide one and a narrower one (common.head_blocks: D = 192 as 128 + 64 rather
-    than 256, a third of it padding; 128 < D <= 192): on Hopper GPUs where HOPPER_HEAD_PARTS
-    says so, and under the interpreter, so that CI runs the form; other GPUs keep one tile
-    (unmeasured there)."""
+def head_in_parts(head_dim: int, device: torch.device, why=None) -> bool:
+    """Whether the tl kernels, forward and backward, read q's and k's head dim as two tiles,
+    a 128-wide one and a narrower one (common.head_blocks: D = 192 as 128 + 64 rather than
+    256, a third of it padding; 128 < D <= 192): on Hopper GPUs, where that measured faster
+    than one tile (forward 1.03-1.10x, backward 1.16-1.19x at D = 160 and 192 on an H200;
+    performance notes, entry 116), and under the interpreter, so that CI runs the form;
+    other GPUs keep one tile (unmeasured there)."""
     blocks = head_blocks(head_dim)
     if not blocks[1]:
         return False
-    what = f"q's and k's head dim in tiles of {blocks[0]} + {blocks[1]}"
-    if INTERPRETING:
-        return True
-    if not (device.type == "cuda" and is_hopper(device)):
-        return decline(why, f"{what}: measured on Hopper GPUs only")
-    if pass_ not in HOPPER_HEAD_PARTS:
-        return decline(why, f"{what}: not in the {'forward' if pass_ == 'fwd' else 'backward'}"
-                            f" on GPUs (unmeasured there)")
+    if not (INTERPRETING or (device.type == "cuda" and is_hopper(device))):
+        return decline(why, f"q's and k's head dim in tiles of {blocks[0]} + {blocks[1]}: "
+                            f"measured on Hopper GPUs only")
     return True
+
+
+def _head_tiles_text(head_dim: int) -> str:
+    """The option explain shows where head_in_parts takes a call: "128 + 64"."""
+    return " + ".join(map(str, head_blocks(head_dim)))
 
 
 def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardChoice:
@@ -282,7 +277,7 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
     parts = head_in_parts(p.D, q.device, why)
     options = {"tensor descriptors": tma, "scale folded into the exponent": fold}
     if parts:
-        options["q's and k's head dim in tiles of"] = " + ".join(map(str, head_blocks(p.D)))
+        options["q's and k's head dim in tiles of"] = _head_tiles_text(p.D)
     if autotune:
         options["tiles"] = "autotuned (FLASHOP_AUTOTUNE=1)"
     return ForwardChoice("tl forward", [("attention_fwd_kernel", _tiles_text(t))], options,
@@ -386,7 +381,7 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
         parts = (("dv", 1), ("dk", 2))
     else:
         parts = (("dkdv", 3),)
-    head_parts = head_in_parts(p.D, q.device, why, "bwd")
+    head_parts = head_in_parts(p.D, q.device, why)
     for kind, _ in parts:
         found[kind] = tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal,
                                       short=short, value_dim=p.DV, head_in_parts=head_parts,
@@ -402,7 +397,7 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
     autotune = tiles.autotunes(q.dtype)
     options = {"bitwise reproducible": not dq_atomic}
     if head_parts:
-        options["q's and k's head dim in tiles of"] = " + ".join(map(str, head_blocks(p.D)))
+        options["q's and k's head dim in tiles of"] = _head_tiles_text(p.D)
     if autotune:
         options["tiles"] = "autotuned (FLASHOP_AUTOTUNE=1)"
     return BackwardChoice("tl backward", kernels, options, why, dq_atomic=dq_atomic,

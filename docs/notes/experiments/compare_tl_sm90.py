@@ -60,7 +60,7 @@ def _hopper_rules(parts: bool) -> None:
     A.cpu.serves = choice.cpu.serves = lambda x: False
     choice.INTERPRETING = False
     blocks = choice.head_blocks
-    choice.head_in_parts = lambda d, dev, why=None, pass_="fwd": parts and bool(blocks(d)[1])
+    choice.head_in_parts = lambda d, dev, why=None: parts and bool(blocks(d)[1])
     tiles.splits_dkdv = lambda d, dtype, dev, why=None: parts and d > 128
 
 

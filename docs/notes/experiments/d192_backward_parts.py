@@ -4,7 +4,7 @@
 
 Times the backward alone (``o.backward(do, retain_graph=True)``, the grid's protocol: bf16,
 16384 tokens per batch, H = 2048 // DV) with one tile and with the parts
-(choice.HOPPER_HEAD_PARTS with and without "bwd"), and SDPA's cuDNN; checks the parts'
+(choice.head_in_parts patched to take them or not), and SDPA's cuDNN; checks the parts'
 gradients against the one tile's (relative Frobenius error). Then a few tiles for the parts
 (tiles.force) at N = 4k causal and 16k not causal. Prints "backward parts: faster" where
 the parts' geometric mean over the points beats one tile's.
@@ -27,6 +27,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import flashop  # noqa: E402
 from flashop._launch import choice, plans, tiles  # noqa: E402
+from flashop._launch.common import head_blocks  # noqa: E402
 from flashop._launch.tiles import Tiles  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -52,6 +53,14 @@ def backward_ms(fn, q, k, v, do):
     return ms, grads
 
 
+def in_parts(head_dim, device, why=None):
+    return head_blocks(head_dim)[1] > 0
+
+
+def one_tile(head_dim, device, why=None):
+    return False
+
+
 def rel(a, b):
     return max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))
 
@@ -74,10 +83,10 @@ for dims in args.dims.split(","):
                             requires_grad=True)
             do = torch.randn(B, N, H, DV, device="cuda", dtype=torch.bfloat16)
             attend = lambda q, k, v: flashop.attention(q, k, v, causal=causal)  # noqa: E731
-            with mock.patch.object(choice, "HOPPER_HEAD_PARTS", {"fwd"}):
+            with mock.patch.object(choice, "head_in_parts", one_tile):
                 plans.clear_plans()
                 one, ref = backward_ms(attend, q, k, v, do)
-            with mock.patch.object(choice, "HOPPER_HEAD_PARTS", {"fwd", "bwd"}):
+            with mock.patch.object(choice, "head_in_parts", in_parts):
                 plans.clear_plans()
                 parts, got = backward_ms(attend, q, k, v, do)
             plans.clear_plans()
@@ -112,7 +121,7 @@ for N, causal in ((4096, True), (16384, False)):
             sys.exit("budget spent")
         try:
             with tiles.force(kind, t), \
-                    mock.patch.object(choice, "HOPPER_HEAD_PARTS", {"fwd", "bwd"}):
+                    mock.patch.object(choice, "head_in_parts", in_parts):
                 plans.clear_plans()
                 ms, _ = backward_ms(
                     lambda q, k, v: flashop.attention(q, k, v, causal=causal), q, k, v, do)
