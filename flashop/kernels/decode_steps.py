@@ -55,19 +55,17 @@ def sequence_keys(cache_seqlens, cache_leftpad, i_b, S_new, capacity,
 
 
 @triton.jit
-def cache_bases(k_cache, v_cache, block_table, cache_batch_idx, i_b, i_hk, lp, stride_kcb,
-                stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_tb,
-                IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-                HAS_LEFTPAD: tl.constexpr):
+def cache_bases(k_cache, v_cache, cache_batch_idx, i_b, i_hk, lp, stride_kcb, stride_kcs,
+                stride_kch, stride_vcb, stride_vcs, stride_vch, IS_PAGED: tl.constexpr,
+                HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
     """The key and value caches' pointers at KV head ``i_hk`` and, dense, at sequence
     ``i_b``'s first key (in cache row ``cache_batch_idx[i_b]`` where ``HAS_BATCH_IDX``,
-    else ``i_b``; at position ``lp``, the left padding, where ``HAS_LEFTPAD``); paged, the
-    block table's pointer at the sequence's pages."""
+    else ``i_b``; at position ``lp``, the left padding, where ``HAS_LEFTPAD``). Paged, the
+    block table's row is the caller's to take: a dense call's table is None, which a
+    helper cannot return on a GPU."""
     k_base = k_cache + i_hk * stride_kch
     v_base = v_cache + i_hk * stride_vch
-    if IS_PAGED:
-        block_table += i_b * stride_tb
-    else:
+    if not IS_PAGED:
         i_row = i_b
         if HAS_BATCH_IDX:
             i_row = tl.load(cache_batch_idx + i_b).to(tl.int64)
@@ -76,7 +74,7 @@ def cache_bases(k_cache, v_cache, block_table, cache_batch_idx, i_b, i_hk, lp, s
         if HAS_LEFTPAD:
             k_base += lp.to(tl.int64) * stride_kcs
             v_base += lp.to(tl.int64) * stride_vcs
-    return k_base, v_base, block_table
+    return k_base, v_base
 
 
 @triton.jit

@@ -143,10 +143,12 @@ def mla_decode_kernel(
     s_mid = tl.minimum(tl.maximum(u_hi, s_lo), s_hi)
 
     # the caches at this sequence and KV head
-    k_base, v_base, block_table = cache_bases(
-        k_cache, v_cache, block_table, cache_batch_idx, i_b, i_hk, lp, stride_kcb, stride_kcs,
-        stride_kch, stride_vcb, stride_vcs, stride_vch, stride_tb, IS_PAGED=IS_PAGED,
-        HAS_BATCH_IDX=HAS_BATCH_IDX, HAS_LEFTPAD=HAS_LEFTPAD)
+    k_base, v_base = cache_bases(
+        k_cache, v_cache, cache_batch_idx, i_b, i_hk, lp, stride_kcb, stride_kcs, stride_kch,
+        stride_vcb, stride_vcs, stride_vch, IS_PAGED=IS_PAGED, HAS_BATCH_IDX=HAS_BATCH_IDX,
+        HAS_LEFTPAD=HAS_LEFTPAD)
+    if IS_PAGED:  # the block table's row of this sequence
+        block_table += i_b * stride_tb
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
