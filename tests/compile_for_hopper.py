@@ -1,0 +1,180 @@
+"""Compile (never run) the decoding kernels for Hopper (sm_90) at the launches their launchers
+plan, on a machine without a GPU: what the interpreter cannot show (a helper returning a
+None pointer, an operation Triton's code generator refuses, a tile past the shared memory)
+fails here as it would on the GPU. Run by tests/test_hopper_compile.py in a process of its
+own, without TRITON_INTERPRET:
+
+    python tests/compile_for_hopper.py           # every call below; exit status: failures
+    python tests/compile_for_hopper.py --planted  # launches that must fail to compile
+
+Triton's active driver is replaced by docs/notes/experiments/compile_sm90.py's stand-in
+(it reports sm_90 and launches nothing); each launch the launchers would make is caught and
+compiled by the kernel's own ``warmup`` through PTX to a cubin (the wheel's ptxas).
+"""
+
+import itertools
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "docs", "notes", "experiments"))
+sys.path.insert(0, ROOT)
+
+import compile_sm90  # noqa: E402  (installs the stand-in driver before flashop's kernels load)
+import torch  # noqa: E402
+
+import flashop  # noqa: E402
+from flashop import config  # noqa: E402
+from flashop._launch import attention, choice, cpu, kvcache, mla, tiles  # noqa: E402
+from flashop._launch.options import PLAIN  # noqa: E402
+
+
+def catch_launches(call) -> list:
+    """The (kernel, grid, kwargs) of each launch ``call()`` plans, none launched."""
+    caught = []
+
+    def catch(kernel, planned, **per_call):
+        caught.append((kernel, planned.grid, {**per_call, **planned.static}))
+
+    def catch_kernel(kernel, grid, **kwargs):
+        caught.append((kernel, grid, kwargs))
+
+    saved = (kvcache.launch_planned, mla.launch_planned, attention.launch_kernel, cpu.serves,
+             tiles.is_hopper, choice.is_hopper)
+    kvcache.launch_planned = mla.launch_planned = catch
+    attention.launch_kernel = catch_kernel
+    cpu.serves = lambda x: False  # CPU tensors stand for the GPU's here
+    tiles.is_hopper = choice.is_hopper = lambda device: True  # (the stand-in's sm_90)
+    try:
+        with config.override(gluon=False, autotune=False):
+            call()
+    finally:
+        (kvcache.launch_planned, mla.launch_planned, attention.launch_kernel, cpu.serves,
+         tiles.is_hopper, choice.is_hopper) = saved
+    return caught
+
+
+def _forward_backward(call):
+    def run():
+        out = call()
+        out = out[0] if isinstance(out, tuple) else out
+        if out.requires_grad:
+            out.sum().backward()
+    return run
+
+
+def attention_calls():
+    """(label, call) for the `tl` forward and backward through the API: head dims 64 to 256
+    (192 / 128 too), causal and not, GQA, the modifiers, a float mask with its gradient,
+    dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only). CPU tensors
+    get the tiles a Hopper GPU's would, but for the head dim in parts and the dK/dV kernel's
+    parts (both ask for a CUDA device)."""
+    bf16, B, S = torch.bfloat16, 2, 256
+
+    def qkv(D, DV, H, H_kv, S_k=S, dtype=bf16):
+        grad = dtype != torch.float8_e4m3fn
+        return (torch.randn(B, S, H, D, dtype=dtype, requires_grad=grad) if grad else
+                torch.empty(B, S, H, D, dtype=dtype),
+                torch.randn(B, S_k, H_kv, D, dtype=bf16, requires_grad=grad).to(dtype),
+                torch.randn(B, S_k, H_kv, DV, dtype=bf16, requires_grad=grad).to(dtype))
+
+    def dense(label, D, DV, H, H_kv, **options):
+        q, k, v = qkv(D, DV, H, H_kv)
+        yield label, _forward_backward(lambda: flashop.attention(q, k, v, **options))
+
+    yield from dense("D=64 causal", 64, 64, 4, 4, causal=True)
+    yield from dense("D=128 GQA", 128, 128, 4, 2)
+    yield from dense("D=192/128 causal", 192, 128, 4, 1, causal=True)
+    yield from dense("D=256 causal", 256, 256, 2, 2, causal=True)
+    yield from dense("D=128 window softcap alibi", 128, 128, 4, 2, causal=True,
+                     window_size=(64, 0), softcap=30.0, alibi_slopes=torch.ones(4))
+    yield from dense("D=64 dropout", 64, 64, 4, 2, causal=True, dropout_p=0.1)
+    yield from dense("D=64 chunks sinks", 64, 64, 4, 2, causal=True, attention_chunk=64,
+                     sinks=torch.zeros(4))
+    mask = torch.zeros(B, 4, S, S, requires_grad=True)
+    yield from dense("D=64 float mask with its gradient", 64, 64, 4, 2, attn_mask=mask)
+    q8, k8, v8 = qkv(128, 128, 4, 2, dtype=torch.float8_e4m3fn)
+    yield "D=128 e4m3 forward", lambda: flashop.attention(q8, k8, v8, causal=True)
+    lengths = torch.tensor([0, 100, 256], dtype=torch.int32)
+    q, k, v = (x.detach()[0].requires_grad_() for x in qkv(64, 64, 4, 2))
+    yield "D=64 packed causal", _forward_backward(lambda: flashop.attention_varlen(
+        q, k, v, lengths, lengths, 156, 156, causal=True))
+    pages = torch.randn(8, 64, 2, 64, dtype=bf16)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    yield "D=64 paged prefill", lambda: flashop.attention_varlen(
+        q.detach(), pages, pages, lengths, lengths, 156, 156, causal=True, block_table=table)
+
+
+def decoding_calls():
+    """(label, call) for the decode and MLA launchers: dense and paged caches, a batch
+    index, left padding, appends, one split and several, an fp8 cache."""
+    bf16, B, L, S_q = torch.bfloat16, 3, 512, 2
+    for kind, paged, extra, splits, append in itertools.product(
+            ("decode", "fp8", "mla"), (False, True), (None, "batch_idx", "leftpad"), (1, 4),
+            (False, True)):
+        if paged and extra:
+            continue
+        D, DV, H, H_kv = (576, 512, 16, 1) if kind == "mla" else (128, 128, 8, 2)
+        cache_dtype = torch.float8_e4m3fn if kind == "fp8" else bf16
+        shape = (B * L // 64, 64, H_kv, D) if paged else (B + 1, L, H_kv, D)
+        k_cache = torch.empty(shape, dtype=cache_dtype)
+        v_cache = (k_cache[..., :DV] if kind == "mla"
+                   else torch.empty(shape[:-1] + (DV,), dtype=cache_dtype))
+        table = torch.zeros(B, L // 64, dtype=torch.int32) if paged else None
+        q = torch.empty(B, S_q, H, D, dtype=bf16)
+        k = torch.empty(B, S_q, H_kv, D, dtype=bf16) if append else None
+        v = torch.empty(B, S_q, H_kv, DV, dtype=bf16) if append and kind != "mla" else None
+        lens = torch.full((B,), L // 2, dtype=torch.int32)
+        batch_idx = torch.arange(B, dtype=torch.int32) if extra == "batch_idx" else None
+        leftpad = torch.ones(B, dtype=torch.int32) if extra == "leftpad" else None
+        label = (f"{kind} {'paged' if paged else 'dense'} {extra or ''} splits={splits}"
+                 f"{' append' if append else ''}")
+        if kind == "mla":
+            yield label, lambda a=(q, k_cache, v_cache, k, v, lens, batch_idx, table, None,
+                                   PLAIN[True], splits, leftpad): \
+                mla.attention_with_latent_cache(*a)
+        else:
+            descale = (dict(k_descale=torch.ones(B, H_kv), v_descale=torch.ones(B, H_kv))
+                       if kind == "fp8" else {})
+            yield label, lambda a=(q, k_cache, v_cache, k, v, lens, batch_idx, table, None,
+                                   PLAIN[True], splits, leftpad), d=descale: \
+                kvcache.attention_with_kvcache(*a, **d)
+
+
+def planted_calls():
+    """A launch that must fail: the MLA kernel forced to tiles past Hopper's shared memory
+    (64 rows, three stages of 128 keys of 576 dims)."""
+    from flashop._launch.decode_tiles import DecodeTiles
+    B, L = 2, 512
+    pages = torch.empty(B * L // 64, 64, 1, 576, dtype=torch.bfloat16)
+
+    def call():
+        with tiles.force(mla.TILE_KIND, DecodeTiles(64, 128, 8, 3)):
+            mla.attention_with_latent_cache(
+                torch.empty(B, 1, 64, 576, dtype=torch.bfloat16), pages, pages[..., :512],
+                None, None, torch.full((B,), L, dtype=torch.int32), None,
+                torch.zeros(B, L // 64, dtype=torch.int32), None, PLAIN[False], 1)
+    yield "planted: tiles past the shared memory", call
+
+
+def main(argv) -> int:
+    calls = (planted_calls() if "--planted" in argv
+             else itertools.chain(attention_calls(), decoding_calls()))
+    launches, failures, seen = 0, 0, set()
+    for label, call in calls:
+        for kernel, grid, kwargs in catch_launches(call):
+            name = getattr(kernel, "fn", kernel).__name__
+            key = (name, tuple(sorted((k, (v.dtype, v.dim()) if isinstance(v, torch.Tensor)
+                                       else v) for k, v in kwargs.items())))
+            if key in seen:  # (the same specialization compiled once)
+                continue
+            seen.add(key)
+            launches += 1
+            failures += not compile_sm90.report(
+                compile_sm90.compile_kernel(kernel, grid, kwargs, label=f"{name}: {label}"))
+    print(f"compiled {launches} launches for sm_90, {failures} failed")
+    return min(failures, 100)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
