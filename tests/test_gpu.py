@@ -414,12 +414,14 @@ for dtype in (torch.bfloat16, torch.float32):
     if part == "plain":
         out, lse = flashop.attention_with_lse(q, k, v, causal=bool(causal))
         torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
-    elif part == "modifiers":  # every modifier, the float mask with its gradient
+    elif part == "modifiers":  # every modifier, the float mask with its gradient; chunks
         bias = torch.randn(1, H, S_q, S_k, device="cuda", requires_grad=True)
         out, lse = flashop.attention_with_lse(q, k, v, bias, torch.rand(H, device="cuda"), g,
                                               causal=True, window_size=(40, 0), softcap=5.0)
         torch.autograd.grad((out, lse), (q, k, v, g, bias),
                             (torch.randn_like(out), torch.randn_like(lse)))
+        out, lse = flashop.attention_with_lse(q, k, v, causal=True, attention_chunk=48)
+        torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.randn_like(lse)))
     elif part == "training":  # sinks and dropout, dense and packed
         sinks = torch.randn(H, device="cuda", requires_grad=True)
         out, lse = flashop.attention_with_lse(q, k, v, sinks=sinks, causal=bool(causal),
@@ -475,6 +477,32 @@ for dtype in (torch.bfloat16, torch.float32):
                                                    cache_seqlens=lens, block_table=table,
                                                    causal=bool(causal), num_splits=splits,
                                                    window_size=(20, -1))
+    elif part == "mla":  # MLA's latent cache (576 dims, values its first 512): up to 4 new
+        if dtype == torch.bfloat16:  # tokens appended and attended, dense and paged, chunked
+            s = min(S_q, 4)
+            ql = torch.randn(B, s, H, 576, device="cuda", dtype=dtype)
+            new = torch.randn(B, s, 1, 576, device="cuda", dtype=dtype)
+            cap = S_k + s + 5
+            lens = torch.randint(0, S_k + 1, (B,), device="cuda", dtype=torch.int32)
+            cache = torch.randn(B, cap, 1, 576, device="cuda", dtype=dtype)
+            flashop.attention_with_kvcache(ql, cache, cache[..., :512], new, cache_seqlens=lens,
+                                           causal=True, return_lse=True)
+            for page in (16, 64):
+                per_seq = -(-cap // page)
+                table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
+                table = table.view(B, per_seq).to(torch.int32)
+                pages = torch.randn(B * per_seq + 3, page, 1, 576, device="cuda", dtype=dtype)
+                for splits in (0, 1, 3):
+                    flashop.attention_with_kvcache(ql, pages, pages[..., :512], new,
+                                                   cache_seqlens=lens, block_table=table,
+                                                   causal=True, num_splits=splits)
+            q, k, v = q.detach(), k.detach(), v.detach()  # a chunked decode of the shape
+            new_k = k.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
+            new_v = v.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
+            k_cache = torch.randn(B, S_k + S_q + 5, H_kv, D, device="cuda", dtype=dtype)
+            v_cache = torch.randn(B, S_k + S_q + 5, H_kv, DV, device="cuda", dtype=dtype)
+            flashop.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lens,
+                                           causal=True, attention_chunk=32, num_splits=3)
     elif part == "paged":  # paged prefill over pages of 16 and 256; rotary and left padding
         if dtype == torch.bfloat16:  # in the append and the decode kernel
             q, k, v = q.detach(), k.detach(), v.detach()
@@ -550,16 +578,18 @@ print("sanitized")
 """
 
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
-# gradient, where dQ never goes by atomics; "training" has sinks and dropout, "decode" the
+# gradient, where dQ never goes by atomics, and chunks; "training" has sinks and dropout, "decode" the
 # key/value-cache op (appends into dense and paged caches, split and not), "paged" the paged
 # prefill and the rotary, left-padded append and decode, "fp8" the e4m3 forward and the fp8
-# cache's appends and decode, "gluon" the Gluon
+# cache's appends and decode, "mla" MLA's latent cache (appends and decode, dense and
+# paged) and a chunked decode, "gluon" the Gluon
 # forward at D=128, 64 and 256 (causal and not; with dropout at D=128 and 64) over the
 # shape's batch, lengths and heads, and the Gluon backward at D=128 and 64 (its dQ adds in
 # key-tile order; by atomics with FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
-                   ("paged", "0"), ("gluon", "0"), ("gluon", "1"), ("fp8", "0")]
+                   ("paged", "0"), ("gluon", "0"), ("gluon", "1"), ("fp8", "0"),
+                   ("mla", "0")]
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
