@@ -40,18 +40,33 @@ def catch_launches(call) -> list:
         caught.append((kernel, grid, kwargs))
 
     saved = (kvcache.launch_planned, mla.launch_planned, attention.launch_kernel, cpu.serves,
-             tiles.is_hopper, choice.is_hopper)
+             tiles.is_hopper, choice.is_hopper, *(getattr(m, n) for m, n in _ON_A_GPU))
     kvcache.launch_planned = mla.launch_planned = catch
     attention.launch_kernel = catch_kernel
     cpu.serves = lambda x: False  # CPU tensors stand for the GPU's here
     tiles.is_hopper = choice.is_hopper = lambda device: True  # (the stand-in's sm_90)
+    for (module, name), rule in zip(_ON_A_GPU, saved[6:]):
+        setattr(module, name, _on_a_gpu(rule))
     try:
         with config.override(gluon=False, autotune=False):
             call()
     finally:
         (kvcache.launch_planned, mla.launch_planned, attention.launch_kernel, cpu.serves,
-         tiles.is_hopper, choice.is_hopper) = saved
+         tiles.is_hopper, choice.is_hopper) = saved[:6]
+        for (module, name), rule in zip(_ON_A_GPU, saved[6:]):
+            setattr(module, name, rule)
     return caught
+
+
+# the launchers' rules that ask for a CUDA device (a Hopper GPU's defaults): given one here
+_ON_A_GPU = ((choice, "head_in_parts"), (choice, "_tma_by_default"), (tiles, "splits_dkdv"))
+
+
+def _on_a_gpu(rule):
+    def on_a_gpu(*args, **kwargs):
+        args = [torch.device("cuda", 0) if isinstance(a, torch.device) else a for a in args]
+        return rule(*args, **kwargs)
+    return on_a_gpu
 
 
 def _forward_backward(call):
@@ -66,9 +81,11 @@ def _forward_backward(call):
 def attention_calls():
     """(label, call) for the `tl` forward and backward through the API: head dims 64 to 256
     (192 / 128 too), causal and not, GQA, the modifiers, a float mask with its gradient,
-    dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only). CPU tensors
-    get the tiles a Hopper GPU's would, but for the head dim in parts and the dK/dV kernel's
-    parts (both ask for a CUDA device)."""
+    dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only), keys read
+    through tensor descriptors, the warp-specialized forward (forced: its default rule reads
+    q's device). CPU tensors get
+    what a Hopper GPU's would: its tiles, the head dim in parts, the dK/dV kernel's parts,
+    tensor descriptors."""
     bf16, B, S = torch.bfloat16, 2, 256
 
     def qkv(D, DV, H, H_kv, S_k=S, dtype=bf16):
@@ -86,13 +103,23 @@ def attention_calls():
     yield from dense("D=128 GQA", 128, 128, 4, 2)
     yield from dense("D=192/128 causal", 192, 128, 4, 1, causal=True)
     yield from dense("D=256 causal", 256, 256, 2, 2, causal=True)
+    q, k, v = (torch.empty(1, 4096, 2, 256, dtype=bf16) for _ in range(3))
+    yield "D=256 4k keys (tensor descriptors)", lambda: flashop.attention(q, k, v, causal=True)
     yield from dense("D=128 window softcap alibi", 128, 128, 4, 2, causal=True,
                      window_size=(64, 0), softcap=30.0, alibi_slopes=torch.ones(4))
     yield from dense("D=64 dropout", 64, 64, 4, 2, causal=True, dropout_p=0.1)
     yield from dense("D=64 chunks sinks", 64, 64, 4, 2, causal=True, attention_chunk=64,
                      sinks=torch.zeros(4))
+    q, k, v = qkv(128, 128, 4, 2)
+
+    def warp_specialized():
+        with config.override(warp_specialize=True):
+            return flashop.attention(q, k, v)
+    yield "D=128 warp-specialized forward", warp_specialized
     mask = torch.zeros(B, 4, S, S, requires_grad=True)
     yield from dense("D=64 float mask with its gradient", 64, 64, 4, 2, attn_mask=mask)
+    yield from dense("D=176/128 float mask with its gradient", 176, 128, 4, 2, causal=True,
+                     attn_mask=mask)
     q8, k8, v8 = qkv(128, 128, 4, 2, dtype=torch.float8_e4m3fn)
     yield "D=128 e4m3 forward", lambda: flashop.attention(q8, k8, v8, causal=True)
     lengths = torch.tensor([0, 100, 256], dtype=torch.int32)
