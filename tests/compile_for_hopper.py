@@ -1,5 +1,5 @@
-"""Compile (never run) the decoding kernels for Hopper (sm_90) at the launches their launchers
-plan, on a machine without a GPU: what the interpreter cannot show (a helper returning a
+"""Compile (never run) the `tl` attention kernels and the decoding kernels for Hopper (sm_90)
+at the launches their launchers plan, on a machine without a GPU: what the interpreter cannot show (a helper returning a
 None pointer, an operation Triton's code generator refuses, a tile past the shared memory)
 fails here as it would on the GPU. Run by tests/test_hopper_compile.py in a process of its
 own, without TRITON_INTERPRET:
@@ -27,6 +27,17 @@ import flashop  # noqa: E402
 from flashop import config  # noqa: E402
 from flashop._launch import attention, choice, cpu, kvcache, mla, tiles  # noqa: E402
 from flashop._launch.options import PLAIN  # noqa: E402
+
+
+# the launchers' rules that ask for a CUDA device (a Hopper GPU's defaults): given one here
+_ON_A_GPU = ((choice, "head_in_parts"), (choice, "_tma_by_default"), (tiles, "splits_dkdv"))
+
+
+def _on_a_gpu(rule):
+    def on_a_gpu(*args, **kwargs):
+        args = [torch.device("cuda", 0) if isinstance(a, torch.device) else a for a in args]
+        return rule(*args, **kwargs)
+    return on_a_gpu
 
 
 def catch_launches(call) -> list:
@@ -58,17 +69,6 @@ def catch_launches(call) -> list:
     return caught
 
 
-# the launchers' rules that ask for a CUDA device (a Hopper GPU's defaults): given one here
-_ON_A_GPU = ((choice, "head_in_parts"), (choice, "_tma_by_default"), (tiles, "splits_dkdv"))
-
-
-def _on_a_gpu(rule):
-    def on_a_gpu(*args, **kwargs):
-        args = [torch.device("cuda", 0) if isinstance(a, torch.device) else a for a in args]
-        return rule(*args, **kwargs)
-    return on_a_gpu
-
-
 def _forward_backward(call):
     def run():
         out = call()
@@ -83,9 +83,9 @@ def attention_calls():
     (192 / 128 too), causal and not, GQA, the modifiers, a float mask with its gradient,
     dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only), keys read
     through tensor descriptors, the warp-specialized forward (forced: its default rule reads
-    q's device). CPU tensors get
-    what a Hopper GPU's would: its tiles, the head dim in parts, the dK/dV kernel's parts,
-    tensor descriptors."""
+    q's device). CPU tensors get what a Hopper GPU's would: its tiles, the head dim in
+    parts, the dK/dV kernel's parts, tensor descriptors. Each call is made as it is
+    yielded."""
     bf16, B, S = torch.bfloat16, 2, 256
 
     def qkv(D, DV, H, H_kv, S_k=S, dtype=bf16):
@@ -103,33 +103,34 @@ def attention_calls():
     yield from dense("D=128 GQA", 128, 128, 4, 2)
     yield from dense("D=192/128 causal", 192, 128, 4, 1, causal=True)
     yield from dense("D=256 causal", 256, 256, 2, 2, causal=True)
-    q, k, v = (torch.empty(1, 4096, 2, 256, dtype=bf16) for _ in range(3))
-    yield "D=256 4k keys (tensor descriptors)", lambda: flashop.attention(q, k, v, causal=True)
+    long = tuple(torch.empty(1, 4096, 2, 256, dtype=bf16) for _ in range(3))
+    yield "D=256 4k keys (tensor descriptors)", lambda: flashop.attention(*long, causal=True)
     yield from dense("D=128 window softcap alibi", 128, 128, 4, 2, causal=True,
                      window_size=(64, 0), softcap=30.0, alibi_slopes=torch.ones(4))
     yield from dense("D=64 dropout", 64, 64, 4, 2, causal=True, dropout_p=0.1)
     yield from dense("D=64 chunks sinks", 64, 64, 4, 2, causal=True, attention_chunk=64,
                      sinks=torch.zeros(4))
-    q, k, v = qkv(128, 128, 4, 2)
+    plain = qkv(128, 128, 4, 2)
 
     def warp_specialized():
         with config.override(warp_specialize=True):
-            return flashop.attention(q, k, v)
+            return flashop.attention(*plain)
     yield "D=128 warp-specialized forward", warp_specialized
     mask = torch.zeros(B, 4, S, S, requires_grad=True)
     yield from dense("D=64 float mask with its gradient", 64, 64, 4, 2, attn_mask=mask)
     yield from dense("D=176/128 float mask with its gradient", 176, 128, 4, 2, causal=True,
                      attn_mask=mask)
-    q8, k8, v8 = qkv(128, 128, 4, 2, dtype=torch.float8_e4m3fn)
-    yield "D=128 e4m3 forward", lambda: flashop.attention(q8, k8, v8, causal=True)
+    e4m3 = qkv(128, 128, 4, 2, dtype=torch.float8_e4m3fn)
+    yield "D=128 e4m3 forward", lambda: flashop.attention(*e4m3, causal=True)
     lengths = torch.tensor([0, 100, 256], dtype=torch.int32)
-    q, k, v = (x.detach()[0].requires_grad_() for x in qkv(64, 64, 4, 2))
+    packed = tuple(x.detach()[0].requires_grad_() for x in qkv(64, 64, 4, 2))
     yield "D=64 packed causal", _forward_backward(lambda: flashop.attention_varlen(
-        q, k, v, lengths, lengths, 156, 156, causal=True))
+        *packed, lengths, lengths, 156, 156, causal=True))
     pages = torch.randn(8, 64, 2, 64, dtype=bf16)
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
     yield "D=64 paged prefill", lambda: flashop.attention_varlen(
-        q.detach(), pages, pages, lengths, lengths, 156, 156, causal=True, block_table=table)
+        packed[0].detach(), pages, pages, lengths, lengths, 156, 156, causal=True,
+        block_table=table)
 
 
 def decoding_calls():
