@@ -12,9 +12,9 @@ Providers: flashop over the paged cache (``flashop-p64``) and over the same cach
 head expanded with ``enable_gqa=True``, values 512 dims: its math path) where its
 expanded keys and values fit in memory.
 
-``--sweep`` times, per point, flashop's paged call with each candidate tile (rows per
-program BLOCK_M, keys per step BLOCK_N, warps, stages, each key's page id or a tile's) and
-split count, forced through ``flashop._launch.tiles.force("mla", ...)``, and prints a table
+``--sweep`` times, per point, flashop's call over the paged cache and the dense one with
+each candidate tile (rows per program BLOCK_M, keys per step BLOCK_N, warps, stages, each
+key's page id or a tile's) and split count, forced through ``flashop._launch.tiles.force("mla", ...)``, and prints a table
 per point (the fastest first); ``--tiles`` and ``--splits`` replace the candidates.
 
 Usage: python benchmarks/decode.py --mla [--quick] [--sweep [--tiles 64x32x8x2,...]
@@ -116,28 +116,35 @@ def row(gpu, copy_gbps, provider, layout, page, point, us, splits="auto", tiles=
 
 
 def sweep(flashop, point, tensors, tiles, splits, gpu, copy_gbps) -> list:
-    """flashop's paged call timed with each tile and split count; rows, fastest first."""
+    """flashop's call over the paged cache and over the same cache dense, timed with each
+    tile and split count; rows, fastest first. (The two layouts pipeline differently: a
+    paged tile's keys wait on its page id.)"""
     from flashop._launch import tiles as tile_table
     from flashop._launch.decode_tiles import DecodeTiles
 
-    q, _, pages, table, lengths = tensors
+    q, cache, pages, table, lengths = tensors
+    layouts = {"paged": (pages, dict(block_table=table)), "dense": (cache, {})}
     rows = []
-    for t, s in itertools.product(tiles, splits):
+    for t, s, layout in itertools.product(tiles, splits, layouts):
         forced = DecodeTiles(*t[:4], key_page_ids=t[4])
+        if layout == "dense" and t[4]:
+            continue  # (each key's page id: pages only)
+        keys, paging = layouts[layout]
 
-        def call(forced=forced, s=s):
+        def call(forced=forced, s=s, keys=keys, paging=paging):
             with tile_table.force("mla", forced):
                 return flashop.attention_with_kvcache(
-                    q, pages, pages[..., :DV], cache_seqlens=lengths, block_table=table,
-                    scale=SCALE, causal=point[3] > 1, num_splits=s)
+                    q, keys, keys[..., :DV], cache_seqlens=lengths, scale=SCALE,
+                    causal=point[3] > 1, num_splits=s, **paging)
         try:
             us = decode.time_us(call, graph=True)
         except Exception as e:  # noqa: BLE001  (a tile past the GPU's resources)
-            print(f"  {tile_name(t)} splits {s}: failed ({type(e).__name__}: "
+            print(f"  {tile_name(t)} splits {s} {layout}: failed ({type(e).__name__}: "
                   f"{str(e).splitlines()[0][:80]})", flush=True)
             continue
-        rows.append(row(gpu, copy_gbps, "flashop-sweep", "paged", PAGE, point, us,
-                        splits=s or "auto", tiles=tile_name(t)))
+        rows.append(row(gpu, copy_gbps, "flashop-sweep", layout,
+                        PAGE if layout == "paged" else 0, point, us, splits=s or "auto",
+                        tiles=tile_name(t)))
     return sorted(rows, key=lambda r: r["us"])
 
 
@@ -155,11 +162,13 @@ def print_table(rows) -> None:
 
 
 def print_sweep(rows, point) -> None:
-    print(f"\nsweep B={point[0]} H={point[1]} L={point[2]} S_q={point[3]} (pages of {PAGE}):")
-    print(f"{'tiles (MxNxWxS)':>16} {'splits':>6} {'us':>9} {'GB/s':>7} {'copy':>5} {'TFLOP/s':>8}")
+    print(f"\nsweep B={point[0]} H={point[1]} L={point[2]} S_q={point[3]} (pages of {PAGE}, "
+          f"and dense):")
+    print(f"{'tiles (MxNxWxS)':>16} {'layout':>6} {'splits':>6} {'us':>9} {'GB/s':>7} "
+          f"{'copy':>5} {'TFLOP/s':>8}")
     for r in rows:
-        print(f"{r['tiles']:>16} {str(r['splits']):>6} {r['us']:9.1f} {r['gbps']:7.0f} "
-              f"{r['frac_copy']:5.0%} {r['tflops']:8.1f}")
+        print(f"{r['tiles']:>16} {r['layout']:>6} {str(r['splits']):>6} {r['us']:9.1f} "
+              f"{r['gbps']:7.0f} {r['frac_copy']:5.0%} {r['tflops']:8.1f}")
 
 
 def read_results(path):

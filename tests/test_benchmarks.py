@@ -1,8 +1,14 @@
-"""The benchmark script's results-file reading (benchmarks/attention.py --from-csv), which
-needs no GPU: a grid run in parts is tabulated and plotted from its CSV files."""
+"""The benchmark scripts' parts that need no GPU: the results-file reading
+(benchmarks/attention.py --from-csv; a grid run in parts is tabulated and plotted from its
+CSV files), and the calls a sweep times (their timing stubbed)."""
 
 import sys
 from pathlib import Path
+
+import torch
+
+import flashop
+from helpers import DEVICE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -289,3 +295,38 @@ def test_modifiers_counts_a_chunks_pairs_and_its_share_of_causal():
     assert modifiers.chunk_shares(rows, name) == [
         "N=     8 causal chunk 4 flashop  fwd    0.500 ms = 0.250 x flashop's causal (2.000 ms)",
         "N=     8 causal chunk 4 flex     fwd    1.000 ms = 0.500 x flashop's causal (2.000 ms)"]
+
+
+def test_decode_mla_sweep_times_the_paged_and_the_dense_cache(monkeypatch):
+    """decode.py --mla --sweep: each tile and split count over the paged cache and over the
+    same cache dense (each key's page id: pages only), every call's output the unforced
+    call's, fastest first (the timing stubbed: the calls run once, here under the
+    interpreter)."""
+    import decode
+    import decode_mla
+
+    B, H, L, S_q = 2, 2, 128, 1
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S_q, H, 576, dtype=torch.float32, generator=gen).to(DEVICE)
+    cache = torch.randn(B, L, 1, 576, dtype=torch.float32, generator=gen).to(DEVICE)
+    pages = cache.view(B * L // decode_mla.PAGE, decode_mla.PAGE, 1, 576)
+    table = torch.arange(B * L // decode_mla.PAGE, dtype=torch.int32).view(B, -1).to(DEVICE)
+    lengths = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
+    expected = flashop.attention_with_kvcache(q, cache, cache[..., :512],
+                                              cache_seqlens=lengths, scale=decode_mla.SCALE)
+    outputs, times = [], iter([6.0, 5.0, 4.0, 3.0, 2.0, 1.0])
+
+    def time_us(fn, graph):
+        outputs.append(fn())
+        return next(times)
+    monkeypatch.setattr(decode, "time_us", time_us)
+    rows = decode_mla.sweep(flashop, (B, H, L, S_q), (q, cache, pages, table, lengths),
+                            [(16, 16, 4, 2, False), (16, 16, 4, 2, True)], [0, 2], "GPU X",
+                            1000.0)
+    assert [(r["tiles"], r["layout"], r["splits"]) for r in rows] == [
+        ("16x16x4x2p", "paged", 2), ("16x16x4x2p", "paged", "auto"), ("16x16x4x2", "dense", 2),
+        ("16x16x4x2", "paged", 2), ("16x16x4x2", "dense", "auto"),
+        ("16x16x4x2", "paged", "auto")]
+    assert len(outputs) == 6
+    for out in outputs:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
