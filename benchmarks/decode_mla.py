@@ -14,8 +14,9 @@ expanded keys and values fit in memory.
 
 ``--sweep`` times, per point, flashop's call over the paged cache and the dense one with
 each candidate tile (rows per program BLOCK_M, keys per step BLOCK_N, warps, stages, each
-key's page id or a tile's) and split count, forced through ``flashop._launch.tiles.force("mla", ...)``, and prints a table
-per point (the fastest first); ``--tiles`` and ``--splits`` replace the candidates.
+key's page id or a tile's) and split count, forced through
+``flashop._launch.tiles.force("mla", ...)``, and prints a table per point (the fastest
+first); ``--tiles`` and ``--splits`` replace the candidates.
 
 Usage: python benchmarks/decode.py --mla [--quick] [--sweep [--tiles 64x32x8x2,...]
        [--splits 0,16,32]] [--out PATH.csv]

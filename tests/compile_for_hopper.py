@@ -1,8 +1,8 @@
 """Compile (never run) the `tl` attention kernels and the decoding kernels for Hopper (sm_90)
-at the launches their launchers plan, on a machine without a GPU: what the interpreter cannot show (a helper returning a
-None pointer, an operation Triton's code generator refuses, a tile past the shared memory)
-fails here as it would on the GPU. Run by tests/test_hopper_compile.py in a process of its
-own, without TRITON_INTERPRET:
+at the launches their launchers plan, on a machine without a GPU: what the interpreter
+cannot show (a helper returning a None pointer, an operation Triton's code generator
+refuses, a tile past the shared memory) fails here as it would on the GPU. Run by
+tests/test_hopper_compile.py in a process of its own, without TRITON_INTERPRET:
 
     python tests/compile_for_hopper.py           # every call below; exit status: failures
     python tests/compile_for_hopper.py --planted  # launches that must fail to compile

@@ -578,14 +578,14 @@ print("sanitized")
 """
 
 # (part of the script, FLASHOP_DQ_ATOMICS): the modifiers' part has a gate and a mask
-# gradient, where dQ never goes by atomics, and chunks; "training" has sinks and dropout, "decode" the
-# key/value-cache op (appends into dense and paged caches, split and not), "paged" the paged
-# prefill and the rotary, left-padded append and decode, "fp8" the e4m3 forward and the fp8
-# cache's appends and decode, "mla" MLA's latent cache (appends and decode, dense and
-# paged) and a chunked decode, "gluon" the Gluon
-# forward at D=128, 64 and 256 (causal and not; with dropout at D=128 and 64) over the
-# shape's batch, lengths and heads, and the Gluon backward at D=128 and 64 (its dQ adds in
-# key-tile order; by atomics with FLASHOP_DQ_ATOMICS=1)
+# gradient, where dQ never goes by atomics, and chunks; "training" has sinks and dropout,
+# "decode" the key/value-cache op (appends into dense and paged caches, split and not),
+# "paged" the paged prefill and the rotary, left-padded append and decode, "fp8" the e4m3
+# forward and the fp8 cache's appends and decode, "mla" MLA's latent cache (appends and
+# decode, dense and paged) and a chunked decode, "gluon" the Gluon forward at D=128, 64 and
+# 256 (causal and not; with dropout at D=128 and 64) over the shape's batch, lengths and
+# heads, and the Gluon backward at D=128 and 64 (its dQ adds in key-tile order; by atomics
+# with FLASHOP_DQ_ATOMICS=1)
 SANITIZER_PARTS = [("plain", "0"), ("plain", "1"), ("modifiers", "0"), ("packed", "0"),
                    ("packed", "1"), ("split", "0"), ("training", "0"), ("decode", "0"),
                    ("paged", "0"), ("gluon", "0"), ("gluon", "1"), ("fp8", "0"),
