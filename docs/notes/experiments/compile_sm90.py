@@ -7,6 +7,10 @@ torch; performance notes, entry 104):
     PYTHONPATH=. python docs/notes/experiments/compile_sm90.py --dump /tmp/ir  # + IR files
     PYTHONPATH=. python docs/notes/experiments/compile_sm90.py --break    # + 3 broken ones
 
+Its stand-in driver and ``compile_kernel`` also serve tests/compile_for_hopper.py (the `tl`
+and decoding kernels compiled for sm_90 in CI, with whichever Triton is installed): a change
+here is a change to that test.
+
 How: triton's active driver is replaced by a stand-in that reports GPUTarget("cuda", 90, 32),
 flashop/_launch/gluon.py::attention_forward is called over CPU tensors with its launch_now
 swapped for a catcher, and the caught (kernel, kwargs) go through the kernel's own
