@@ -12,9 +12,11 @@ Triton's active driver is replaced by docs/notes/experiments/compile_sm90.py's s
 compiled by the kernel's own ``warmup`` through PTX to a cubin (the wheel's ptxas).
 """
 
+import contextlib
 import itertools
 import os
 import sys
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "docs", "notes", "experiments"))
@@ -50,22 +52,19 @@ def catch_launches(call) -> list:
     def catch_kernel(kernel, grid, **kwargs):
         caught.append((kernel, grid, kwargs))
 
-    saved = (kvcache.launch_planned, mla.launch_planned, attention.launch_kernel, cpu.serves,
-             tiles.is_hopper, choice.is_hopper, *(getattr(m, n) for m, n in _ON_A_GPU))
-    kvcache.launch_planned = mla.launch_planned = catch
-    attention.launch_kernel = catch_kernel
-    cpu.serves = lambda x: False  # CPU tensors stand for the GPU's here
-    tiles.is_hopper = choice.is_hopper = lambda device: True  # (the stand-in's sm_90)
-    for (module, name), rule in zip(_ON_A_GPU, saved[6:]):
-        setattr(module, name, _on_a_gpu(rule))
-    try:
-        with config.override(gluon=False, autotune=False):
-            call()
-    finally:
-        (kvcache.launch_planned, mla.launch_planned, attention.launch_kernel, cpu.serves,
-         tiles.is_hopper, choice.is_hopper) = saved[:6]
-        for (module, name), rule in zip(_ON_A_GPU, saved[6:]):
-            setattr(module, name, rule)
+    with contextlib.ExitStack() as patches:
+        patch = lambda module, name, value: patches.enter_context(  # noqa: E731
+            mock.patch.object(module, name, value))
+        patch(kvcache, "launch_planned", catch)
+        patch(mla, "launch_planned", catch)
+        patch(attention, "launch_kernel", catch_kernel)
+        patch(cpu, "serves", lambda x: False)  # CPU tensors stand for the GPU's here
+        for module in (tiles, choice):  # (the stand-in's sm_90)
+            patch(module, "is_hopper", lambda device: True)
+        for module, name in _ON_A_GPU:
+            patch(module, name, _on_a_gpu(getattr(module, name)))
+        patches.enter_context(config.override(gluon=False, autotune=False))
+        call()
     return caught
 
 
