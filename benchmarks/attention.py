@@ -50,6 +50,7 @@ FLASHOP_VARIANTS = {
     "flashop-no-ws": {"warp_specialize": False},  # never the warp-specialized forward
     "flashop-ws": {"warp_specialize": True},  # ... wherever the inputs allow it
     "flashop-no-gluon": {"gluon": False},  # never the Gluon forward
+    "flashop-no-gluon-tma": {"gluon": False, "tma": True},  # the tl kernels, descriptors
     "flashop-gluon": {"gluon": True},  # ... wherever the inputs allow it
 }
 # flashop called otherwise: compiled, or with the deterministic backward

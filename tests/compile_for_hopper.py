@@ -83,8 +83,8 @@ def attention_calls():
     dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only), keys read
     through tensor descriptors, the warp-specialized forward (forced: its default rule reads
     q's device). CPU tensors get what a Hopper GPU's would: its tiles, the head dim in
-    parts, the dK/dV kernel's parts, tensor descriptors. Each call is made as it is
-    yielded."""
+    parts, the dK/dV kernel's parts, tensor descriptors (forward and backward at D = 256).
+    Each call is made as it is yielded."""
     bf16, B, S = torch.bfloat16, 2, 256
 
     def qkv(D, DV, H, H_kv, S_k=S, dtype=bf16):
@@ -102,8 +102,10 @@ def attention_calls():
     yield from dense("D=128 GQA", 128, 128, 4, 2)
     yield from dense("D=192/128 causal", 192, 128, 4, 1, causal=True)
     yield from dense("D=256 causal", 256, 256, 2, 2, causal=True)
-    long = tuple(torch.empty(1, 4096, 2, 256, dtype=bf16) for _ in range(3))
-    yield "D=256 4k keys (tensor descriptors)", lambda: flashop.attention(*long, causal=True)
+    long = tuple(torch.empty(1, 4096, 2, 256, dtype=bf16, requires_grad=True)
+                 for _ in range(3))
+    yield "D=256 4k keys (tensor descriptors)", _forward_backward(
+        lambda: flashop.attention(*long, causal=True))
     yield from dense("D=128 window softcap alibi", 128, 128, 4, 2, causal=True,
                      window_size=(64, 0), softcap=30.0, alibi_slopes=torch.ones(4))
     yield from dense("D=64 dropout", 64, 64, 4, 2, causal=True, dropout_p=0.1)

@@ -137,12 +137,15 @@ if ON_GPU:
 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"D{c.D}-DV{c.DV}-{c.layout}")
-def test_forward_through_tensor_descriptors(case):
-    """The forward's key and value tiles through tensor descriptors (FLASHOP_TMA=1): rows past
-    S_k and columns past D read as 0, GQA, a head-major layout, modifiers."""
+def test_tl_kernels_through_tensor_descriptors(case):
+    """The forward's key and value tiles and the backward's loop tiles (the dQ kernel's keys
+    and values, the dK/dV kernel's queries and dO) through tensor descriptors
+    (FLASHOP_TMA=1): rows past S_q or S_k and columns past D read as 0, GQA, a head-major
+    layout, modifiers."""
     with flashop.config.override(tma=True):
         q, k, v = make_inputs(case)[0]
         assert choice.uses_tma(q, k, v, max(case.D, case.DV), case.S_k)  # aligned inputs
+        assert choice.backward_uses_tma(q, k, v, q, max(case.D, case.DV), case.S_k, False)
         check_case(case)
 
 
@@ -162,7 +165,9 @@ def test_tensor_descriptors_need_aligned_rows():
 @pytest.mark.parametrize("hopper", [False, True])
 def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monkeypatch):
     """FLASHOP_TMA unset: descriptors at head dims above 128 over at least TMA_MIN_KEYS keys
-    (or a symbolic length) on Hopper GPUs only, where they measured faster; never on a CPU."""
+    (or a symbolic length) on Hopper GPUs only, where they measured faster; never on a CPU.
+    The backward's rule (backward_uses_tma) adds q and dout's alignment, and leaves out the
+    head dim in two tiles unless FLASHOP_TMA=1."""
     monkeypatch.setattr(choice, "is_hopper", lambda device: hopper)
     by_default = choice._tma_by_default
     cuda, n = torch.device("cuda", 0), choice.TMA_MIN_KEYS
@@ -175,6 +180,16 @@ def test_tensor_descriptors_by_default_above_head_dim_128_on_hopper(hopper, monk
     with flashop.config.override(tma=None):
         assert choice.uses_tma(q, q, q, 256, n) == (hopper and q.is_cuda)
         assert not choice.uses_tma(q, q, q, 128, n)
+    # the backward: the same rule, but by default not where the head dim is in two tiles
+    backward = choice.backward_uses_tma
+    with flashop.config.override(tma=None):
+        assert backward(q, q, q, q, 256, n, False) == (hopper and q.is_cuda)
+        assert not backward(q, q, q, q, 192, n, True)
+        assert not backward(q, q, q, q, 128, n, False)
+    with flashop.config.override(tma=True):
+        assert backward(q, q, q, q, 192, n, True)
+        assert not backward(q, q, q, q[..., 4:], 256, n, False)  # dout's start unaligned
+        assert not backward(q[..., 4:], q, q, q, 256, n, False)
 
 
 # Under the interpreter the warp-specialized kernel's tile is 32 x 16 (its loop is a plain

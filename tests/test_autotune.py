@@ -122,7 +122,7 @@ def test_each_kernels_autotuning_key_names_its_arguments():
     for kind, kernel in kernels.items():
         key = tile_table.autotune_key(kernel)
         assert key[0] == "seq_bucket" and set(key) <= set(kernel.arg_names), (kind, key)
-        assert ("TMA" in key) == (kind == "fwd"), (kind, key)
+        assert "TMA" in key, (kind, key)  # (the backward reads descriptors too)
         triton.autotune(configs=[triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})], key=key)(kernel)
     assert len(tile_table.autotune_key(kernels["fwd"])) == len(tile_table._AUTOTUNE_KEY)
 

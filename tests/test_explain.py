@@ -201,9 +201,11 @@ backward: tl backward
   attention_bwd_dq_kernel: 32x16 tiles, 4 warps, 1 stage
   attention_bwd_dkdv_kernel: 16x32 tiles, 4 warps, 1 stage
   bitwise reproducible: True
+  tensor descriptors: False
   - Gluon backward: not under Triton's interpreter
   - tl dQ by atomics: only where FLASHOP_DQ_ATOMICS=1 (slower at most shapes)
-  - the dK/dV kernel in two parts: above head dim 128 only (one program holds dK and dV)""")
+  - the dK/dV kernel in two parts: above head dim 128 only (one program holds dK and dV)
+  - tensor descriptors: by default above head dim 128, not at 64""")
         q, k, v = CALLS["head-dim-160"][0]()
         with flashop.config.override(dq_atomics=True):
             told = flashop.explain(flashop.attention, q, k, v, window_size=(8, 8))
@@ -213,8 +215,10 @@ tl backward
   attention_bwd_dkdv_kernel, dQ by atomics: 16x32 tiles, 4 warps, 1 stage
   attention_bwd_cast_kernel
   bitwise reproducible: False
+  tensor descriptors: False
   q's and k's head dim in tiles of: 128 + 32
-  - Gluon backward: not under Triton's interpreter""")
+  - Gluon backward: not under Triton's interpreter
+  - tensor descriptors: by default from 4096 keys, not at 24""")
         cu = torch.tensor([0, 10, 24], device=DEVICE, dtype=torch.int32)
         pages = _t(4, 16, 2, 64)
         table = torch.tensor([[0, 1], [3, 2]], device=DEVICE, dtype=torch.int32)

@@ -99,9 +99,10 @@ def test_atomic_dq_backward_per_sequence():
                  window_size=(12, 0))
 
 
-def test_forward_through_tensor_descriptors_per_sequence():
-    """Descriptors made per sequence (FLASHOP_TMA=1): no tile reads the next sequence's keys,
-    and a sequence without keys makes its descriptors all the same."""
+def test_tensor_descriptors_per_sequence():
+    """Descriptors made per sequence (FLASHOP_TMA=1), in the forward and the backward: no
+    tile reads the next sequence's keys or queries, and a sequence without keys or without
+    queries makes its descriptors all the same."""
     args, dout, dlse = make_packed([9, 0, 40, 5], [30, 3, 17, 0], 2, 2, 24, torch.bfloat16,
                                    gate=torch.float32)
     with flashop.config.override(tma=True):

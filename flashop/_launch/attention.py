@@ -284,7 +284,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
                   **p.strides("k", k), **p.strides("v", v), **p.strides("do", dout),
                   **p.row_strides("l", lse_log2), sm_scale=p.sm_scale, **p.sequences(),
                   **p.modifier_args, **dropout_args(mods), **p.constexprs(c.head_in_parts),
-                  **p.flags, FOLD_SCALE=choice.folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype))
+                  **p.flags, FOLD_SCALE=choice.folds_scale(p.modifier_args["qk_scale"], p.flags, q.dtype),
+                  TMA=c.tma)
+    if c.tma:  # descriptors made in the kernels
+        ensure_triton_allocator()
     if not c.dq_atomic:
         # the dQ kernel first: it also stores delta, which the dK/dV kernel reads
         _launch(

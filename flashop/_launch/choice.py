@@ -163,6 +163,23 @@ def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, S
     return True
 
 
+def backward_uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                      head_dim: int, S_k, head_parts: bool, why=None) -> bool:
+    """Whether the tl backward reads its loops' tiles through tensor descriptors (the dQ
+    kernel's keys and values, the dK/dV kernel's queries and dO): the forward's rule
+    (uses_tma), with q and dout aligned too, and by default not where q's and k's head dim
+    is in two tiles (``head_parts``): measured slower there (D = 192), as at head dims up to
+    128, and faster at 256."""
+    if not uses_tma(q, k, v, head_dim, S_k, why):
+        return False
+    if head_parts and config.settings.tma is None:
+        return decline(why, "tensor descriptors in the backward: by default not where the "
+                            "head dim is in two tiles")
+    if not (tma_aligned(q) and tma_aligned(dout)):
+        return decline(why, "tensor descriptors: q or dout not 16-byte aligned")
+    return True
+
+
 def ws_query_layout(q: torch.Tensor) -> Optional[bool]:
     """How attention_fwd_ws_kernel reads ``q`` (B, S_q, H, D) as one 2-D array of rows:
     True where its (batch, head) slices of S_q rows follow one another (a head-major
@@ -334,6 +351,7 @@ class BackwardChoice(Choice):
     tiles: dict = field(default_factory=dict)  # kind -> Tiles
     autotune: bool = False
     head_in_parts: bool = False  # head_in_parts: q's and k's head dim in two tiles
+    tma: bool = False  # the tl kernels read their loops' tiles through tensor descriptors
 
 
 def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
@@ -395,11 +413,12 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
         kernels = ([("attention_bwd_preprocess_kernel", None)] + kernels
                    + [("attention_bwd_cast_kernel", None)])
     autotune = tiles.autotunes(q.dtype)
-    options = {"bitwise reproducible": not dq_atomic}
+    tma = backward_uses_tma(q, k, v, dout, p.head_dim, p.S_k, head_parts, why)
+    options = {"bitwise reproducible": not dq_atomic, "tensor descriptors": tma}
     if head_parts:
         options["q's and k's head dim in tiles of"] = _head_tiles_text(p.D)
     if autotune:
         options["tiles"] = "autotuned (FLASHOP_AUTOTUNE=1)"
     return BackwardChoice("tl backward", kernels, options, why, dq_atomic=dq_atomic,
                           parts=parts, tiles=found, autotune=autotune,
-                          head_in_parts=head_parts)
+                          head_in_parts=head_parts, tma=tma)

@@ -43,8 +43,8 @@ from flashop.kernels.common import (
 
 @triton.jit
 def _dkdv_query_tiles(
-    grads, b_k, b_k2, b_v, b_gk, q, do, lse_log2, delta, attn_mask, mask_strides, dq_acc,
-    stride_qs, stride_dos, stride_dqas, start_n, o_n, m_n, lo, hi, S_q, S_k, scales,
+    grads, b_k, b_k2, b_v, b_gk, q, do, descs, lse_log2, delta, attn_mask, mask_strides,
+    dq_acc, stride_qs, stride_dos, stride_dqas, start_n, o_n, m_n, lo, hi, S_q, S_k, scales,
     bounds,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, CHECK_ROWS: tl.constexpr,
@@ -53,6 +53,7 @@ def _dkdv_query_tiles(
     ATTN_MASK_KIND: tl.constexpr, DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, dropout, DROPOUT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, PARTS: tl.constexpr = 3, BLOCK_DT: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
 ):
     """Accumulate into ``grads`` (b_dk, b_dk2, b_dv, b_dgk) the query tiles in [lo, hi) of
     one query head, and return them; where ``DQ_ATOMIC``, also add dS K into the fp32
@@ -60,7 +61,10 @@ def _dkdv_query_tiles(
     ``dropout``: tuples, as docs/design.md's vocabulary says. ``PARTS`` (as
     attention_bwd_dkdv_kernel's) leaves out dV's product (2) or dP's, dS's and dK's (1).
     Where ``BLOCK_DT``, the head dims from BLOCK_D on are a second tile: K's in ``b_k2``,
-    dK's in ``b_dk2`` (placeholders without).
+    dK's in ``b_dk2`` (placeholders without). Where ``TMA``, q's and dO's tiles are read
+    through ``descs`` (q's, q's past BLOCK_D, dO's tensor descriptors of this head's rows:
+    rows past S_q and columns past D read as 0); ``q`` and ``do`` then give their dtypes
+    only.
 
     Where ``CHECK_ROWS`` (a range that may reach past S_q), rows past S_q load q = dO = 0 and
     lse = +inf, so they add nothing; elsewhere the loads are unmasked (faster). Keys past
@@ -68,6 +72,7 @@ def _dkdv_query_tiles(
     dv and dgk are never stored, so no key mask is needed.
     """
     b_dk, b_dk2, b_dv, b_dgk = grads
+    q_desc, q2_desc, do_desc = descs
     stride_amq, stride_amk = mask_strides
     qk_scale, softcap_log2, alibi_log2 = scales
     left, right, chunk = bounds
@@ -80,8 +85,11 @@ def _dkdv_query_tiles(
         o_m = start_m + tl.arange(0, BLOCK_M)
         m_m = o_m < S_q
         # Q^T tile [BLOCK_D, BLOCK_M]
-        b_qt = load_tile(q + o_m[None, :] * stride_qs + o_d[:, None], m_m[None, :],
-                         o_d[:, None] < D, CHECK_ROWS, BLOCK_D > D)
+        if TMA:
+            b_qt = tl.trans(q_desc.load([start_m, 0]))
+        else:
+            b_qt = load_tile(q + o_m[None, :] * stride_qs + o_d[:, None], m_m[None, :],
+                             o_d[:, None] < D, CHECK_ROWS, BLOCK_D > D)
         if CHECK_ROWS:
             b_lse = lse_rows(tl.load(lse_log2 + o_m, mask=m_m, other=float("inf")))
         else:
@@ -90,8 +98,11 @@ def _dkdv_query_tiles(
         if BLOCK_DT > 0:
             # Q^T's head dims past BLOCK_D [BLOCK_DT, BLOCK_M]
             o_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-            b_qt2 = load_tile(q + o_m[None, :] * stride_qs + o_dt[:, None], m_m[None, :],
-                              o_dt[:, None] < D, CHECK_ROWS, BLOCK_D + BLOCK_DT > D)
+            if TMA:
+                b_qt2 = tl.trans(q2_desc.load([start_m, BLOCK_D]))
+            else:
+                b_qt2 = load_tile(q + o_m[None, :] * stride_qs + o_dt[:, None], m_m[None, :],
+                                  o_dt[:, None] < D, CHECK_ROWS, BLOCK_D + BLOCK_DT > D)
             b_st = score_dot_parts(b_k, dot_operand(b_qt, UPCAST), b_k2,
                                    dot_operand(b_qt2, UPCAST), DOT_PRECISION)
         else:
@@ -103,8 +114,11 @@ def _dkdv_query_tiles(
             HAS_GATE, ATTN_MASK_KIND, not FOLD_SCALE)
         b_pt = exp2_shifted(b_st, qk_scale, b_lse[None, :], FOLD_SCALE)
         # dO tile [BLOCK_M, BLOCK_DV]
-        b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
-                         o_dv[None, :] < DV, CHECK_ROWS, BLOCK_DV != DV)
+        if TMA:
+            b_do = do_desc.load([start_m, 0])
+        else:
+            b_do = load_tile(do + o_m[:, None] * stride_dos + o_dv[None, :], m_m[:, None],
+                             o_dv[None, :] < DV, CHECK_ROWS, BLOCK_DV != DV)
         b_do = dot_operand(b_do, UPCAST)
         if PARTS & 2:
             # dP^T = V dO^T [BLOCK_N, BLOCK_M], issued before dV's product (faster)
@@ -176,7 +190,7 @@ def attention_bwd_dkdv_kernel(
     DQ_ATOMIC: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, PARTS: tl.constexpr = 3,
-    BLOCK_DT: tl.constexpr = 0,
+    BLOCK_DT: tl.constexpr = 0, TMA: tl.constexpr = False,
 ):
     """dK, dV of one key tile of key/value head i_hk, summed over its G query heads; with a
     gate, also dgk[b, h, j] = -sum_i dS[i, j] for each of those heads. Where ``DQ_ATOMIC``,
@@ -186,7 +200,9 @@ def attention_bwd_dkdv_kernel(
     ``PARTS``: 3 computes both gradients; 1 dV alone (and S^T), 2 dK alone (and S^T, dP^T,
     dS^T, the gate's and dQ's shares): at large head dims one program holding both [BLOCK_N,
     D] accumulators spills, so the launcher runs the kernel twice, once per part, computing
-    S^T twice. ``BLOCK_DT``: q's and k's head dims in two tiles, as the forward's."""
+    S^T twice. ``BLOCK_DT``: q's and k's head dims in two tiles, as the forward's. ``TMA``:
+    q's and dO's tiles read through tensor descriptors made per query head (16-bit inputs
+    whose rows meet their alignment)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
@@ -241,6 +257,20 @@ def attention_bwd_dkdv_kernel(
         i_h = i_hk * G + i_g
         p_q = q + i_b * stride_qb + q_start * stride_qs + i_h * stride_qh
         p_do = do + i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
+        descs = (p_q, p_q, p_do)  # (placeholders without TMA)
+        if TMA:
+            # (a sequence without queries loads no tile; its descriptors keep one row)
+            n_rows = tl.maximum(S_q, 1)
+            d_q2 = p_q
+            if BLOCK_DT > 0:
+                d_q2 = tl.make_tensor_descriptor(p_q, shape=[n_rows, D], strides=[stride_qs, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_DT])
+            descs = (tl.make_tensor_descriptor(p_q, shape=[n_rows, D], strides=[stride_qs, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D]),
+                     d_q2,
+                     tl.make_tensor_descriptor(p_do, shape=[n_rows, DV],
+                                               strides=[stride_dos, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DV]))
         row = i_b * stride_lb + i_h * stride_lh + q_start  # lse, delta: rows of this head
         p_lse = lse_log2 + row
         p_delta = delta + row
@@ -275,14 +305,14 @@ def attention_bwd_dkdv_kernel(
                     start_m, end_m = u_hi, hi
                 # triton<=3.6: p_attn_mask (None without a mask) cannot be a tuple's element
                 b_dk, b_dk2, b_dv, b_dgk = _dkdv_query_tiles(
-                    (b_dk, b_dk2, b_dv, b_dgk), b_k, b_k2, b_v, b_gk, p_q, p_do, p_lse, p_delta,
-                    p_attn_mask, (stride_amq, stride_amk), p_dqa, stride_qs, stride_dos,
+                    (b_dk, b_dk2, b_dv, b_dgk), b_k, b_k2, b_v, b_gk, p_q, p_do, descs, p_lse,
+                    p_delta, p_attn_mask, (stride_amq, stride_amk), p_dqa, stride_qs, stride_dos,
                     stride_dqas, start_n, o_n, m_n, start_m, end_m, S_q, S_k,
                     (qk_scale, softcap_log2, alibi_log2), (left, right, chunk),
                     D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part == 0 or part == 3, part != 1,
                     HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
                     ATTN_MASK_KIND, DQ_ATOMIC, UPCAST, DOT_PRECISION,
-                    (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, PARTS, BLOCK_DT)
+                    (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, PARTS, BLOCK_DT, TMA)
         if HAS_GATE and PARTS & 2:
             tl.store(dgk + i_b * stride_dgkb + i_h * stride_dgkh + k_start + o_n, b_dgk,
                      mask=m_n)

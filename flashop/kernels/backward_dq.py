@@ -20,8 +20,9 @@ from flashop.kernels.common import (
 
 @triton.jit
 def _dq_key_tiles(
-    grads, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-    stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo, hi, S_q, S_k, scales, bounds,
+    grads, b_q, b_q2, b_do, b_lse, b_delta, k, v, descs, g_cum, attn_mask, dattn_mask,
+    stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo, hi, S_q, S_k,
+    scales, bounds,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -29,6 +30,7 @@ def _dq_key_tiles(
     ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, dropout, DROPOUT: tl.constexpr,
     FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr, BLOCK_DT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Accumulate into ``grads`` (b_dq, b_dq2, b_dgq) the key tiles in [lo, hi), and return
     them; ``EDGE_TILE`` as in the forward; where ``BLOCK_DT``, the head dims past BLOCK_D are
@@ -36,8 +38,11 @@ def _dq_key_tiles(
     tuples, as docs/design.md's vocabulary says.
     Where ``ATTN_MASK_GRAD``, write dS into ``dattn_mask`` (rows of stride ``stride_damq``).
     Where ``DELTA_PASS``, only add rowsum(Z * dP) (= rowsum(dO * O) of the unrounded output)
-    into ``b_dgq``."""
+    into ``b_dgq``. Where ``TMA``, the key and value tiles are read through ``descs`` (k's,
+    k's past BLOCK_D, v's tensor descriptors: rows past S_k and columns past D read as 0);
+    ``k`` then gives its dtype only."""
     b_dq, b_dq2, b_dgq = grads
+    k_desc, k2_desc, v_desc = descs
     stride_amq, stride_amk = mask_strides
     qk_scale, softcap_log2, alibi_log2 = scales
     left, right, chunk = bounds
@@ -49,17 +54,26 @@ def _dq_key_tiles(
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < S_k
         # K^T [BLOCK_D, BLOCK_N], V^T [BLOCK_DV, BLOCK_N]
-        b_kt = dot_operand(load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
-                                     o_d[:, None] < D, EDGE_TILE, BLOCK_D > D), UPCAST)
-        b_vt = dot_operand(load_tile(v + o_n[None, :] * stride_vs + o_dv[:, None], m_n[None, :],
-                                     o_dv[:, None] < DV, EDGE_TILE, BLOCK_DV != DV), UPCAST)
+        if TMA:
+            b_kt = tl.trans(k_desc.load([start_n, 0]))
+            b_vt = tl.trans(v_desc.load([start_n, 0]))
+        else:
+            b_kt = load_tile(k + o_n[None, :] * stride_ks + o_d[:, None], m_n[None, :],
+                             o_d[:, None] < D, EDGE_TILE, BLOCK_D > D)
+            b_vt = load_tile(v + o_n[None, :] * stride_vs + o_dv[:, None], m_n[None, :],
+                             o_dv[:, None] < DV, EDGE_TILE, BLOCK_DV != DV)
+        b_kt = dot_operand(b_kt, UPCAST)
+        b_vt = dot_operand(b_vt, UPCAST)
         # [BLOCK_M, BLOCK_N]
         if BLOCK_DT > 0:
             # K^T's head dims past BLOCK_D [BLOCK_DT, BLOCK_N]
             o_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-            b_kt2 = dot_operand(load_tile(k + o_n[None, :] * stride_ks + o_dt[:, None],
-                                          m_n[None, :], o_dt[:, None] < D, EDGE_TILE,
-                                          BLOCK_D + BLOCK_DT > D), UPCAST)
+            if TMA:
+                b_kt2 = tl.trans(k2_desc.load([start_n, BLOCK_D]))
+            else:
+                b_kt2 = load_tile(k + o_n[None, :] * stride_ks + o_dt[:, None], m_n[None, :],
+                                  o_dt[:, None] < D, EDGE_TILE, BLOCK_D + BLOCK_DT > D)
+            b_kt2 = dot_operand(b_kt2, UPCAST)
             b_s = score_dot_parts(b_q, b_kt, b_q2, b_kt2, DOT_PRECISION)
         else:
             b_s = score_dot(b_q, b_kt, DOT_PRECISION)
@@ -99,9 +113,9 @@ def _dq_key_tiles(
 
 @triton.jit
 def _dq_key_ranges(
-    b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-    stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo, u_lo, u_hi, hi, S_q, S_k,
-    scales, bounds,
+    b_dgq, b_q, b_q2, b_do, b_lse, b_delta, k, v, descs, g_cum, attn_mask, dattn_mask,
+    stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo, u_lo, u_hi, hi,
+    S_q, S_k, scales, bounds,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -109,7 +123,7 @@ def _dq_key_ranges(
     HAS_GATE: tl.constexpr, ATTN_MASK_KIND: tl.constexpr, ATTN_MASK_GRAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, dropout,
     DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr, DELTA_PASS: tl.constexpr,
-    BLOCK_DT: tl.constexpr,
+    BLOCK_DT: tl.constexpr, TMA: tl.constexpr,
 ):
     """_dq_key_tiles over a query tile's key ranges (key_tile_range): the left edge tiles, the
     tiles every row attends, the right edge tiles; returns (dQ unscaled, its head dims past
@@ -120,23 +134,23 @@ def _dq_key_ranges(
         b_dq2 = tl.zeros([BLOCK_M, BLOCK_DT], dtype=tl.float32)
     if HAS_LEFT or HAS_CHUNK:
         b_dq, b_dq2, b_dgq = _dq_key_tiles(
-            (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask,
+            (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, descs, g_cum, attn_mask,
             dattn_mask, stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, lo,
             u_lo, S_q, S_k, scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
             HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
-            UPCAST, DOT_PRECISION, dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT)
+            UPCAST, DOT_PRECISION, dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT, TMA)
     b_dq, b_dq2, b_dgq = _dq_key_tiles(
-        (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask,
-        stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, u_lo, u_hi, S_q, S_k,
-        scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
-        dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT)
+        (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, descs, g_cum, attn_mask,
+        dattn_mask, stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m,
+        u_lo, u_hi, S_q, S_k, scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
+        HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+        UPCAST, DOT_PRECISION, dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT, TMA)
     b_dq, b_dq2, b_dgq = _dq_key_tiles(
-        (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask,
-        stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m, u_hi, hi, S_q, S_k,
-        scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
-        dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT)
+        (b_dq, b_dq2, b_dgq), b_q, b_q2, b_do, b_lse, b_delta, k, v, descs, g_cum, attn_mask,
+        dattn_mask, stride_ks, stride_vs, stride_gs, mask_strides, stride_damq, o_m, m_m,
+        u_hi, hi, S_q, S_k, scales, bounds, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+        HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD,
+        UPCAST, DOT_PRECISION, dropout, DROPOUT, FOLD_SCALE, DELTA_PASS, BLOCK_DT, TMA)
     return b_dq, b_dq2, b_dgq
 
 
@@ -164,11 +178,13 @@ def attention_bwd_dq_kernel(
     ATTN_MASK_GRAD: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, BLOCK_DT: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
 ):
     """dQ of one query tile of query head i_h, and the tile's rows of delta (stored for the
     dK/dV kernel, launched after this one); with a gate, also dgq[b, h, i] = sum_j dS[i, j];
     where ``ATTN_MASK_GRAD``, dS into the contiguous (B, H, S_q, S_k) ``dattn_mask`` (``H``,
-    the query heads, is read only for its offsets)."""
+    the query heads, is read only for its offsets). ``TMA``: k's and v's tiles read through
+    tensor descriptors (16-bit inputs whose rows meet their alignment)."""
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor may pass Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
@@ -199,6 +215,19 @@ def attention_bwd_dq_kernel(
     do += i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
     o += i_b * stride_ob + q_start * stride_os + i_h * stride_oh
     dq += i_b * stride_dqb + q_start * stride_dqs + i_h * stride_dqh
+    descs = (k, k, v)  # (placeholders without TMA)
+    if TMA:
+        # (a sequence without keys loads no tile; its descriptors keep one row)
+        n_rows = tl.maximum(S_k, 1)
+        d_k2 = k
+        if BLOCK_DT > 0:
+            d_k2 = tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
+                                             block_shape=[BLOCK_N, BLOCK_DT])
+        descs = (tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D]),
+                 d_k2,
+                 tl.make_tensor_descriptor(v, shape=[n_rows, DV], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV]))
 
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
@@ -242,21 +271,21 @@ def attention_bwd_dq_kernel(
         # sums take delta as it is: a pass more cost a gated D = 128 call 23%)
         b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         _, _, b_sum = _dq_key_ranges(
-            b_sum, b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum, attn_mask, dattn_mask, stride_ks,
-            stride_vs, stride_gs, (stride_amq, stride_amk), S_k, o_m, m_m, lo, u_lo, u_hi, hi, S_q,
-            S_k, (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
-            BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
-            (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, True, BLOCK_DT)
+            b_sum, b_q, b_q2, b_do, b_lse, b_delta, k, v, descs, g_cum, attn_mask, dattn_mask,
+            stride_ks, stride_vs, stride_gs, (stride_amq, stride_amk), S_k, o_m, m_m, lo, u_lo,
+            u_hi, hi, S_q, S_k, (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV,
+            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST, DOT_PRECISION,
+            (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, True, BLOCK_DT, TMA)
         b_delta = b_sum - b_dlse
     tl.store(delta + row, b_delta, mask=m_m)
     b_dq, b_dq2, b_dgq = _dq_key_ranges(
-        tl.zeros([BLOCK_M], dtype=tl.float32), b_q, b_q2, b_do, b_lse, b_delta, k, v, g_cum,
-        attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, (stride_amq, stride_amk), S_k, o_m,
-        m_m, lo, u_lo, u_hi, hi, S_q, S_k, (qk_scale, softcap_log2, alibi_log2),
+        tl.zeros([BLOCK_M], dtype=tl.float32), b_q, b_q2, b_do, b_lse, b_delta, k, v, descs,
+        g_cum, attn_mask, dattn_mask, stride_ks, stride_vs, stride_gs, (stride_amq, stride_amk),
+        S_k, o_m, m_m, lo, u_lo, u_hi, hi, S_q, S_k, (qk_scale, softcap_log2, alibi_log2),
         (left, right, chunk), D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
         HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND, ATTN_MASK_GRAD, UPCAST,
-        DOT_PRECISION, (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, False, BLOCK_DT)
+        DOT_PRECISION, (seed, i_b, i_h, dropout_p), DROPOUT, FOLD_SCALE, False, BLOCK_DT, TMA)
     b_dq = b_dq * sm_scale
     tl.store(dq + o_m[:, None] * stride_dqs + o_d[None, :], round_to(b_dq, dq.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))
