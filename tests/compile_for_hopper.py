@@ -136,7 +136,8 @@ def attention_calls():
 
 def decoding_calls():
     """(label, call) for the decode and MLA launchers: dense and paged caches, a batch
-    index, left padding, appends, one split and several, an fp8 cache."""
+    index, left padding, appends, one split and several, an fp8 cache; MLA at 32 rows and
+    16 (their tiles differ)."""
     bf16, B, L, S_q = torch.bfloat16, 3, 512, 2
     for kind, paged, extra, splits, append in itertools.product(
             ("decode", "fp8", "mla"), (False, True), (None, "batch_idx", "leftpad"), (1, 4),
@@ -168,6 +169,15 @@ def decoding_calls():
             yield label, lambda a=(q, k_cache, v_cache, k, v, lens, batch_idx, table, None,
                                    PLAIN[True], splits, leftpad), d=descale: \
                 kvcache.attention_with_kvcache(*a, **d)
+    for paged in (False, True):  # MLA's 16 rows (one query of 16 heads): 64-key tiles
+        shape = (B * L // 64, 64, 1, 576) if paged else (B, L, 1, 576)
+        k_cache = torch.empty(shape, dtype=bf16)
+        table = torch.zeros(B, L // 64, dtype=torch.int32) if paged else None
+        q, k = torch.empty(B, 1, 16, 576, dtype=bf16), torch.empty(B, 1, 1, 576, dtype=bf16)
+        lens = torch.full((B,), L // 2, dtype=torch.int32)
+        yield (f"mla {'paged' if paged else 'dense'} 16 rows append",
+               lambda a=(q, k_cache, k_cache[..., :512], k, None, lens, None, table, None,
+                         PLAIN[False], 0, None): mla.attention_with_latent_cache(*a))
 
 
 def planted_calls():

@@ -38,27 +38,47 @@ from flashop.kernels.mla import mla_decode_kernel
 TILE_KIND = "mla"
 
 
-def mla_tiles(rows: int, dtype: torch.dtype, page: int) -> DecodeTiles:
+def mla_tiles(rows: int, dtype: torch.dtype, page: int,
+              shared_memory: int = 232448) -> DecodeTiles:
     """The kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache of
-    pages of ``page`` keys (0: dense), 576-dim rows.
+    pages of ``page`` keys (0: dense), 576-dim rows, on a GPU of ``shared_memory`` bytes
+    per block.
 
     Each program holds a [BLOCK_M, 512] fp32 accumulator: 64 rows at most (8 warps: 128
-    registers a thread for it), fewer for fewer rows (16 at least, tl.dot's). The sweep's
+    registers a thread for it), fewer for fewer rows (16 at least, tl.dot's). The sweeps'
     winners on an H200 (benchmarks/decode.py --mla --sweep, benchmarks/tuning/
-    2026-11-29-h200-mla-tiles.csv): up to 32 rows, 32 keys per step in 2 stages with 4
-    warps (0.73 of copy bandwidth at H = 16, against 0.64 with 64 keys); 64 rows, 64 keys
-    in one stage with 8 warps (the query tile and two stages of 64 keys pass Hopper's
-    shared memory). A paged tile that lies in one page loads its one page id. fp32: 16
-    keys. Under the interpreter, small tiles."""
+    2026-11-29-h200-mla-tiles*.csv): up to 16 rows over a dense cache or pages of a
+    multiple of 64 keys, 64 keys per step with 4 warps, 3 stages dense and 5 paged, which
+    is what holds two key tiles in flight either way (held_bytes; 0.85-0.88 of copy
+    bandwidth at H = 16, B = 32, 8k keys, against 0.74 with 32 keys in 2 stages); other
+    pages and up to 32 rows (their 64-key tiles spill), 32 keys per step in 2 stages with 4
+    warps; 64 rows, 64 keys in 2 stages with 8 warps (one key buffer, dense or paged:
+    250-285 TFLOP/s at H = 128, B = 32, 8k keys, against 183-191 in one stage; two buffers
+    of 64 keys and the query tile pass Hopper's shared memory). A paged tile that lies in
+    one page loads its one page id. fp32: 16 keys. Under the interpreter, small tiles."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(16, 16)
     block_m = min(block_m, 64)
     if dtype == torch.float32:
         return DecodeTiles(min(block_m, 32), 16, 4, 2)
+    if block_m == 16 and page % 64 == 0:
+        t = DecodeTiles(16, 64, 4, 5 if page else 3)
+        if held_bytes(t, 576, dtype.itemsize, page > 0) <= shared_memory - 16 * 1024:
+            return t
     if block_m <= 32:
         return DecodeTiles(block_m, 32, 4, 2)
-    return DecodeTiles(64, 64, 8, 1)
+    return DecodeTiles(64, 64, 8, 2)
+
+
+def held_bytes(t: DecodeTiles, D: int, itemsize: int, paged: bool) -> int:
+    """Shared memory of the compiled kernel's query tile and key tiles (rows of ``D``):
+    Triton's pipeliner (3.6 to 3.9, compiled for sm_90) gives the loop's key loads
+    ``num_stages - 1`` buffers, and a paged tile's keys, which wait on the tile's page id,
+    half of them (at least one)."""
+    ahead = max(1, t.num_stages - 1)
+    buffers = max(1, ahead // 2) if paged else ahead
+    return itemsize * D * (t.BLOCK_M + buffers * t.BLOCK_N)
 
 
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
@@ -86,9 +106,13 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     itemsize = q.dtype.itemsize
     t = dict(forced).get(TILE_KIND)
     if t is None:
-        t = mla_tiles(int(G * S_q), q.dtype, page_size)
-        if not INTERPRETING:  # the rows' one staged block: block_d = D, block_dv = 0
-            t = fit_shared_memory(t, D, 0, itemsize, max_shared_memory(q.device.index))
+        if INTERPRETING:
+            t = mla_tiles(int(G * S_q), q.dtype, page_size)
+        else:  # the rows' one staged block: block_d = D, block_dv = 0
+            shared_memory = max_shared_memory(q.device.index)
+            t = mla_tiles(int(G * S_q), q.dtype, page_size, shared_memory)
+            if held_bytes(t, D, itemsize, paged) > shared_memory - 16 * 1024:
+                t = fit_shared_memory(t, D, 0, itemsize, shared_memory)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, D, 0,
                              itemsize, q.device)
