@@ -136,8 +136,8 @@ def attention_calls():
 
 def decoding_calls():
     """(label, call) for the decode and MLA launchers: dense and paged caches, a batch
-    index, left padding, appends, one split and several, an fp8 cache; MLA at 32 rows and
-    16 (their tiles differ)."""
+    index, left padding, appends, one split and several, an fp8 cache; MLA at 32 rows, 16
+    and 64 (their tiles differ)."""
     bf16, B, L, S_q = torch.bfloat16, 3, 512, 2
     for kind, paged, extra, splits, append in itertools.product(
             ("decode", "fp8", "mla"), (False, True), (None, "batch_idx", "leftpad"), (1, 4),
@@ -169,15 +169,17 @@ def decoding_calls():
             yield label, lambda a=(q, k_cache, v_cache, k, v, lens, batch_idx, table, None,
                                    PLAIN[True], splits, leftpad), d=descale: \
                 kvcache.attention_with_kvcache(*a, **d)
-    for paged in (False, True):  # MLA's 16 rows (one query of 16 heads): 64-key tiles
+    # MLA's 16 rows (one query of 16 heads) and 64 (128 heads): their tiles take 64 keys
+    for paged, (H, S_q) in itertools.product((False, True), ((16, 1), (128, 2))):
         shape = (B * L // 64, 64, 1, 576) if paged else (B, L, 1, 576)
         k_cache = torch.empty(shape, dtype=bf16)
         table = torch.zeros(B, L // 64, dtype=torch.int32) if paged else None
-        q, k = torch.empty(B, 1, 16, 576, dtype=bf16), torch.empty(B, 1, 1, 576, dtype=bf16)
+        q = torch.empty(B, S_q, H, 576, dtype=bf16)
+        k = torch.empty(B, S_q, 1, 576, dtype=bf16)
         lens = torch.full((B,), L // 2, dtype=torch.int32)
-        yield (f"mla {'paged' if paged else 'dense'} 16 rows append",
+        yield (f"mla {'paged' if paged else 'dense'} H={H} S_q={S_q} append",
                lambda a=(q, k_cache, k_cache[..., :512], k, None, lens, None, table, None,
-                         PLAIN[False], 0, None): mla.attention_with_latent_cache(*a))
+                         PLAIN[S_q > 1], 0, None): mla.attention_with_latent_cache(*a))
 
 
 def planted_calls():
@@ -196,6 +198,21 @@ def planted_calls():
     yield "planted: tiles past the shared memory", call
 
 
+def _held_as_counted(res, kwargs):
+    """``res`` failed where the MLA kernel's shared memory is not what the launcher's
+    tile rule counts (mla.held_bytes, up to mla.MARGIN more): the rule would pick tiles
+    that do not fit a GPU, or leave out tiles that do."""
+    from flashop._launch.decode_tiles import DecodeTiles
+    t = DecodeTiles(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"],
+                    kwargs["num_stages"])
+    counted = mla.held_bytes(t, 576, 2, kwargs["IS_PAGED"])
+    if not counted <= res.info["shared"] <= counted + mla.MARGIN:
+        res.ok = False
+        res.error = (f"shared memory {res.info['shared']} B, where mla.held_bytes counts "
+                     f"{counted} B (+ up to {mla.MARGIN})")
+    return res
+
+
 def main(argv) -> int:
     calls = (planted_calls() if "--planted" in argv
              else itertools.chain(attention_calls(), decoding_calls()))
@@ -209,8 +226,10 @@ def main(argv) -> int:
                 continue
             seen.add(key)
             launches += 1
-            failures += not compile_sm90.report(
-                compile_sm90.compile_kernel(kernel, grid, kwargs, label=f"{name}: {label}"))
+            res = compile_sm90.compile_kernel(kernel, grid, kwargs, label=f"{name}: {label}")
+            if res.ok and name == "mla_decode_kernel":
+                res = _held_as_counted(res, kwargs)
+            failures += not compile_sm90.report(res)
     print(f"compiled {launches} launches for sm_90, {failures} failed")
     return min(failures, 100)
 

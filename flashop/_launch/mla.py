@@ -38,6 +38,11 @@ from flashop.kernels.mla import mla_decode_kernel
 TILE_KIND = "mla"
 
 
+# what the compiled kernel takes of shared memory beyond held_bytes: up to 4 KiB at 2 stages
+# or more (layout conversions), measured for sm_90 with triton 3.6.0 and 3.9.0
+MARGIN = 8 * 1024
+
+
 def mla_tiles(rows: int, dtype: torch.dtype, page: int,
               shared_memory: int = 232448) -> DecodeTiles:
     """The kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache of
@@ -52,32 +57,41 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int,
     is what holds two key tiles in flight either way (held_bytes; 0.85-0.88 of copy
     bandwidth at H = 16, B = 32, 8k keys, against 0.74 with 32 keys in 2 stages); other
     pages and up to 32 rows (their 64-key tiles spill), 32 keys per step in 2 stages with 4
-    warps; 64 rows, 64 keys in 2 stages with 8 warps (one key buffer, dense or paged:
-    250-285 TFLOP/s at H = 128, B = 32, 8k keys, against 183-191 in one stage; two buffers
-    of 64 keys and the query tile pass Hopper's shared memory). A paged tile that lies in
-    one page loads its one page id. fp32: 16 keys. Under the interpreter, small tiles."""
+    warps; 64 rows, 64 keys in 2 stages with 8 warps (two key buffers: 250-285 TFLOP/s
+    at H = 128, B = 32, 8k keys, against 183-191 in one stage), one stage where that does
+    not fit. A paged tile that lies in one page loads its one page id. fp32: 16 keys.
+    Under the interpreter, small tiles."""
     block_m = max(16, next_power_of_2(rows))
     if INTERPRETING:
         return DecodeTiles(16, 16)
     block_m = min(block_m, 64)
     if dtype == torch.float32:
         return DecodeTiles(min(block_m, 32), 16, 4, 2)
+
+    def fits(t: DecodeTiles) -> bool:
+        return held_bytes(t, 576, dtype.itemsize, page > 0) <= shared_memory - MARGIN
+
     if block_m == 16 and page % 64 == 0:
         t = DecodeTiles(16, 64, 4, 5 if page else 3)
-        if held_bytes(t, 576, dtype.itemsize, page > 0) <= shared_memory - 16 * 1024:
+        if fits(t):
             return t
     if block_m <= 32:
         return DecodeTiles(block_m, 32, 4, 2)
-    return DecodeTiles(64, 64, 8, 2)
+    t = DecodeTiles(64, 64, 8, 2)
+    return t if fits(t) else DecodeTiles(64, 64, 8, 1)
 
 
 def held_bytes(t: DecodeTiles, D: int, itemsize: int, paged: bool) -> int:
-    """Shared memory of the compiled kernel's query tile and key tiles (rows of ``D``):
-    Triton's pipeliner (3.6 to 3.9, compiled for sm_90) gives the loop's key loads
-    ``num_stages - 1`` buffers, and a paged tile's keys, which wait on the tile's page id,
-    half of them (at least one)."""
-    ahead = max(1, t.num_stages - 1)
-    buffers = max(1, ahead // 2) if paged else ahead
+    """Shared memory of the compiled kernel's query tile and key tiles (rows of ``D``), as
+    Triton's pipeliner lays them out for sm_90 (triton 3.6.0 and 3.9.0 alike, compiled
+    offline at 1-5 stages): the key loads run ``num_stages - 1`` tiles ahead, a paged
+    tile's half that (its page id's load takes the other half), in one buffer at least;
+    64-row tiles, whose products (wgmma) read their operands from shared memory while they
+    run, take one buffer more where pipelined."""
+    ahead = max(0, t.num_stages - 1)
+    if paged:
+        ahead //= 2
+    buffers = max(1, ahead) + (1 if t.BLOCK_M >= 64 and t.num_stages > 1 else 0)
     return itemsize * D * (t.BLOCK_M + buffers * t.BLOCK_N)
 
 
@@ -111,7 +125,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         else:  # the rows' one staged block: block_d = D, block_dv = 0
             shared_memory = max_shared_memory(q.device.index)
             t = mla_tiles(int(G * S_q), q.dtype, page_size, shared_memory)
-            if held_bytes(t, D, itemsize, paged) > shared_memory - 16 * 1024:
+            if held_bytes(t, D, itemsize, paged) > shared_memory - MARGIN:
                 t = fit_shared_memory(t, D, 0, itemsize, shared_memory)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, D, 0,
