@@ -9,7 +9,9 @@ tests/test_hopper_compile.py in a process of its own, without TRITON_INTERPRET:
 
 Triton's active driver is replaced by docs/notes/experiments/compile_sm90.py's stand-in
 (it reports sm_90 and launches nothing); each launch the launchers would make is caught and
-compiled by the kernel's own ``warmup`` through PTX to a cubin (the wheel's ptxas).
+compiled by the kernel's own ``warmup`` through PTX to a cubin (the wheel's ptxas), and
+checked as Inductor sees it: the tensors its analysis of the kernel counts as written are
+the kernel's outputs only.
 """
 
 import contextlib
@@ -198,6 +200,41 @@ def planted_calls():
     yield "planted: tiles past the shared memory", call
 
 
+# What each kernel writes. Inductor reads a launch's writes from the kernel's TTIR
+# (torch._higher_order_ops.triton_kernel_wrap): a tensor it counts as written beyond these
+# would be copied before every launch in a compiled graph, silently.
+_OUTPUTS = {
+    "attention_fwd_kernel": {"o", "lse", "lse_log2"},
+    "attention_fwd_ws_kernel": {"o", "lse", "lse_log2"},
+    "attention_bwd_dq_kernel": {"dq", "delta", "dgq", "dattn_mask"},
+    "attention_bwd_dkdv_kernel": {"dk", "dv", "dgk", "dq_acc"},
+    "keys_last_kernel": {"y"},
+    "attention_decode_kernel": {"o", "lse", "o_part", "lse_part"},
+    "mla_decode_kernel": {"o", "lse", "o_part", "lse_part"},
+    "kvcache_append_kernel": {"k_cache", "v_cache"},
+    "attention_decode_merge_kernel": {"o", "lse"},
+}
+
+
+def _writes_outputs_only(res, kernel, name: str, kwargs: dict):
+    """``res`` failed where Inductor's analysis of the kernel counts a tensor other than its
+    outputs (_OUTPUTS) as written."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    args = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+    if hasattr(wrap, "identify_accessed_tensors"):  # torch >= 2.12
+        writes = {d.name for d in wrap.identify_accessed_tensors(kernel, args, {})
+                  .read_writes.writes}
+    else:
+        writes = set(wrap.identify_mutated_tensors(kernel, args, {}))
+    writes = {w for w in writes if isinstance(args.get(w), torch.Tensor)}
+    extra = writes - _OUTPUTS.get(name, set())
+    if extra:
+        res.ok = False
+        res.error = (f"Inductor counts {sorted(extra)} as written (outputs: "
+                     f"{sorted(_OUTPUTS.get(name, ()))}): a compiled graph would copy them")
+    return res
+
+
 def _held_as_counted(res, kwargs):
     """``res`` failed where the MLA kernel's shared memory is not what the launcher's
     tile rule counts (mla.held_bytes, up to mla.MARGIN more): the rule would pick tiles
@@ -229,6 +266,8 @@ def main(argv) -> int:
             res = compile_sm90.compile_kernel(kernel, grid, kwargs, label=f"{name}: {label}")
             if res.ok and name == "mla_decode_kernel":
                 res = _held_as_counted(res, kwargs)
+            if res.ok:
+                res = _writes_outputs_only(res, kernel, name, kwargs)
             failures += not compile_sm90.report(res)
     print(f"compiled {launches} launches for sm_90, {failures} failed")
     return min(failures, 100)

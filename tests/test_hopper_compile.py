@@ -1,8 +1,9 @@
 """The kernels compile for Hopper (sm_90) at the launches their launchers plan, on any
 machine: tests/compile_for_hopper.py compiles them through PTX to a cubin with the installed
-Triton (no GPU needed), so that code the interpreter runs but Triton's compiler refuses, or
-tiles past the shared memory, fail here too. The stack a GPU-less CI holds (the newest
-Triton) is one no GPU test of ours runs."""
+Triton (no GPU needed), so that code the interpreter runs but Triton's compiler refuses,
+tiles past the shared memory, MLA tiles whose shared memory the tile rule miscounts, or a
+kernel Inductor would count as writing an input, fail here too. The stack a GPU-less CI
+holds (the newest Triton) is one no GPU test of ours runs."""
 
 import os
 import subprocess
