@@ -37,7 +37,7 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted, load_tile, lse_rows,
-    query_tile_range, round_to, score_dot, score_dot_parts,
+    query_tile_range, round_to, row_descriptors, score_dot, score_dot_parts,
 )
 
 
@@ -259,18 +259,8 @@ def attention_bwd_dkdv_kernel(
         p_do = do + i_b * stride_dob + q_start * stride_dos + i_h * stride_doh
         descs = (p_q, p_q, p_do)  # (placeholders without TMA)
         if TMA:
-            # (a sequence without queries loads no tile; its descriptors keep one row)
-            n_rows = tl.maximum(S_q, 1)
-            d_q2 = p_q
-            if BLOCK_DT > 0:
-                d_q2 = tl.make_tensor_descriptor(p_q, shape=[n_rows, D], strides=[stride_qs, 1],
-                                                 block_shape=[BLOCK_M, BLOCK_DT])
-            descs = (tl.make_tensor_descriptor(p_q, shape=[n_rows, D], strides=[stride_qs, 1],
-                                               block_shape=[BLOCK_M, BLOCK_D]),
-                     d_q2,
-                     tl.make_tensor_descriptor(p_do, shape=[n_rows, DV],
-                                               strides=[stride_dos, 1],
-                                               block_shape=[BLOCK_M, BLOCK_DV]))
+            descs = row_descriptors(p_q, p_do, S_q, stride_qs, stride_dos, D, DV, BLOCK_M,
+                                    BLOCK_D, BLOCK_DT, BLOCK_DV)
         row = i_b * stride_lb + i_h * stride_lh + q_start  # lse, delta: rows of this head
         p_lse = lse_log2 + row
         p_delta = delta + row

@@ -14,7 +14,7 @@ import triton.language as tl
 from flashop.kernels.backward_buffer import delta_rows
 from flashop.kernels.common import (
     LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted, key_tile_range,
-    load_tile, lse_rows, round_to, score_dot, score_dot_parts,
+    load_tile, lse_rows, round_to, row_descriptors, score_dot, score_dot_parts,
 )
 
 
@@ -217,17 +217,8 @@ def attention_bwd_dq_kernel(
     dq += i_b * stride_dqb + q_start * stride_dqs + i_h * stride_dqh
     descs = (k, k, v)  # (placeholders without TMA)
     if TMA:
-        # (a sequence without keys loads no tile; its descriptors keep one row)
-        n_rows = tl.maximum(S_k, 1)
-        d_k2 = k
-        if BLOCK_DT > 0:
-            d_k2 = tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
-                                             block_shape=[BLOCK_N, BLOCK_DT])
-        descs = (tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D]),
-                 d_k2,
-                 tl.make_tensor_descriptor(v, shape=[n_rows, DV], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV]))
+        descs = row_descriptors(k, v, S_k, stride_ks, stride_vs, D, DV, BLOCK_N, BLOCK_D,
+                                BLOCK_DT, BLOCK_DV)
 
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)

@@ -159,6 +159,28 @@ def load_tile(p, m_rows, m_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.conste
 
 
 @triton.jit
+def row_descriptors(x, y, n_rows, stride_x, stride_y, D: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """Tensor descriptors of ``n_rows`` rows (one at least: a sequence without rows loads
+    no tile) of ``x``, D wide, and ``y``, DV wide, read in tiles of BLOCK_R rows: x's first
+    BLOCK_D columns, its columns from BLOCK_D on where ``BLOCK_DT`` (else ``x`` again, a
+    placeholder), y's BLOCK_DV. Rows past n_rows and columns past D or DV read as 0. (For
+    loads only: a helper's results offsetting a store would make torch count its arguments
+    as written, see below.)"""
+    n_rows = tl.maximum(n_rows, 1)
+    x_tail = x
+    if BLOCK_DT > 0:
+        x_tail = tl.make_tensor_descriptor(x, shape=[n_rows, D], strides=[stride_x, 1],
+                                           block_shape=[BLOCK_R, BLOCK_DT])
+    return (tl.make_tensor_descriptor(x, shape=[n_rows, D], strides=[stride_x, 1],
+                                      block_shape=[BLOCK_R, BLOCK_D]),
+            x_tail,
+            tl.make_tensor_descriptor(y, shape=[n_rows, DV], strides=[stride_y, 1],
+                                      block_shape=[BLOCK_R, BLOCK_DV]))
+
+
+@triton.jit
 def lse_rows(lse_log2):
     """The forward's base-2 lse of a tile of rows; a row that attended nothing (-inf)
     becomes +inf, so its recomputed probabilities exp2(s - lse) are exactly 0."""
