@@ -43,18 +43,27 @@ SCALE = 192 ** -0.5  # DeepSeek-V3's softmax scale (its q-k head dim, 128 + 64),
 POINTS = [(1, 16, 32768, 1), (32, 16, 8192, 1), (128, 16, 4096, 1), (32, 128, 8192, 1),
           (128, 128, 4096, 1), (64, 128, 8192, 2)]  # (B, H, L, S_q)
 QUICK = [(32, 16, 8192, 1), (32, 128, 8192, 1)]
+HOPPER_SHARED_MEMORY = 232448  # bytes a program may take on an H100 or H200
 
 
 def candidate_tiles(rows: int) -> list:
     """The sweep's tiles (BLOCK_M, BLOCK_N, num_warps, num_stages, each key's page id) for
     ``rows = H * S_q`` query rows: the accumulator [BLOCK_M, 512] fp32 wants 8 warps at 64
-    rows; shared memory holds the query tile and num_stages key tiles of 576 dims."""
+    rows; 1-3 and 5 stages (a paged tile's keys get half the pipeliner's buffers: 5 is the
+    first to hold two 64-key tiles at 16 rows), where the query tile and the key buffers the
+    compiled kernel holds over pages (flashop._launch.mla.held_bytes) fit Hopper's shared
+    memory (a dense call of the same tile may not: the sweep reports it as failed)."""
+    from flashop._launch.decode_tiles import DecodeTiles
+    from flashop._launch.mla import MARGIN, held_bytes
+
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     ms = sorted({block_m, min(block_m, 32)} if block_m == 64 else {block_m})
     out = []
-    for m, n, w, s, ids in itertools.product(ms, (32, 64), (4, 8), (1, 2, 3), (False,)):
-        if 2 * (m * D + s * n * D) > 210 * 1024 or (m == 64 and w == 4):
-            continue  # past Hopper's shared memory; a 64-row accumulator spills on 4 warps
+    for m, n, w, s, ids in itertools.product(ms, (32, 64), (4, 8), (1, 2, 3, 5), (False,)):
+        if m == 64 and w == 4:
+            continue  # a 64-row accumulator spills on 4 warps
+        if held_bytes(DecodeTiles(m, n, w, s), D, 2, True) > HOPPER_SHARED_MEMORY - MARGIN:
+            continue
         out.append((m, n, w, s, ids))
     return out
 

@@ -109,9 +109,17 @@ def test_decode_mla_from_csv_prints_the_table(tmp_path, capsys):
                                  "9000.0us", "1%", "0.5TF"]
     assert decode_mla.parse_tiles("64x32x8x2,16x64x4x2p") == [(64, 32, 8, 2, False),
                                                                (16, 64, 4, 2, True)]
-    for rows_ in (16, 32, 128):  # each fits Hopper's shared memory; 64 rows on 8 warps
-        for m, n, w, s, _ in decode_mla.candidate_tiles(rows_):
-            assert 2 * (m * 576 + s * n * 576) <= 210 * 1024 and (m < 64 or w == 8)
+    from flashop._launch.decode_tiles import DecodeTiles
+    from flashop._launch.mla import MARGIN, held_bytes
+    for rows_ in (16, 32, 128):  # each fits Hopper's shared memory over pages; 64 rows on 8
+        tiles_ = decode_mla.candidate_tiles(rows_)
+        for m, n, w, s, _ in tiles_:
+            assert (held_bytes(DecodeTiles(m, n, w, s), 576, 2, True) <= 232448 - MARGIN
+                    and (m < 64 or w == 8))
+        # the table's tiles are among them (the sweep that chose them can find them again)
+        table = {16: [(16, 64, 4, 5), (16, 64, 4, 3)], 32: [(32, 32, 4, 2)],
+                 128: [(64, 64, 8, 2)]}[rows_]
+        assert all(t + (False,) in tiles_ for t in table), (rows_, tiles_)
 
 
 # --- the scripts import without a GPU; switches go through flashop.config ----------------
