@@ -11,8 +11,8 @@ import triton.language as tl
 
 from flashop.kernels.common import (
     INTERPRETED, LN2, LOG2E, attention_scores, dot_operand, dropout_keep, exp2_shifted,
-    heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, score_dot,
-    score_dot_parts,
+    heaviest_tiles_first, key_tile_range, load_tile, round_to, round_to_e4m3, row_descriptors,
+    score_dot, score_dot_parts,
 )
 
 # fp8 inputs: P is scaled by 448 (e4m3's largest value, 2^P_SHIFT) before its cast to e4m3
@@ -369,15 +369,8 @@ def attention_fwd_kernel(
     lse_log2 += i_b * stride_lb + i_h * stride_lh + q_start
     k_t = k  # the descriptor of the keys' head dims past BLOCK_D, where TMA and BLOCK_DT
     if TMA:
-        # (a sequence without keys loads no tile; its descriptors keep one row)
-        n_rows = tl.maximum(S_k, 1)
-        k = tl.make_tensor_descriptor(k, shape=[n_rows, D], strides=[stride_ks, 1],
-                                      block_shape=[BLOCK_N, BLOCK_D])
-        if BLOCK_DT > 0:
-            k_t = tl.make_tensor_descriptor(k_t, shape=[n_rows, D], strides=[stride_ks, 1],
-                                            block_shape=[BLOCK_N, BLOCK_DT])
-        v = tl.make_tensor_descriptor(v, shape=[n_rows, DV], strides=[stride_vs, 1],
-                                      block_shape=[BLOCK_N, BLOCK_DV])
+        k, k_t, v = row_descriptors(k, v, S_k, stride_ks, stride_vs, D, DV, BLOCK_N, BLOCK_D,
+                                    BLOCK_DT, BLOCK_DV)
 
     if SPLIT_M:
         TILE_M: tl.constexpr = BLOCK_M // 2
