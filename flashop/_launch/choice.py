@@ -389,17 +389,18 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
         decline(why, "tl dQ by atomics: only where FLASHOP_DQ_ATOMICS=1 (slower at most "
                      "shapes)")
     short = tiles.is_short(p.S_k)
+    head_parts = head_in_parts(p.D, q.device, why)
     found = {}
     if not dq_atomic:
         found["dq"] = tiles.tiles_for("dq", p.head_dim, q.dtype, q.device,
-                                      mask_grad=attn_mask_grad, causal=causal, short=short)
+                                      mask_grad=attn_mask_grad, causal=causal, short=short,
+                                      head_in_parts=head_parts)
     if dq_atomic:
         parts = (("dkdv_atomic", 3),)
     elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device, why):
         parts = (("dv", 1), ("dk", 2))
     else:
         parts = (("dkdv", 3),)
-    head_parts = head_in_parts(p.D, q.device, why)
     for kind, _ in parts:
         found[kind] = tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal,
                                       short=short, value_dim=p.DV, head_in_parts=head_parts,

@@ -146,8 +146,12 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
         return Tiles(64, 32, 4, 3) if short else Tiles(64, 64, 4, 3)
     if head_dim <= 128:
         return Tiles(128, 64, 8, 3)
-    # three stages take 160 KiB of shared memory at D=256
-    return Tiles(64, 32, 4, 3) if hopper else Tiles(64, 32, 4, 1)
+    if not hopper:
+        return Tiles(64, 32, 4, 1)
+    # one 256-wide head-dim tile: 128 rows with 8 warps (the backward 1.05-1.09x the 64-row
+    # tile's at 2k-16k keys, H200); q's and k's head dim in two tiles (D = 192) keeps 64 rows
+    # (128 within 1%). Three stages take 160 KiB (64 rows) and 224 KiB (128) at D = 256
+    return Tiles(64, 32, 4, 3) if head_in_parts else Tiles(128, 32, 8, 3)
 
 
 # Tiles forced per kind by force() (benchmarks/tune.py times candidates this way); a plan's
@@ -246,7 +250,7 @@ TILE_CANDIDATES = {
                     Tiles(64, 64, 4, 2), Tiles(64, 64, 8, 1)],
     "dv": [Tiles(64, 128, 8, 2), Tiles(32, 128, 8, 2), Tiles(64, 64, 8, 3), Tiles(32, 64, 8, 3)],
     "dk": [Tiles(32, 128, 8, 2), Tiles(64, 64, 8, 2), Tiles(16, 128, 8, 2), Tiles(32, 64, 8, 3)],
-    "dq": [Tiles(128, 64, 8, 3), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 2),
+    "dq": [Tiles(128, 64, 8, 3), Tiles(128, 32, 8, 3), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 2),
            Tiles(64, 32, 4, 3), Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1)],
 }
 
