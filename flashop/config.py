@@ -3,7 +3,8 @@ imported, and a context manager that changes them for a block of code.
 
 Each switch is read by the launchers when a call is launched, and under ``torch.compile``
 when the call is traced: a compiled graph keeps the choice it saw. Change a switch before
-compiling (``torch._dynamo.reset()`` drops graphs compiled earlier).
+compiling (``torch._dynamo.reset()`` drops graphs compiled earlier; torch's on-disk
+compile cache keys a graph by the switches too, flashop/_ops/compile_key.py).
 
 | variable | attribute | default | what it does |
 | --- | --- | --- | --- |

@@ -191,3 +191,43 @@ def test_the_opaque_operators_equal_the_operators_bit_for_bit():
     torch.library.opcheck(torch.ops.flashop.attention_forward_opaque.default, (q, k, v),
                           options)
     torch.library.opcheck(torch.ops.flashop.attention_backward_opaque.default, args, options)
+
+
+def test_the_compile_cache_key_names_the_launch_environment():
+    """torch's AOTAutograd cache keys a graph by its Dynamo graph and the source of the
+    Triton kernels torch keeps for each triton_op (get_triton_kernels_for_op): for every
+    flashop op that source names flashop's code, switches and forced tiles, so that a
+    graph compiled under other ones is not served. Checked in a process without the
+    interpreter, where the ops are triton_ops (on the CPU too)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import torch, flashop
+from torch._library.triton import get_triton_kernels_for_op, triton_ops_to_kernels
+from torch._inductor.codegen.wrapper import (
+    user_defined_triton_kernel_transitive_closure_source_code as source)
+from flashop._launch import tiles
+ops = sorted(n for n in triton_ops_to_kernels if n.startswith("flashop::"))
+assert len(ops) >= 5, ops
+def key():
+    return ["".join(map(source, get_triton_kernels_for_op(n))) for n in ops]
+plain = key()
+with flashop.config.override(dq_atomics=True):
+    atomics = key()
+with tiles.force("dq", tiles.Tiles(64, 32, 4, 3)):
+    forced = key()
+assert key() == plain
+for a, b, c in zip(plain, atomics, forced):
+    assert a != b and a != c and b != c
+    assert "dq_atomics=True" in b and "dq_atomics=True" not in a
+print(len(ops), "ops")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[1] == "ops"

@@ -652,3 +652,44 @@ def test_gpu_compiled_decode_steps_equal_eager(options):
         expected = step(q, k_cache, k, seqlens)
         assert all(bitwise_equal(a, b) for a, b in zip(result, expected)), i
         assert bitwise_equal(cache, k_cache) and torch.equal(lengths, seqlens), i
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_gpu_a_compile_under_other_tiles_plans_its_own_launches():
+    """A call compiled with the table's tiles, then (torch._dynamo.reset()) compiled again
+    under a forced tile whose decode splits differ: the second compile launches its own plan
+    (torch's AOTAutograd cache, keyed by the Dynamo graph, must not serve the first's), so
+    it equals the eager call under that tile bit for bit. Both compiles use one fresh cache
+    directory, so that what earlier runs stored cannot answer either."""
+    from torch._inductor import utils as inductor_utils
+
+    from flashop._launch import tiles as tile_table
+    from flashop._launch.decode_tiles import DecodeTiles
+    from flashop._launch.mla import attention_with_latent_cache
+    from flashop._launch.options import modifiers
+
+    fresh_cache = getattr(inductor_utils, "fresh_cache", None) or \
+        inductor_utils.fresh_inductor_cache  # torch<=2.8's name
+    case = MlaCase((100, 2000), 2, 0, 128, capacity=4096, scale=0.1352)
+    (q, k_cache, _, _, _), kwargs = make_mla_call(case)
+
+    def call(q, c):
+        return flashop.attention_with_kvcache(q, c, c[..., :DV], **kwargs, return_lse=True)
+
+    def splits():
+        plan = attention_with_latent_cache(
+            q, k_cache, k_cache[..., :DV], None, None, kwargs["cache_seqlens"], None, None,
+            0.1352, modifiers(causal=True), 0, plan_only=True)
+        return plan.decode.grid[0]
+
+    with fresh_cache():
+        torch._dynamo.reset()
+        torch.compile(call, fullgraph=True)(q, k_cache)
+        table_splits = splits()
+        with tile_table.force("mla", DecodeTiles(64, 64, 8, 1)):
+            assert splits() != table_splits  # (else the test could not tell the plans apart)
+            torch._dynamo.reset()
+            out = torch.compile(call, fullgraph=True)(q, k_cache)
+            expected = call(q, k_cache)
+    assert all(bitwise_equal(a, b) for a, b in zip(out, expected))
