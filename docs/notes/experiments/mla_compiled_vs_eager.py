@@ -13,6 +13,11 @@ entry 123 says:
 3. ``attention_with_kvcache`` compiled, then eager, per split count (0: the rule's), S_q and
    tile (the table's, and the former one-stage 64-row tile), no append.
 
+The cause (entry 125): torch's AOTAutograd cache keyed a graph by its Dynamo graph alone, so
+part 3's forced-tile compiles were served the graph compiled for the table's tile earlier
+in the loop (16 splits where the forced tile plans 32). With flashop's compile key
+(flashop/_ops/compile_key.py) every part prints equal.
+
 Usage (a GPU; tests/ on the path for the tests' cases):
 
     PYTHONPATH=.:tests python docs/notes/experiments/mla_compiled_vs_eager.py
