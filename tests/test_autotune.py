@@ -92,6 +92,17 @@ def test_the_dkdv_parts_take_a_third_stage_where_the_head_dim_is_in_two_tiles(ki
     assert tile_table.shared_memory_bytes(kind, parts, 192, block_dv, 2) <= H200_SHARED_MEMORY
 
 
+def test_the_dq_kernel_takes_128_rows_where_the_head_dim_is_one_tile_above_128():
+    """Hopper, head dims above 128: the dQ kernel's 128 x 32 tile with 8 warps where q's and
+    k's head dim is one 256-wide tile, 64 x 32 with 4 warps where it is two (D = 192: 128 +
+    64); both fit the shared memory."""
+    one = tile_table._gpu_tiles("dq", 256, hopper=True)
+    parts = tile_table._gpu_tiles("dq", 192, hopper=True, head_in_parts=True)
+    assert (one, parts) == (Tiles(128, 32, 8, 3), Tiles(64, 32, 4, 3))
+    assert tile_table.shared_memory_bytes("dq", one, 256, 256, 2) <= H200_SHARED_MEMORY
+    assert tile_table._gpu_tiles("dq", 256, hopper=False) == Tiles(64, 32, 4, 1)
+
+
 @pytest.mark.parametrize("kind", sorted(tile_table.TILE_CANDIDATES))
 @pytest.mark.parametrize("block", [64, 128, 256])
 def test_prune_keeps_exactly_the_candidates_that_fit(kind, block):
