@@ -4,6 +4,6 @@ that runs their bodies without the dispatcher. Built on ``flashop._launch``; imp
 registers the operators."""
 
 from flashop._ops import attention, attention_fp8, kvcache  # noqa: F401  (registers the ops)
-from flashop._ops import compile_key  # noqa: E402
+from flashop._ops import compile_key
 
 compile_key.register()  # (after the ops: their kernels' table holds the launch environment)

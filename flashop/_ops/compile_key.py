@@ -28,8 +28,6 @@ from flashop.kernels import INTERPRETING
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # flashop/
 _OP_PREFIX = "flashop::"
-
-
 _digest: Optional[str] = None
 
 
@@ -70,7 +68,7 @@ class _LaunchEnvironment(JITFunction):
 launch_environment = _LaunchEnvironment(_never_launched)
 
 
-def register() -> list:
+def register() -> list:  # torch<=2.13: its cache keys a triton_op by the kernels it finds
     """Add launch_environment to the Triton kernels torch keeps for each flashop
     ``triton_op`` (torch._library.triton.triton_ops_to_kernels, read by the AOTAutograd
     cache's key); returns the op names it was added to (none where torch keeps no such
