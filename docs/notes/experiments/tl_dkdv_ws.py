@@ -4,9 +4,11 @@ The `tl` backward's dK/dV kernel runs its query loop in one warp group chain: S^
 dP, dS, dK one after another, nothing overlapping them (entry 109). This stripped kernel
 asks Triton's Hopper pass (triton 3.6: ``tl.range(..., warp_specialize=True)``, one loop
 without branches) for what the forward's warp-specialized kernel got (entry 39): a producer
-warp group for the descriptor loads and one consumer group per half of the program's keys
-(two halves of BLOCK_N / 2 keys, each holding its own dK and dV), so that one half's
-softmax-like work runs while the other's products do. Only what the loop needs: dense
+warp group for the descriptor loads and consumer groups that overlap one another's products
+and elementwise work. ``PARTS=1`` gives the program one tile of BLOCK_N keys, which the
+pass splits between two consumer groups itself (each its 64 keys' dK and dV); ``PARTS=2``
+writes the two halves out, each with accumulators of its own (the pass then gives each
+consumer both halves, and they spill at D = 128). Only what the loop needs: dense
 (B, S, H, D) inputs, one query head per key head, no bound or modifier, S_q a multiple of
 BLOCK_M and S_k of BLOCK_N, D one tile (64 or 128).
 
@@ -70,15 +72,17 @@ def _dkdv_half(b_dk, b_dv, b_k, b_v, b_q, b_do, b_lse, b_delta, qk_scale,
 @triton.jit
 def dkdv_ws_kernel(q, k, v, do, lse_log2, delta, dk, dv, S_q, S_k, qk_scale, sm_scale,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, WS: tl.constexpr, KEYS_AS_B: tl.constexpr):
+                   BLOCK_N: tl.constexpr, WS: tl.constexpr, KEYS_AS_B: tl.constexpr,
+                   PARTS: tl.constexpr = 2):
     """dK and dV of BLOCK_N keys of one head of one sequence; grid (S_k / BLOCK_N, H, B).
     q, k, v, do, dk, dv: (B, S, H, D) contiguous; lse_log2 (base 2) and delta (rowsum(dO *
-    O)): (B, H, S_q) fp32 contiguous."""
+    O)): (B, H, S_q) fp32 contiguous. ``PARTS``: the keys as two halves with accumulators of
+    their own (2), or one tile (1), which the pass may split between its consumers itself."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
     B = tl.num_programs(2)
-    HALF: tl.constexpr = BLOCK_N // 2
+    HALF: tl.constexpr = BLOCK_N // PARTS
     # every tensor read as 2-D rows (B * S, H * D) (the forward's warp-specialized kernel
     # met races with descriptors over one program's slice under triton 3.6)
     q_desc = tl.make_tensor_descriptor(q, shape=[B * S_q, H * D], strides=[H * D, 1],
@@ -96,9 +100,12 @@ def dkdv_ws_kernel(q, k, v, do, lse_log2, delta, dk, dv, S_q, S_k, qk_scale, sm_
     col = i_h * D
     k_row = i_b * S_k + i_n * BLOCK_N
     b_k1 = k_desc.load([k_row, col])
-    b_k2 = k_desc.load([k_row + HALF, col])
     b_v1 = v_desc.load([k_row, col])
-    b_v2 = v_desc.load([k_row + HALF, col])
+    if PARTS == 2:
+        b_k2 = k_desc.load([k_row + HALF, col])
+        b_v2 = v_desc.load([k_row + HALF, col])
+    else:  # (not read)
+        b_k2, b_v2 = b_k1, b_v1
     b_dk1 = tl.zeros([HALF, D], dtype=tl.float32)
     b_dv1 = tl.zeros([HALF, D], dtype=tl.float32)
     b_dk2 = tl.zeros([HALF, D], dtype=tl.float32)
@@ -112,16 +119,18 @@ def dkdv_ws_kernel(q, k, v, do, lse_log2, delta, dk, dv, S_q, S_k, qk_scale, sm_
         b_delta = delta_desc.load([l_row + start_m])
         b_dk1, b_dv1 = _dkdv_half(b_dk1, b_dv1, b_k1, b_v1, b_q, b_do, b_lse, b_delta,
                                   qk_scale, KEYS_AS_B)
-        b_dk2, b_dv2 = _dkdv_half(b_dk2, b_dv2, b_k2, b_v2, b_q, b_do, b_lse, b_delta,
-                                  qk_scale, KEYS_AS_B)
+        if PARTS == 2:
+            b_dk2, b_dv2 = _dkdv_half(b_dk2, b_dv2, b_k2, b_v2, b_q, b_do, b_lse, b_delta,
+                                      qk_scale, KEYS_AS_B)
     o_n = i_n * BLOCK_N + tl.arange(0, HALF)
     o_d = tl.arange(0, D)
     p = (i_b * S_k + o_n[:, None]) * (H * D) + col + o_d[None, :]
     tl.store(dk + p, (b_dk1 * sm_scale).to(dk.dtype.element_ty))
     tl.store(dv + p, b_dv1.to(dv.dtype.element_ty))
-    p += HALF * H * D
-    tl.store(dk + p, (b_dk2 * sm_scale).to(dk.dtype.element_ty))
-    tl.store(dv + p, b_dv2.to(dv.dtype.element_ty))
+    if PARTS == 2:
+        p += HALF * H * D
+        tl.store(dk + p, (b_dk2 * sm_scale).to(dk.dtype.element_ty))
+        tl.store(dv + p, b_dv2.to(dv.dtype.element_ty))
 
 
 def inputs(B, S_q, S_k, H, D, dtype, device, seed=0):
@@ -139,14 +148,14 @@ def inputs(B, S_q, S_k, H, D, dtype, device, seed=0):
 
 
 def dkdv(q, k, v, do, lse_log2, delta, scale, BLOCK_M, BLOCK_N, num_warps, num_stages, ws,
-         keys_as_b=False):
+         keys_as_b=False, parts=2):
     B, S_q, H, D = q.shape
     S_k = k.shape[1]
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dkdv_ws_kernel[(S_k // BLOCK_N, H, B)](
         q, k, v, do, lse_log2, delta, dk, dv, S_q, S_k, scale * LOG2E, scale, H=H, D=D,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WS=ws, KEYS_AS_B=keys_as_b, num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WS=ws, KEYS_AS_B=keys_as_b, PARTS=parts,
+        num_warps=num_warps, num_stages=num_stages)
     return dk, dv
 
 
@@ -156,9 +165,10 @@ def check() -> int:
     worst = 0.0
     for B, S_q, S_k, H, D in ((1, 64, 64, 2, 64), (2, 96, 128, 1, 32)):
         q, k, v, do, lse2, delta, scale = inputs(B, S_q, S_k, H, D, torch.float32, "cpu")
-        for keys_as_b in (False, True):
-            dk, dv = dkdv(q, k, v, do, lse2, delta, scale, 32, 32, 4, 1, True, keys_as_b)
-            worst = max(worst, _error(q, k, v, do, dk, dv, scale, keys_as_b))
+        for keys_as_b, parts in ((False, 2), (True, 2), (False, 1), (True, 1)):
+            dk, dv = dkdv(q, k, v, do, lse2, delta, scale, 32, 32, 4, 1, True, keys_as_b,
+                          parts)
+            worst = max(worst, _error(q, k, v, do, dk, dv, scale, f"{keys_as_b} parts={parts}"))
     return 0 if worst < 1e-4 else 1
 
 
@@ -176,14 +186,17 @@ def _error(q, k, v, do, dk, dv, scale, keys_as_b) -> float:
     return err
 
 
-CONFIGS = [  # (D, BLOCK_M, BLOCK_N, num_warps, num_stages, WS, KEYS_AS_B)
-    (128, 64, 128, 8, 2, False, False), (128, 64, 128, 4, 2, True, False),
-    (128, 32, 128, 4, 2, True, False), (128, 64, 128, 4, 2, True, True),
-    (128, 32, 128, 4, 2, True, True), (128, 64, 128, 4, 3, True, True),
-    (128, 64, 64, 8, 2, False, False),
-    (64, 64, 128, 8, 2, False, False), (64, 64, 128, 4, 2, True, False),
-    (64, 32, 128, 4, 2, True, False), (64, 64, 128, 4, 2, True, True),
-    (64, 64, 128, 4, 3, True, True), (64, 128, 128, 4, 2, True, True),
+CONFIGS = [  # (D, BLOCK_M, BLOCK_N, num_warps, num_stages, WS, KEYS_AS_B, PARTS)
+    (128, 64, 128, 8, 2, False, False, 2), (128, 64, 128, 4, 2, True, False, 2),
+    (128, 32, 128, 4, 2, True, False, 2), (128, 64, 128, 4, 2, True, True, 2),
+    (128, 32, 128, 4, 2, True, True, 2), (128, 64, 128, 4, 3, True, True, 2),
+    (128, 64, 64, 8, 2, False, False, 2),
+    (128, 64, 128, 4, 2, True, False, 1), (128, 32, 128, 4, 2, True, False, 1),
+    (128, 64, 128, 8, 2, True, False, 1), (128, 64, 128, 4, 2, True, True, 1),
+    (64, 64, 128, 8, 2, False, False, 2), (64, 64, 128, 4, 2, True, False, 2),
+    (64, 32, 128, 4, 2, True, False, 2), (64, 64, 128, 4, 2, True, True, 2),
+    (64, 64, 128, 4, 3, True, True, 2), (64, 128, 128, 4, 2, True, True, 2),
+    (64, 64, 128, 4, 2, True, False, 1),
 ]
 
 
@@ -192,15 +205,15 @@ def compile_all() -> int:
     import compile_sm90  # installs the stand-in driver
 
     failed = 0
-    for D, BM, BN, warps, stages, ws, keys_as_b in CONFIGS:
+    for D, BM, BN, warps, stages, ws, keys_as_b, parts in CONFIGS:
         B, S, H = 1, 4096, 2048 // D
         t = [torch.empty(B, S, H, D, dtype=torch.bfloat16) for _ in range(6)]
         lse2, delta = (torch.empty(B, H, S) for _ in range(2))
         kwargs = dict(q=t[0], k=t[1], v=t[2], do=t[3], lse_log2=lse2, delta=delta, dk=t[4],
                       dv=t[5], S_q=S, S_k=S, qk_scale=0.1, sm_scale=0.1, H=H, D=D,
-                      BLOCK_M=BM, BLOCK_N=BN, WS=ws, KEYS_AS_B=keys_as_b, num_warps=warps,
-                      num_stages=stages)
-        label = f"D={D} {BM}x{BN}x{warps}x{stages} ws={ws} keys_as_b={keys_as_b}"
+                      BLOCK_M=BM, BLOCK_N=BN, WS=ws, KEYS_AS_B=keys_as_b, PARTS=parts,
+                      num_warps=warps, num_stages=stages)
+        label = f"D={D} {BM}x{BN}x{warps}x{stages} ws={ws} keys_as_b={keys_as_b} parts={parts}"
         res = compile_sm90.compile_kernel(dkdv_ws_kernel, (S // BN, H, B), kwargs, label)
         failed += not compile_sm90.report(res)
     return failed
@@ -218,20 +231,21 @@ def time_it() -> int:
         for S in (4096, 16384):
             B, H = 16384 // S, 2048 // D
             q, k, v, do, lse2, delta, scale = inputs(B, S, S, H, D, torch.bfloat16, "cuda")
-            flops = 4 * B * H * S * S * D * 2.5 * (4 / 7)  # dK/dV's four products of seven
-            for BM, BN, warps, stages, ws in ((64, 128, 8, 2, True), (64, 128, 8, 2, False),
-                                              (64, 128, 4, 2, True)):
+            flops = 4 * 2 * B * H * S * S * D  # dK/dV's four products
+            for BM, BN, warps, stages, ws, parts in (
+                    (64, 128, 4, 2, True, 1), (32, 128, 4, 2, True, 1),
+                    (64, 128, 4, 3, True, 1), (64, 128, 8, 2, False, 1)):
+                label = f"D={D} S={S} {BM}x{BN}x{warps}x{stages} ws={ws} parts={parts}"
                 try:
                     fn = lambda: dkdv(q, k, v, do, lse2, delta, scale, BM, BN,  # noqa: E731
-                                      warps, stages, ws)
+                                      warps, stages, ws, False, parts)
                     ms = triton.testing.do_bench(fn, warmup=20, rep=100)
-                    print(f"D={D} S={S} {BM}x{BN}x{warps}x{stages} ws={ws}: {ms:.3f} ms "
-                          f"{flops / ms * 1e-9:.0f} TFLOP/s of its products")
+                    print(f"{label}: {ms:.3f} ms {flops / ms * 1e-9:.0f} TFLOP/s of its "
+                          f"products", flush=True)
                 except Exception as e:  # noqa: BLE001 (an experiment: report and go on)
-                    print(f"D={D} S={S} {BM}x{BN}x{warps}x{stages} ws={ws}: "
-                          f"{type(e).__name__}: {str(e)[:200]}")
+                    print(f"{label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            with flashop.config.override(gluon=False):
+            with flashop.config.override(gluon=False, dq_atomics=False):
                 out = flashop.attention(qq, kk, vv)
                 for _ in range(3):
                     torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
