@@ -209,20 +209,20 @@ import torch, flashop
 from torch._library.triton import get_triton_kernels_for_op, triton_ops_to_kernels
 from torch._inductor.codegen.wrapper import (
     user_defined_triton_kernel_transitive_closure_source_code as source)
-from flashop._launch import tiles
+from flashop._launch import calls, tiles
 ops = sorted(n for n in triton_ops_to_kernels if n.startswith("flashop::"))
 assert len(ops) >= 5, ops
 def key():
     return ["".join(map(source, get_triton_kernels_for_op(n))) for n in ops]
 plain = key()
 with flashop.config.override(dq_atomics=True):
-    atomics = key()
+    atomics, with_atomics = key(), repr(calls.environment())
 with tiles.force("dq", tiles.Tiles(64, 32, 4, 3)):
     forced = key()
 assert key() == plain
 for a, b, c in zip(plain, atomics, forced):
     assert a != b and a != c and b != c
-    assert "dq_atomics=True" in b and "dq_atomics=True" not in a
+    assert with_atomics in b and with_atomics not in a
 print(len(ops), "ops")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

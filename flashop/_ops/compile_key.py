@@ -22,8 +22,7 @@ from typing import Optional
 import torch
 from triton.runtime.jit import JITFunction
 
-from flashop import config
-from flashop._launch import tiles
+from flashop._launch import calls
 from flashop.kernels import INTERPRETING
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # flashop/
@@ -46,10 +45,10 @@ def code_digest() -> str:
 
 
 def environment() -> str:
-    """The state that a launch plan follows beyond the call's arguments, as one line."""
-    return (f"flashop code {code_digest()} "
-            f"interpreting {INTERPRETING} settings {config.settings!r} "
-            f"forced tiles {tiles.forced()!r}")
+    """The state that a launch plan follows beyond the call's arguments, as one line: the
+    code, and what the eager plans' keys hold of it (calls.environment)."""
+    return (f"flashop code {code_digest()} interpreting {INTERPRETING} "
+            f"launch environment {calls.environment()!r}")
 
 
 def _never_launched():
