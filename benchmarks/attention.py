@@ -12,8 +12,8 @@ Providers: flashop (its defaults, eager), flashop-compiled (the same call inside
 reproducible backward), flashop-fp8 (the forward on e4m3 q, k, v, each quantized per
 (batch, head) by its amax, untimed; FLOPs counted as bf16's), flashop with switches changed (flashop-atomic,
 flashop-atomic-no-gluon, flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws,
-flashop-no-gluon: README's Configuration, set with ``flashop.config.override`` while
-timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
+flashop-no-gluon, flashop-no-gluon-tma, flashop-no-gluon-ws, flashop-no-gluon-no-ws:
+README's Configuration, set with ``flashop.config.override`` while timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
 and compiled FlexAttention.
 
 Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256,192/128]
@@ -51,6 +51,8 @@ FLASHOP_VARIANTS = {
     "flashop-ws": {"warp_specialize": True},  # ... wherever the inputs allow it
     "flashop-no-gluon": {"gluon": False},  # never the Gluon forward
     "flashop-no-gluon-tma": {"gluon": False, "tma": True},  # the tl kernels, descriptors
+    "flashop-no-gluon-no-ws": {"gluon": False, "warp_specialize": False},  # ... no WS forward
+    "flashop-no-gluon-ws": {"gluon": False, "warp_specialize": True},  # ... WS where allowed
     "flashop-gluon": {"gluon": True},  # ... wherever the inputs allow it
 }
 # flashop called otherwise: compiled, or with the deterministic backward
