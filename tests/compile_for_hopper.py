@@ -82,6 +82,7 @@ def _forward_backward(call):
 def attention_calls():
     """(label, call) for the `tl` forward and backward through the API: head dims 64 to 256
     (192 / 128 too), causal and not, GQA, the modifiers, a float mask with its gradient,
+    boolean and float masks at D = 256 (the dQ kernel's staged mask tiles),
     dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only), keys read
     through tensor descriptors, the warp-specialized forward (forced: its default rule reads
     q's device). CPU tensors get what a Hopper GPU's would: its tiles, the head dim in
@@ -123,6 +124,9 @@ def attention_calls():
     yield from dense("D=64 float mask with its gradient", 64, 64, 4, 2, attn_mask=mask)
     yield from dense("D=176/128 float mask with its gradient", 176, 128, 4, 2, causal=True,
                      attn_mask=mask)
+    yield from dense("D=256 boolean mask", 256, 256, 4, 2, causal=True,
+                     attn_mask=torch.rand(S, S) > 0.5)
+    yield from dense("D=256 float mask", 256, 256, 4, 2, attn_mask=torch.randn(S, S))
     e4m3 = qkv(128, 128, 4, 2, dtype=torch.float8_e4m3fn)
     yield "D=128 e4m3 forward", lambda: flashop.attention(*e4m3, causal=True)
     lengths = torch.tensor([0, 100, 256], dtype=torch.int32)

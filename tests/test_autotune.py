@@ -95,10 +95,12 @@ def test_the_dkdv_parts_take_a_third_stage_where_the_head_dim_is_in_two_tiles(ki
 def test_the_dq_kernel_takes_128_rows_where_the_head_dim_is_one_tile_above_128():
     """Hopper, head dims above 128: the dQ kernel's 128 x 32 tile with 8 warps where q's and
     k's head dim is one 256-wide tile, 64 x 32 with 4 warps where it is two (D = 192: 128 +
-    64); both fit the shared memory."""
+    64) or where an attn_mask's tiles are staged too (the 128 rows' then need 232-256 KiB:
+    tests/compile_for_hopper.py compiles that call); both fit the shared memory."""
     one = tile_table._gpu_tiles("dq", 256, hopper=True)
     parts = tile_table._gpu_tiles("dq", 192, hopper=True, head_in_parts=True)
     assert (one, parts) == (Tiles(128, 32, 8, 3), Tiles(64, 32, 4, 3))
+    assert tile_table._gpu_tiles("dq", 256, hopper=True, masked=True) == Tiles(64, 32, 4, 3)
     assert tile_table.shared_memory_bytes("dq", one, 256, 256, 2) <= H200_SHARED_MEMORY
     assert tile_table._gpu_tiles("dq", 256, hopper=False) == Tiles(64, 32, 4, 1)
 

@@ -394,7 +394,8 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
     if not dq_atomic:
         found["dq"] = tiles.tiles_for("dq", p.head_dim, q.dtype, q.device,
                                       mask_grad=attn_mask_grad, causal=causal, short=short,
-                                      head_in_parts=head_parts)
+                                      head_in_parts=head_parts,
+                                      masked=p.flags["ATTN_MASK_KIND"] != 0)
     if dq_atomic:
         parts = (("dkdv_atomic", 3),)
     elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device, why):

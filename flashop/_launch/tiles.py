@@ -150,8 +150,9 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
         return Tiles(64, 32, 4, 1)
     # one 256-wide head-dim tile: 128 rows with 8 warps (the backward 1.05-1.09x the 64-row
     # tile's at 2k-16k keys, H200); q's and k's head dim in two tiles (D = 192) keeps 64 rows
-    # (128 within 1%). Three stages take 160 KiB (64 rows) and 224 KiB (128) at D = 256
-    return Tiles(64, 32, 4, 3) if head_in_parts else Tiles(128, 32, 8, 3)
+    # (128 within 1%). Three stages take 160 KiB (64 rows) and 224 KiB (128) at D = 256; an
+    # attn_mask's staged tiles take the 128 rows' past Hopper's 227 KiB (232-256 KiB)
+    return Tiles(64, 32, 4, 3) if head_in_parts or masked else Tiles(128, 32, 8, 3)
 
 
 # Tiles forced per kind by force() (benchmarks/tune.py times candidates this way); a plan's
