@@ -44,6 +44,32 @@ def test_everything_at_once(dtype):
                     mask=torch.float32, mask_shape=(1, 2, 45, 1), mask_grad=True))
 
 
+# Head dims above 128 with the modifiers (the property tests draw 128 at most): their
+# kernels take other tiles (tiles._gpu_tiles: the dQ kernel's 128-row tile where the head
+# dim is one 256-wide tile, 64 rows under a mask; the dK/dV kernel in two parts; the head
+# dim in two tiles at D = 192), and a mask's staged tiles count against the shared memory
+# on a GPU. Lengths past two tiles of each kernel there and under the interpreter.
+WIDE_HEADS = [
+    Case(B=1, S_q=150, S_k=150, H_kv=1, G=2, D=256, DV=256, dtype=torch.bfloat16,
+         causal=True, mask=torch.bool, mask_shape=(150, 150)),
+    Case(B=1, S_q=77, S_k=150, H_kv=2, G=1, D=256, DV=256, dtype=torch.float16,
+         mask=torch.float32, mask_shape=(1, 2, 77, 150), mask_grad=True),
+    Case(B=2, S_q=70, S_k=70, H_kv=1, G=1, D=224, DV=224, dtype=torch.bfloat16,
+         mask=torch.float32, mask_shape=(70, 70), alibi=(1,), softcap=5.0),
+    Case(B=1, S_q=150, S_k=150, H_kv=1, G=2, D=192, DV=128, dtype=torch.bfloat16,
+         causal=True, window_size=(90, 0), gate=torch.float32, mask=torch.bool,
+         mask_shape=(1, 1, 150, 150)),
+    Case(B=1, S_q=100, S_k=140, H_kv=1, G=2, D=256, DV=128, dtype=torch.bfloat16,
+         mask=torch.float32, mask_shape=(100, 140), dq_atomics=True),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_HEADS,
+                         ids=lambda c: f"D{c.D}-DV{c.DV}-{'causal' if c.causal else 'full'}")
+def test_modifiers_at_head_dims_above_128(case):
+    check_case(case)
+
+
 _T = max(TILES)  # a multiple of every tile in use
 
 
