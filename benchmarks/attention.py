@@ -10,10 +10,11 @@ alone. TFLOP/s: forward 2*B*H*N*N*(D + DV) (halved when causal), backward 2.5x t
 Providers: flashop (its defaults, eager), flashop-compiled (the same call inside
 ``torch.compile(fullgraph=True)``), flashop-deterministic (``deterministic=True``: the bitwise
 reproducible backward), flashop-fp8 (the forward on e4m3 q, k, v, each quantized per
-(batch, head) by its amax, untimed; FLOPs counted as bf16's), flashop with switches changed (flashop-atomic,
-flashop-atomic-no-gluon, flashop-autotune, flashop-tma, flashop-no-tma, flashop-no-ws,
-flashop-no-gluon, flashop-no-gluon-tma, flashop-no-gluon-ws, flashop-no-gluon-no-ws:
-README's Configuration, set with ``flashop.config.override`` while timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
+(batch, head) by its amax, untimed; FLOPs counted as bf16's), flashop with switches changed
+(flashop-atomic, flashop-atomic-no-gluon, flashop-autotune, flashop-tma, flashop-no-tma,
+flashop-no-ws, flashop-no-gluon, flashop-no-gluon-tma, flashop-no-gluon-ws,
+flashop-no-gluon-no-ws: README's Configuration, set with ``flashop.config.override`` while
+timing), SDPA pinned to each backend (sdpa-flash = FlashAttention-2, sdpa-cudnn, sdpa-mem)
 and compiled FlexAttention.
 
 Usage: python benchmarks/attention.py [--quick] [--heads-dims 64,128,256,192/128]

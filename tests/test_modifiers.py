@@ -48,7 +48,8 @@ def test_everything_at_once(dtype):
 # kernels take other tiles (tiles._gpu_tiles: the dQ kernel's 128-row tile where the head
 # dim is one 256-wide tile, 64 rows under a mask; the dK/dV kernel in two parts; the head
 # dim in two tiles at D = 192), and a mask's staged tiles count against the shared memory
-# on a GPU. Lengths past two tiles of each kernel there and under the interpreter.
+# on a GPU. Lengths past one tile of each kernel on a GPU, past several under the
+# interpreter.
 WIDE_HEADS = [
     Case(B=1, S_q=150, S_k=150, H_kv=1, G=2, D=256, DV=256, dtype=torch.bfloat16,
          causal=True, mask=torch.bool, mask_shape=(150, 150)),
