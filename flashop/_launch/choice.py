@@ -390,12 +390,12 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
                      "shapes)")
     short = tiles.is_short(p.S_k)
     head_parts = head_in_parts(p.D, q.device, why)
+    masked = p.flags["ATTN_MASK_KIND"] != 0
     found = {}
     if not dq_atomic:
         found["dq"] = tiles.tiles_for("dq", p.head_dim, q.dtype, q.device,
                                       mask_grad=attn_mask_grad, causal=causal, short=short,
-                                      head_in_parts=head_parts,
-                                      masked=p.flags["ATTN_MASK_KIND"] != 0)
+                                      head_in_parts=head_parts, masked=masked)
     if dq_atomic:
         parts = (("dkdv_atomic", 3),)
     elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device, why):
@@ -405,7 +405,7 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
     for kind, _ in parts:
         found[kind] = tiles.tiles_for(kind, p.head_dim, q.dtype, q.device, causal=causal,
                                       short=short, value_dim=p.DV, head_in_parts=head_parts,
-                                      masked=p.flags["ATTN_MASK_KIND"] != 0)
+                                      masked=masked)
     names = {"dq": "attention_bwd_dq_kernel", "dkdv": "attention_bwd_dkdv_kernel",
              "dkdv_atomic": "attention_bwd_dkdv_kernel, dQ by atomics",
              "dv": "attention_bwd_dkdv_kernel, dV part", "dk": "attention_bwd_dkdv_kernel, "
