@@ -67,18 +67,21 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int,
     block_m = min(block_m, 64)
     if dtype == torch.float32:
         return DecodeTiles(min(block_m, 32), 16, 4, 2)
-
-    def fits(t: DecodeTiles) -> bool:
-        return held_bytes(t, 576, dtype.itemsize, page > 0) <= shared_memory - MARGIN
-
+    held = (576, dtype.itemsize, page > 0, shared_memory)  # fits' other arguments
     if block_m == 16 and page % 64 == 0:
         t = DecodeTiles(16, 64, 4, 5 if page else 3)
-        if fits(t):
+        if fits(t, *held):
             return t
     if block_m <= 32:
         return DecodeTiles(block_m, 32, 4, 2)
     t = DecodeTiles(64, 64, 8, 2)
-    return t if fits(t) else DecodeTiles(64, 64, 8, 1)
+    return t if fits(t, *held) else DecodeTiles(64, 64, 8, 1)
+
+
+def fits(t: DecodeTiles, D: int, itemsize: int, paged: bool, shared_memory: int) -> bool:
+    """Whether the kernel at tiles ``t`` fits ``shared_memory``: held_bytes, with MARGIN
+    to spare."""
+    return held_bytes(t, D, itemsize, paged) <= shared_memory - MARGIN
 
 
 def held_bytes(t: DecodeTiles, D: int, itemsize: int, paged: bool) -> int:
@@ -125,7 +128,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         else:  # the rows' one staged block: block_d = D, block_dv = 0
             shared_memory = max_shared_memory(q.device.index)
             t = mla_tiles(int(G * S_q), q.dtype, page_size, shared_memory)
-            if held_bytes(t, D, itemsize, paged) > shared_memory - MARGIN:
+            if not fits(t, D, itemsize, paged, shared_memory):
                 t = fit_shared_memory(t, D, 0, itemsize, shared_memory)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, D, 0,
