@@ -175,17 +175,22 @@ def decoding_calls():
             yield label, lambda a=(q, k_cache, v_cache, k, v, lens, batch_idx, table, None,
                                    PLAIN[True], splits, leftpad), d=descale: \
                 kvcache.attention_with_kvcache(*a, **d)
-    # MLA's 16 rows (one query of 16 heads) and 64 (128 heads): their tiles take 64 keys
-    for paged, (H, S_q) in itertools.product((False, True), ((16, 1), (128, 2))):
+    # MLA's 16 rows (one query of 16 heads) and 64 (128 heads): their tiles take 64 keys;
+    # a value cache of its own is staged beside the keys (fewer key tiles held)
+    for paged, (H, S_q), own in itertools.product(
+            (False, True), ((16, 1), (128, 2)), (False, True)):
         shape = (B * L // 64, 64, 1, 576) if paged else (B, L, 1, 576)
         k_cache = torch.empty(shape, dtype=bf16)
+        v_cache = torch.empty(shape[:-1] + (512,), dtype=bf16) if own else k_cache[..., :512]
         table = torch.zeros(B, L // 64, dtype=torch.int32) if paged else None
         q = torch.empty(B, S_q, H, 576, dtype=bf16)
         k = torch.empty(B, S_q, 1, 576, dtype=bf16)
         lens = torch.full((B,), L // 2, dtype=torch.int32)
-        yield (f"mla {'paged' if paged else 'dense'} H={H} S_q={S_q} append",
-               lambda a=(q, k_cache, k_cache[..., :512], k, None, lens, None, table, None,
-                         PLAIN[S_q > 1], 0, None): mla.attention_with_latent_cache(*a))
+        yield (f"mla {'paged' if paged else 'dense'} H={H} S_q={S_q} append"
+               f"{' own values' if own else ''}",
+               lambda a=(q, k_cache, v_cache, k, None, lens, None, table, None,
+                         PLAIN[S_q > 1], 0, None), own=own:
+               mla.attention_with_latent_cache(*a, values_in_keys=not own))
 
 
 def planted_calls():
@@ -246,7 +251,8 @@ def _held_as_counted(res, kwargs):
     from flashop._launch.decode_tiles import DecodeTiles
     t = DecodeTiles(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"],
                     kwargs["num_stages"])
-    counted = mla.held_bytes(t, 576, 2, kwargs["IS_PAGED"])
+    counted = mla.held_bytes(t, 576, 2, kwargs["IS_PAGED"],
+                             0 if kwargs["V_IN_K"] else kwargs["DV"])
     if not counted <= res.info["shared"] <= counted + mla.MARGIN:
         res.ok = False
         res.error = (f"shared memory {res.info['shared']} B, where mla.held_bytes counts "

@@ -242,6 +242,16 @@ def test_tile_rule_fits_every_shared_memory(monkeypatch, shared_memory):
     for t, paged, buffers in tiles:
         assert held(DecodeTiles(*t), 576, 2, paged) == 2 * 576 * (t[0] + buffers * t[1]), t
     assert rule(16, torch.float32, 64, shared_memory) == DecodeTiles(16, 16, 4, 2)
+    # a value cache of its own (512 dims) staged beside the keys where pipelined (a key
+    # tile's buffer unpipelined): 32-key tiles for 16 rows, one stage for 64
+    for t, paged, values in (((16, 64, 4, 3), False, 2 * 64), ((16, 64, 4, 5), True, 2 * 64),
+                             ((16, 32, 4, 2), False, 32), ((64, 64, 8, 1), True, 0)):
+        assert held(DecodeTiles(*t), 576, 2, paged, 512) == \
+            held(DecodeTiles(*t), 576, 2, paged) + 2 * 512 * values, t
+    if hopper:
+        assert rule(16, bf16, 0, shared_memory, 512) == DecodeTiles(16, 32, 4, 2)
+        assert rule(16, bf16, 64, shared_memory, 512) == DecodeTiles(16, 32, 4, 2)
+        assert rule(64, bf16, 64, shared_memory, 512) == DecodeTiles(64, 64, 8, 1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -44,10 +44,11 @@ MARGIN = 8 * 1024
 
 
 def mla_tiles(rows: int, dtype: torch.dtype, page: int,
-              shared_memory: int = 232448) -> DecodeTiles:
+              shared_memory: int = 232448, own_values: int = 0) -> DecodeTiles:
     """The kernel's tiles for ``rows = G * S_q`` query rows per KV head over a cache of
     pages of ``page`` keys (0: dense), 576-dim rows, on a GPU of ``shared_memory`` bytes
-    per block.
+    per block; ``own_values``: the dims of a value cache of its own (0: the values are the
+    keys' leading dims), whose tiles are staged beside the keys'.
 
     Each program holds a [BLOCK_M, 512] fp32 accumulator: 64 rows at most (8 warps: 128
     registers a thread for it), fewer for fewer rows (16 at least, tl.dot's). The sweeps'
@@ -67,7 +68,7 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int,
     block_m = min(block_m, 64)
     if dtype == torch.float32:
         return DecodeTiles(min(block_m, 32), 16, 4, 2)
-    held = (576, dtype.itemsize, page > 0, shared_memory)  # fits' other arguments
+    held = (576, dtype.itemsize, page > 0, shared_memory, own_values)  # fits' others
     if block_m == 16 and page % 64 == 0:
         t = DecodeTiles(16, 64, 4, 5 if page else 3)
         if fits(t, *held):
@@ -78,14 +79,17 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int,
     return t if fits(t, *held) else DecodeTiles(64, 64, 8, 1)
 
 
-def fits(t: DecodeTiles, D: int, itemsize: int, paged: bool, shared_memory: int) -> bool:
+def fits(t: DecodeTiles, D: int, itemsize: int, paged: bool, shared_memory: int,
+         own_values: int = 0) -> bool:
     """Whether the kernel at tiles ``t`` fits ``shared_memory``: held_bytes, with MARGIN
     to spare."""
-    return held_bytes(t, D, itemsize, paged) <= shared_memory - MARGIN
+    return held_bytes(t, D, itemsize, paged, own_values) <= shared_memory - MARGIN
 
 
-def held_bytes(t: DecodeTiles, D: int, itemsize: int, paged: bool) -> int:
-    """Shared memory of the compiled kernel's query tile and key tiles (rows of ``D``), as
+def held_bytes(t: DecodeTiles, D: int, itemsize: int, paged: bool,
+               own_values: int = 0) -> int:
+    """Shared memory of the compiled kernel's query tile and key tiles (rows of ``D``, and
+    of ``own_values`` dims from a value cache of its own, staged alike), as
     Triton's pipeliner lays them out for sm_90 (triton 3.6.0 and 3.9.0 alike, compiled
     offline at 1-5 stages): the key loads run ``num_stages - 1`` tiles ahead, a paged
     tile's half that (its page id's load takes the other half), in one buffer at least;
@@ -95,7 +99,9 @@ def held_bytes(t: DecodeTiles, D: int, itemsize: int, paged: bool) -> int:
     if paged:
         ahead //= 2
     buffers = max(1, ahead) + (1 if t.BLOCK_M >= 64 and t.num_stages > 1 else 0)
-    return itemsize * D * (t.BLOCK_M + buffers * t.BLOCK_N)
+    # (unpipelined, a value tile of its own takes the key tile's buffer once S is computed)
+    values = own_values * buffers * t.BLOCK_N if t.num_stages > 1 else 0
+    return itemsize * (D * (t.BLOCK_M + buffers * t.BLOCK_N) + values)
 
 
 def _make_plan(metas: tuple, options: tuple) -> _Plan:
@@ -121,15 +127,16 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     capacity = block_table.shape[1] * page if paged else page
     page_size = page if paged else 0
     itemsize = q.dtype.itemsize
+    own_values = 0 if values_in_keys else DV
     t = dict(forced).get(TILE_KIND)
     if t is None:
         if INTERPRETING:
             t = mla_tiles(int(G * S_q), q.dtype, page_size)
-        else:  # the rows' one staged block: block_d = D, block_dv = 0
+        else:  # the rows' staged blocks: D dims, and DV more where the values are their own
             shared_memory = max_shared_memory(q.device.index)
-            t = mla_tiles(int(G * S_q), q.dtype, page_size, shared_memory)
-            if not fits(t, D, itemsize, paged, shared_memory):
-                t = fit_shared_memory(t, D, 0, itemsize, shared_memory)
+            t = mla_tiles(int(G * S_q), q.dtype, page_size, shared_memory, own_values)
+            if not fits(t, D, itemsize, paged, shared_memory, own_values):
+                t = fit_shared_memory(t, D, own_values, itemsize, shared_memory)
     row_tiles = cdiv(G * S_q, t.BLOCK_M)
     num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, D, 0,
                              itemsize, q.device)
