@@ -2,6 +2,7 @@
 buckets everywhere; the autotuned kernels themselves on a GPU (the interpreter runs one
 config only)."""
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -90,6 +91,27 @@ def test_the_dkdv_parts_take_a_third_stage_where_the_head_dim_is_in_two_tiles(ki
     assert one.num_stages == masked.num_stages == 2
     block_dv = tile_table.next_power_of_2(value_dim)
     assert tile_table.shared_memory_bytes(kind, parts, 192, block_dv, 2) <= H200_SHARED_MEMORY
+
+
+def test_the_dkdv_kernel_runs_in_one_pass_where_the_head_dim_is_in_two_tiles(monkeypatch):
+    """Hopper, 16-bit inputs above head dim 128: the dK/dV kernel in one pass where q's and
+    k's head dim is in two tiles (D = 192: 128 + 64) and the values' at most 128 wide
+    (DeepSeek's prefill), its 32-row tile with 8 warps, three stages (two with an attn_mask);
+    in two parts otherwise (one program holding both accumulators spills there)."""
+    monkeypatch.setattr(tile_table, "is_hopper", lambda device: True)
+    gpu, bf16 = torch.device("cuda", 0), torch.bfloat16
+    splits = functools.partial(tile_table.splits_dkdv, dtype=bf16, device=gpu)
+    assert not splits(192, head_in_parts=True, value_dim=128)
+    assert not splits(160, head_in_parts=True, value_dim=64)
+    assert splits(192, head_in_parts=True, value_dim=192)
+    assert splits(192, head_in_parts=False, value_dim=128)
+    assert splits(256, head_in_parts=False, value_dim=256)
+    t = tile_table._gpu_tiles("dkdv", 192, hopper=True, value_dim=128, head_in_parts=True)
+    assert t == Tiles(32, 128, 8, 3)
+    assert tile_table._gpu_tiles("dkdv", 192, hopper=True, value_dim=128, head_in_parts=True,
+                                 masked=True) == Tiles(32, 128, 8, 2)
+    assert tile_table.shared_memory_bytes("dkdv", t, 256, 128, 2) <= H200_SHARED_MEMORY
+    assert tile_table._gpu_tiles("dkdv", 256, hopper=True) == Tiles(64, 64, 8, 2)
 
 
 def test_the_dq_kernel_takes_128_rows_where_the_head_dim_is_one_tile_above_128():

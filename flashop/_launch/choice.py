@@ -398,7 +398,7 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
                                       head_in_parts=head_parts, masked=masked)
     if dq_atomic:
         parts = (("dkdv_atomic", 3),)
-    elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device, why):
+    elif tiles.splits_dkdv(p.head_dim, q.dtype, q.device, why, head_parts, p.DV):
         parts = (("dv", 1), ("dk", 2))
     else:
         parts = (("dkdv", 3),)

@@ -71,12 +71,17 @@ def two_query_tiles(head_dim: int) -> bool:
     return 64 < head_dim <= 128
 
 
-def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device, why=None) -> bool:
+def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device, why=None,
+                head_in_parts: bool = False, value_dim: int = 0) -> bool:
     """Whether the backward's dK/dV kernel runs as two launches, a dV part and a dK part
     (its ``PARTS``), each program holding one [BLOCK_N, D] accumulator: 16-bit inputs at
     head dims above 128 on Hopper, where one program holding both spills at every tile that
     fits (1.09-1.26x the whole backward at D = 256 on an H200, though S^T is computed
-    twice). The interpreter takes the Hopper rule, so that CI runs both forms."""
+    twice). Not where q's and k's head dim is in two tiles (``head_in_parts``,
+    choice.head_in_parts) and the values' ``value_dim`` is at most 128: there one program
+    of 32 key rows holds both without spilling, and the backward runs 1.16-1.28x the parts'
+    (D = 192 / 128, H200). The interpreter takes the Hopper rule, so that CI runs both
+    forms."""
     what = "the dK/dV kernel in two parts"
     if head_dim <= 128:
         return decline(why, f"{what}: above head dim 128 only (one program holds dK and dV)")
@@ -84,6 +89,9 @@ def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device, why=Non
         return decline(why, f"{what}: not for float32 inputs")
     if not (INTERPRETING or (device.type == "cuda" and is_hopper(device))):
         return decline(why, f"{what}: on Hopper GPUs only")
+    if head_in_parts and value_dim <= 128:
+        return decline(why, f"{what}: not with q's and k's head dim in two tiles and values "
+                            f"at most 128 wide (one program holds dK and dV)")
     return True
 
 
@@ -140,6 +148,10 @@ def _gpu_tiles(kind: str, head_dim: int, hopper: bool, causal: bool = False,
             if not hopper:
                 return Tiles(64, 64, 4, 2)
             return Tiles(32, 64, 4, 3) if short_causal else Tiles(64, 128, 8, 3)
+        if head_in_parts:  # one pass (splits_dkdv): 32 key rows hold both accumulators
+            # without spills at D = 192 / 128 (16: 0.67-0.82x the backward; 64 spill); a
+            # third stage 1.0-1.15x two (H200)
+            return Tiles(32, 128, 8, stages)
         return Tiles(64, 64, 8, 2) if hopper else Tiles(32, 64, 8, 1)
     # dq
     if head_dim <= 64 and causal:

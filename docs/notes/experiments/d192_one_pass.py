@@ -12,9 +12,11 @@ Modes (from the repository root):
     # compiled for sm_90 on a machine without a GPU (triton 3.6.0): registers, spills
     PYTHONPATH=. python docs/notes/experiments/d192_one_pass.py --compile
     # on a Hopper GPU: the backward alone (grid protocol: bf16, 16384 tokens per batch,
-    # H = 2048 // DV), parts / one pass at each tile / cuDNN, one process; gradients of
-    # each one-pass form against the parts' (relative Frobenius error)
-    PYTHONPATH=. python docs/notes/experiments/d192_one_pass.py --time [--seqlens 1024,4096,16384]
+    # H = 2048 // DV), parts / the default rule / one pass at each tile / cuDNN, one
+    # process; gradients of each against the parts' (relative Frobenius error); --groups G:
+    # G query heads per KV head (cuDNN given the keys repeated)
+    PYTHONPATH=. python docs/notes/experiments/d192_one_pass.py --time \
+        [--seqlens 1024,4096,16384] [--groups 4] [--tiles 32x128x8x3,32x64x8x3]
 
 The one-pass form is the kernel that fp32 inputs and GPUs before Hopper already run above
 head dim 128 (CI tests it in fp32 under the interpreter); here only the rule is patched
@@ -34,6 +36,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 ONE_PASS_TILES = [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 2), (64, 64, 8, 2)]
+
+
+@contextlib.contextmanager
+def in_parts():
+    """The backward's dK/dV kernel in its two parts (the rule before entry 131)."""
+    from flashop._launch import tiles
+    with mock.patch.object(tiles, "splits_dkdv", lambda *a, **kw: True):
+        yield
 
 
 @contextlib.contextmanager
@@ -70,7 +80,7 @@ def compile_all() -> int:
     return failed
 
 
-def time_all(seqlens) -> int:
+def time_all(seqlens, groups: int = 1, tiles=ONE_PASS_TILES) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
@@ -98,17 +108,23 @@ def time_all(seqlens) -> int:
     for N in seqlens:
         for causal in (False, True):
             B, H = 16384 // N, 2048 // DV
-            q, k = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
-                                requires_grad=True) for _ in range(2))
-            v = torch.randn(B, N, H, DV, device="cuda", dtype=torch.bfloat16,
+            q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True)
+            k = torch.randn(B, N, H // groups, D, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True)
+            v = torch.randn(B, N, H // groups, DV, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True)
             do = torch.randn(B, N, H, DV, device="cuda", dtype=torch.bfloat16)
             flops = 2.5 * 2 * B * H * N * N * (D + DV) / (2 if causal else 1)
             attend = lambda q, k, v: flashop.attention(q, k, v, causal=causal)  # noqa: E731
-            plans.clear_plans()
-            ms, ref = backward(attend, q, k, v, do)
+            with in_parts():
+                plans.clear_plans()
+                ms, ref = backward(attend, q, k, v, do)
             row = [f"parts {flops / ms * 1e-9:.0f}"]
-            for t in ONE_PASS_TILES:
+            plans.clear_plans()
+            ms, got = backward(attend, q, k, v, do)
+            row.append(f"default {flops / ms * 1e-9:.0f} (err {rel(got, ref):.0e})")
+            for t in tiles:
                 try:
                     with one_pass(t):
                         plans.clear_plans()
@@ -120,6 +136,8 @@ def time_all(seqlens) -> int:
             plans.clear_plans()
 
             def cudnn(q, k, v):
+                if groups > 1:  # (cuDNN's SDPA takes no groups: the keys repeated)
+                    k, v = (x.repeat_interleave(groups, dim=2) for x in (k, v))
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(
                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -141,11 +159,16 @@ def main(argv=None) -> int:
     group.add_argument("--compile", action="store_true")
     group.add_argument("--time", action="store_true")
     parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--groups", type=int, default=1, help="query heads per KV head")
+    parser.add_argument("--tiles", default=None,
+                        help="one-pass tiles to force, e.g. 32x128x8x3,32x128x8x2")
     args = parser.parse_args(argv)
     if args.compile:
         os.environ.pop("TRITON_INTERPRET", None)
         return compile_all()
-    return time_all([int(n) for n in args.seqlens.split(",")])
+    tiles = ONE_PASS_TILES if args.tiles is None else [
+        tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+    return time_all([int(n) for n in args.seqlens.split(",")], args.groups, tiles)
 
 
 if __name__ == "__main__":
