@@ -16,7 +16,8 @@ Modes (from the repository root):
     # process; gradients of each against the parts' (relative Frobenius error); --groups G:
     # G query heads per KV head (cuDNN given the keys repeated)
     PYTHONPATH=. python docs/notes/experiments/d192_one_pass.py --time \
-        [--seqlens 1024,4096,16384] [--groups 4] [--tiles 32x128x8x3,32x64x8x3]
+        [--seqlens 1024,4096,16384] [--groups 4] [--tiles 32x128x8x3,32x64x8x3] \
+        [--dims 256/256] [--budget 400]
 
 The one-pass form is the kernel that fp32 inputs and GPUs before Hopper already run above
 head dim 128 (CI tests it in fp32 under the interpreter); here only the rule is patched
@@ -80,7 +81,8 @@ def compile_all() -> int:
     return failed
 
 
-def time_all(seqlens, groups: int = 1, tiles=ONE_PASS_TILES) -> int:
+def time_all(seqlens, groups: int = 1, tiles=ONE_PASS_TILES, dims=(192, 128),
+             budget: float = 400) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
@@ -104,7 +106,8 @@ def time_all(seqlens, groups: int = 1, tiles=ONE_PASS_TILES) -> int:
     start = time.time()
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
           f"{__import__('triton').__version__} | TFLOP/s of the backward")
-    D, DV = 192, 128
+    D, DV = dims
+    print(f"D = {D}, DV = {DV}, H_kv = H / {groups}")
     for N in seqlens:
         for causal in (False, True):
             B, H = 16384 // N, 2048 // DV
@@ -147,8 +150,8 @@ def time_all(seqlens, groups: int = 1, tiles=ONE_PASS_TILES) -> int:
             print(f"N={N} causal={causal}: " + " | ".join(row), flush=True)
             del q, k, v, do
             torch.cuda.empty_cache()
-            if time.time() - start > 400:
-                print("stopped: 400 s")
+            if time.time() - start > budget:
+                print(f"stopped: {budget:.0f} s")
                 return 0
     return 0
 
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
     group.add_argument("--time", action="store_true")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--groups", type=int, default=1, help="query heads per KV head")
+    parser.add_argument("--dims", default="192/128", help="D/DV")
+    parser.add_argument("--budget", type=float, default=400, help="seconds, then stop")
     parser.add_argument("--tiles", default=None,
                         help="one-pass tiles to force, e.g. 32x128x8x3,32x128x8x2")
     args = parser.parse_args(argv)
@@ -168,7 +173,8 @@ def main(argv=None) -> int:
         return compile_all()
     tiles = ONE_PASS_TILES if args.tiles is None else [
         tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
-    return time_all([int(n) for n in args.seqlens.split(",")], args.groups, tiles)
+    return time_all([int(n) for n in args.seqlens.split(",")], args.groups, tiles,
+                    tuple(map(int, args.dims.split("/"))), args.budget)
 
 
 if __name__ == "__main__":
