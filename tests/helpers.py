@@ -264,13 +264,15 @@ def _strided_randn(shape, dtype, layout, generator):
 @st.composite
 def gluon_cases(draw, dtype, head_dims=(128,)):
     """Plain calls the Gluon kernels take when forced (FLASHOP_GLUON=1): causal (S_q == S_k)
-    or not, up to 700 queries and keys (tail tiles), GQA, two layouts, any positive scale."""
+    or not, up to 700 queries and keys (tail tiles), GQA, two layouts, any positive scale;
+    ``head_dims``: D (DV = D) or (D, DV) pairs."""
     causal = draw(st.booleans())
     S_k = draw(st.integers(1, 700))
     D = draw(st.sampled_from(head_dims))
+    D, DV = D if isinstance(D, tuple) else (D, D)
     return Case(B=draw(st.integers(1, 2)), S_q=S_k if causal else draw(st.integers(1, 700)),
                 S_k=S_k, H_kv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 3, 4])),
-                D=D, DV=D, dtype=dtype, causal=causal,
+                D=D, DV=DV, dtype=dtype, causal=causal,
                 scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0).map(lambda f: f / D**0.5))),
                 layout=draw(st.sampled_from(["contiguous", "bhsd"])))
 

@@ -277,11 +277,12 @@ def _takes_gluon(case: Case) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gluon_forward_matches_reference(dtype, data, seed):
-    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: head dims 64, 128 and 256, causal and
-    not, any lengths (tail tiles of queries and keys), GQA, two layouts, any positive scale;
-    its lse feeds the tl backward. Its grid, one program per SM, is drawn smaller too, so
-    that each program takes several work units (its buffers carried from one to the next)."""
-    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
+    """The Gluon forward (FLASHOP_GLUON=1) on its inputs: head dims 64, 128, 256 and 192 / 128
+    (q's and k's head dim in two tiles), causal and not, any lengths (tail tiles of queries
+    and keys), GQA, two layouts, any positive scale; its lse feeds the tl backward. Its
+    grid, one program per SM, is drawn smaller too, so that each program takes several work
+    units (its buffers carried from one to the next)."""
+    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_VALUE_DIMS.items())))
     programs = data.draw(st.sampled_from([None, 1, 2, 5]), label="programs")
     sm_count = launch_gluon.sm_count if programs is None else (lambda device: programs)
     with mock.patch.object(launch_gluon, "attention_forward",
@@ -481,10 +482,11 @@ def test_where_the_gluon_backward_runs(monkeypatch):
 
 
 def test_where_the_gluon_forward_runs(monkeypatch):
-    """Plain dense 16-bit calls at D = 64, 128 and 256 (S_q == S_k where causal) with
-    positive scales and 16-byte aligned strides; by default, from 1024 queries, calls over
-    1024+ keys at D = 128 and 256, and at D = 64 over 2048+ keys (4096+ where causal); never
-    a traced call, and nowhere the kernel is unavailable (here: this run's device)."""
+    """Plain dense 16-bit calls at D = DV = 64, 128 and 256 and at D = 192 with DV = 128
+    (S_q == S_k where causal) with positive scales and 16-byte aligned strides; by default,
+    from 1024 queries, calls over 1024+ keys at D = 128, 192 and 256, and at D = 64 over
+    2048+ keys (4096+ where causal); never a traced call, and nowhere the kernel is
+    unavailable (here: this run's device)."""
     base = Case(B=1, S_q=40, S_k=256, H_kv=1, G=2, D=128, DV=128, dtype=torch.bfloat16)
     causal = replace(base, causal=True, S_q=256)
     assert _takes_gluon(causal) == (GLUON and flashop.config.settings.gluon is True)
@@ -498,7 +500,9 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert _takes_gluon(replace(base, S_k=257, S_q=1))
         assert _takes_gluon(replace(causal, D=64, DV=64))
         assert _takes_gluon(replace(causal, D=256, DV=256))
+        assert _takes_gluon(replace(causal, D=192, DV=128))
         for other in (dict(causal=True), dict(D=96, DV=96), dict(D=192, DV=192), dict(DV=64),
+                      dict(D=176, DV=128), dict(D=192, DV=64),
                       dict(dtype=torch.float32), dict(scale=-0.1), dict(layout="padded")):
             assert not _takes_gluon(replace(base, **other)), other
         q, k, v = make_inputs(base)[0]
@@ -531,6 +535,13 @@ def test_where_the_gluon_forward_runs(monkeypatch):
         assert not _takes_gluon(replace(base, S_q=n, S_k=min_keys[256, False] - 1, **d256))
         n256 = min_keys[256, True]  # causal: S_q == S_k
         assert not _takes_gluon(replace(long_causal, S_q=n256 - 1, S_k=n256 - 1, **d256))
+        d192 = dict(D=192, DV=128)
+        for c in (False, True):
+            n192 = min_keys[192, c]
+            assert _takes_gluon(replace(long_causal, causal=c, S_q=n192, S_k=n192, **d192))
+        assert not _takes_gluon(replace(base, S_q=n, S_k=min_keys[192, False] - 1, **d192))
+        assert not launch_gluon.serves(*make_inputs(replace(long_causal, **d192))[0], True,
+                                       0.1, plain=True, dropout=True)  # (not measured)
         # with dropout, only where it measured faster than the tl forward: D = 128, not causal
         q, k, v = make_inputs(replace(base, S_k=min_keys[128, False], S_q=n))[0]
         assert launch_gluon.serves(q, k, v, False, 0.1, plain=True, dropout=True)

@@ -172,10 +172,10 @@ ON_GLUON = pytest.mark.skipif(
 def test_gluon_forward_with_dropout_matches_reference_with_its_mask(dtype, data, seed):
     """The Gluon forward (FLASHOP_GLUON=1) draws its mask in its scores' registers: its out
     and lse against the reference given the mask of the tl kernels
-    (flashop.testing.dropout_mask), head dims 64, 128 and 256, causal and not, tail tiles,
-    GQA.
+    (flashop.testing.dropout_mask), head dims 64, 128, 256 and 192 / 128, causal and not,
+    tail tiles, GQA.
     (Its backward is the tl kernels', which the tests above check.)"""
-    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_TILES)))
+    case = data.draw(gluon_cases(dtype, tuple(launch_gluon.FWD_VALUE_DIMS.items())))
     dropout_p = data.draw(st.sampled_from([0.1, 0.5, 0.9]))
     inputs, dout, dlse = make_inputs(case, seed)
     with mock.patch.object(launch_gluon, "attention_forward",

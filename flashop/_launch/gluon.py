@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flashop import config
 from flashop._launch.common import (
-    cdiv, decline, is_traced, known_shorter, sm_count, tma_aligned,
+    cdiv, decline, head_blocks, is_traced, known_shorter, sm_count, tma_aligned,
 )
 from flashop._launch.launches import launch_now, triton_version
 from flashop.kernels import INTERPRETING
@@ -35,7 +35,10 @@ GLUON_TRITON = (3, 6)
 # fastest; at D = 256, 64 keys in two stages (what fits Hopper's shared memory beside the Q
 # tile), whose K and V buffers are released apart (FWD_KV_APART), so the next K loads sooner
 FWD_GROUP_ROWS = 64
-FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3), 256: (128, 64, 2)}
+FWD_TILES = {64: (192, 128, 3), 128: (128, 128, 3), 256: (128, 64, 2), 192: (128, 64, 3)}
+# the values' head dim the forward takes at each of q's and k's: D, or at D = 192 128
+# (DeepSeek's prefill; q's and k's head dim in two tiles, 128 + 64: Gluon's are powers of 2)
+FWD_VALUE_DIMS = {64: 64, 128: 128, 256: 256, 192: 128}
 FWD_KV_APART = {256}
 # where each consumer group stores its output by TMA through its Q buffer, Q released after
 # the store (D = 64 keeps the pointer store, which releases Q sooner)
@@ -51,7 +54,8 @@ MAX_GRID_X = 2 ** 31 - 1  # its first: every program where deterministic
 # least GLUON_MIN_KEYS[D, causal] keys
 GLUON_MIN_QUERIES = 1024
 GLUON_MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1024, (128, True): 1024,
-                  (256, False): 1024, (256, True): 1024}
+                  (256, False): 1024, (256, True): 1024, (192, False): 1024,
+                  (192, True): 1024}
 # with dropout, the (D, causal) where the Gluon forward measured faster than the tl one
 # (elsewhere its draws cost more); at D = 64 in two consumer groups of more registers (three
 # spill the draws)
@@ -164,8 +168,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
            plain: bool, dropout: bool = False, traced: bool = False, why=None) -> bool:
     """Whether the Gluon kernel takes this forward: where available, an eager call of the
     plain forward (``plain``: no modifier, no sinks, dense; ``causal`` the only bound, and
-    ``dropout``) with 16-bit inputs, D == DV in FWD_TILES, qk_scale > 0, S_k > 0, S_q == S_k
-    where causal, and inputs its descriptors can address
+    ``dropout``) with 16-bit inputs, (D, DV) in FWD_VALUE_DIMS, qk_scale > 0, S_k > 0,
+    S_q == S_k where causal, and inputs its descriptors can address
     (unit-stride head dim, 16-byte aligned start and strides); unless the switch forces it,
     the default rule above. ``traced``: whether a call traced for a graph compiled here
     (compiled_here) may take it when the graph runs; symbolic lengths then count as long
@@ -177,9 +181,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
     D = int(D)  # (symbolic where traced with dynamic shapes: the kernels specialize on it)
-    if D != DV or D not in FWD_TILES:
-        return decline(why, f"{what}: head dims {', '.join(map(str, FWD_TILES))} with DV = D "
-                            f"only, not D = {D}, DV = {DV}")
+    if FWD_VALUE_DIMS.get(D) != DV:
+        takes = ", ".join(f"{d} / {dv}" for d, dv in FWD_VALUE_DIMS.items())
+        return decline(why, f"{what}: head dims (D / DV) {takes} only, not {D} / {DV}")
     if qk_scale <= 0 or S_k == 0:
         return decline(why, f"{what}: a positive scale and at least one key")
     if causal and not _same_length(S_q, S_k):
@@ -329,10 +333,16 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = forward_tiles(D, DROPOUT)
     units = work_units(S_q, B * H, BLOCK_M, causal)
+    # q's and k's head dim in one tile, or where it is no power of two in two (D = 192:
+    # 128 + 64; the kernel's second descriptors are its first where there is none)
+    d1, d2 = head_blocks(D) if D & (D - 1) else (D, 0)
+    q_desc, k_desc = _descriptor(q, FWD_GROUP_ROWS, d1), _descriptor(k, BLOCK_N, d1)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),
-        q_desc=_descriptor(q, FWD_GROUP_ROWS), k_desc=_descriptor(k, BLOCK_N),
-        v_desc=_descriptor(v, BLOCK_N), o_desc=_descriptor(out, FWD_GROUP_ROWS), o=out,
+        q_desc=q_desc, k_desc=k_desc, v_desc=_descriptor(v, BLOCK_N),
+        q_desc2=_descriptor(q, FWD_GROUP_ROWS, d2) if d2 else q_desc,
+        k_desc2=_descriptor(k, BLOCK_N, d2) if d2 else k_desc,
+        o_desc=_descriptor(out, FWD_GROUP_ROWS), o=out,
         lse=lse, lse_log2=lse_log2, **_strides("o", out), stride_lb=lse.stride(0),
         stride_lh=lse.stride(1),
         S_q=S_q, S_k=S_k, H=H, G=H // H_kv, n_units=units, qk_scale=qk_scale,

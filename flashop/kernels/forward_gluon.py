@@ -20,6 +20,10 @@ Where CAUSAL (S_q == S_k) a consumer group's last key tile is its diagonal, the 
 it masks; a group whose diagonal comes before the item's last tile (three groups over
 128-key tiles) releases the tiles after it unread.
 
+Gluon's tiles are powers of two: at D = 192 (DV = 128) q's and k's head dims are two tiles,
+128 and 64 wide (HEAD_PARTS: second descriptors and buffers on the same barriers), and
+S = Q K^T is two products into one accumulator.
+
 The descriptors read each (B, S, H, D) input as it is strided, a tile being [1, rows, 1, D]:
 rows past a sequence's end read as 0. The last key tile of each item is masked where S_k is
 not a multiple of BLOCK_N (where causal, each group's diagonal); query rows past S_q are
@@ -141,16 +145,23 @@ def _release_v(empty, t, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, full,
-                    empty, n_units, n_m, H, G, S_k, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, SIDES: gl.constexpr):
+def _load_partition(q_desc, k_desc, v_desc, q_desc2, k_desc2, q_smem, k_smem, v_smem,
+                    q_smem2, k_smem2, q_full, q_empty, full, empty, n_units, n_m, H, G, S_k,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    SIDES: gl.constexpr, HEAD_PARTS: gl.constexpr):
     """The load warp, over this program's work items: Q once every consumer group is done
     with the previous item's, then K and V of each key tile into buffer c % STAGES (c
     counts the program's key tiles over all its items), once every consumer group released
     that buffer's previous tile (its K and V apart where they have barriers of their own,
     _kv_apart). A [rows, D] buffer takes a [1, rows, 1, D] tile of the (B, S, H, D) input;
-    Q comes as one [ROWS, D] buffer per consumer group."""
+    Q comes as one [ROWS, D] buffer per consumer group. Where HEAD_PARTS, q's and k's head
+    dims past the first tile's (q_desc's columns) come through q_desc2 and k_desc2 into
+    q_smem2 and k_smem2, on the same barriers."""
     GROUPS: gl.constexpr = q_smem.shape[0]
+    D1: gl.constexpr = q_smem.shape[2]
+    # the bytes a Q tile's and a K tile's loads bring (both head-dim tiles where in parts)
+    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + HEAD_PARTS * q_desc2.block_type.nbytes
+    K_BYTES: gl.constexpr = k_desc.block_type.nbytes + HEAD_PARTS * k_desc2.block_type.nbytes
     ROWS: gl.constexpr = q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     c = 0
@@ -161,11 +172,15 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
             if n_tiles > 0:
                 if n_done > 0:
                     mbarrier.wait(q_empty, (n_done - 1) & 1)
-                mbarrier.expect(q_full, GROUPS * q_desc.block_type.nbytes)
+                mbarrier.expect(q_full, GROUPS * Q_BYTES)
                 for g in gl.static_range(GROUPS):
                     tma.async_copy_global_to_shared(
                         q_desc, [i_b, i_m * BLOCK_M + g * ROWS, i_h, 0], q_full,
                         q_smem.index(g).reshape(q_desc.block_type.shape))
+                    if HEAD_PARTS:
+                        tma.async_copy_global_to_shared(
+                            q_desc2, [i_b, i_m * BLOCK_M + g * ROWS, i_h, D1], q_full,
+                            q_smem2.index(g).reshape(q_desc2.block_type.shape))
                 i_hk = i_h // G
                 for j in range(n_tiles):
                     s = c % STAGES
@@ -175,13 +190,16 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
                     if c >= STAGES:
                         mbarrier.wait(empty.index(s), ((c // STAGES) - 1) & 1)
                     if _kv_apart(full, STAGES):
-                        mbarrier.expect(full.index(s), k_desc.block_type.nbytes)
+                        mbarrier.expect(full.index(s), K_BYTES)
                     else:
-                        mbarrier.expect(full.index(s),
-                                        k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                        mbarrier.expect(full.index(s), K_BYTES + v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(
                         k_desc, [i_b, j * BLOCK_N, i_hk, 0], full.index(s),
                         k_smem.index(s).reshape(k_desc.block_type.shape))
+                    if HEAD_PARTS:
+                        tma.async_copy_global_to_shared(
+                            k_desc2, [i_b, j * BLOCK_N, i_hk, D1], full.index(s),
+                            k_smem2.index(s).reshape(k_desc2.block_type.shape))
                     if _kv_apart(full, STAGES):
                         if c >= STAGES:
                             mbarrier.wait(empty.index(v_bar), ((c // STAGES) - 1) & 1)
@@ -194,12 +212,12 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
 
 
 @gluon.jit
-def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o, lse,
-                 lse_log2, stride_os, stride_od, start_m, S_q, S_k, n_tiles, qk_scale, c,
-                 n_done, i_b, i_h, k0, k1, threshold, dropout_p,
+def _attend_item(q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full, q_empty, full, empty,
+                 o_desc, o, lse, lse_log2, stride_os, stride_od, start_m, S_q, S_k, n_tiles,
+                 qk_scale, c, n_done, i_b, i_h, k0, k1, threshold, dropout_p,
                  WG: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
                  CAUSAL: gl.constexpr, MASK_LAST: gl.constexpr, DROPOUT: gl.constexpr,
-                 O_TMA: gl.constexpr):
+                 O_TMA: gl.constexpr, HEAD_PARTS: gl.constexpr):
     """Consumer group WG on one work item of n_tiles key tiles, the first the program's
     c-th (in buffer c % STAGES); the item is the program's n_done-th. The group's query
     rows are [start_m + WG * ROWS, + ROWS); where CAUSAL its keys end with its diagonal
@@ -211,7 +229,9 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o
     fetches the next item's Q while this one's last P V and its stores run
     (_launch.gluon.FWD_O_TMA takes the faster per head dim). Where DROPOUT, each tile's keep
     mask is drawn (dropout_gluon.keep_rows, key (k0, k1), ``threshold``) while its S = Q
-    K^T runs, and the output is scaled by 1 / (1 - dropout_p)."""
+    K^T runs, and the output is scaled by 1 / (1 - dropout_p). Where HEAD_PARTS, S is two
+    products into one accumulator, over the head dims in q_smem / k_smem and in q_smem2 /
+    k_smem2."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -223,6 +243,7 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o
     ROWS: gl.constexpr = q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     b_q = q_smem.index(WG)
+    b_q2 = q_smem2.index(WG)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
@@ -242,6 +263,9 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o
     # [ROWS, BLOCK_N]
     s_tok = warpgroup_mma(b_q, k_smem.index(c % STAGES).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
+    if HEAD_PARTS:
+        s_tok = warpgroup_mma(b_q2, k_smem2.index(c % STAGES).permute((1, 0)), s_tok,
+                              is_async=True)
     if DROPOUT:
         b_keep = keep_rows(k0, k1, c_q, i_b, i_h, 0, threshold, ROWS, BLOCK_N, s_layout)
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
@@ -258,6 +282,9 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o
         # [ROWS, BLOCK_N]
         s_tok = warpgroup_mma(b_q, k_smem.index((c + j + 1) % STAGES).permute((1, 0)),
                               s_zero, use_acc=False, is_async=True)
+        if HEAD_PARTS:
+            s_tok = warpgroup_mma(b_q2, k_smem2.index((c + j + 1) % STAGES).permute((1, 0)),
+                                  s_tok, is_async=True)
         _wait_v(full, c + j, STAGES)
         # [ROWS, DV]
         acc_tok = warpgroup_mma(b_p, v_smem.index((c + j) % STAGES), acc, is_async=True)
@@ -319,14 +346,15 @@ def _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o
 
 
 @gluon.jit
-def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_desc, o,
+def _consumer_partition(q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full, q_empty, full,
+                        empty, o_desc, o,
                         lse, lse_log2, stride_ob, stride_os, stride_oh, stride_od,
                         stride_lb, stride_lh,
                         n_units, n_m, H, S_q, S_k, qk_scale, dropout_seed, dropout_p,
                         WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         DV: gl.constexpr, CAUSAL: gl.constexpr,
                         MASK_LAST: gl.constexpr, SIDES: gl.constexpr, DROPOUT: gl.constexpr,
-                        O_TMA: gl.constexpr):
+                        O_TMA: gl.constexpr, HEAD_PARTS: gl.constexpr):
     """Consumer group WG over this program's work items (_attend_item), in the load warp's
     order; where DROPOUT, Philox's key is the int64 ``dropout_seed[0]``."""
     c = 0
@@ -338,17 +366,18 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_full, q_empty, full, empty, o_
             if n_tiles > 0:
                 o_bh = i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
                 l_bh = i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-                c = _attend_item(q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
-                                 o_desc, o + o_bh, lse + l_bh, lse_log2 + l_bh, stride_os,
-                                 stride_od, i_m * BLOCK_M, S_q, S_k, n_tiles, qk_scale, c,
-                                 n_done, i_b, i_h, k0, k1, threshold, dropout_p, WG, BLOCK_N,
-                                 DV, CAUSAL, MASK_LAST, DROPOUT, O_TMA)
+                c = _attend_item(q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full, q_empty,
+                                 full, empty, o_desc, o + o_bh, lse + l_bh, lse_log2 + l_bh,
+                                 stride_os, stride_od, i_m * BLOCK_M, S_q, S_k, n_tiles,
+                                 qk_scale, c, n_done, i_b, i_h, k0, k1, threshold, dropout_p,
+                                 WG, BLOCK_N, DV, CAUSAL, MASK_LAST, DROPOUT, O_TMA,
+                                 HEAD_PARTS)
                 n_done += 1
 
 
 @gluon.jit
 def attention_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, o_desc, o, lse, lse_log2,
+    q_desc, k_desc, v_desc, q_desc2, k_desc2, o_desc, o, lse, lse_log2,
     stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
     S_q, S_k, H, G, n_units, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -366,8 +395,12 @@ def attention_fwd_gluon_kernel(
     module's docstring). O_TMA: the output stored by TMA (_attend_item). Where DROPOUT, P V
     takes the probabilities kept by the mask of the int64 ``dropout_seed[0]`` and
     ``dropout_p`` (flashop/kernels/dropout_gluon.py), the output scaled by 1 / (1 -
-    dropout_p); lse is the undropped softmax's."""
+    dropout_p); lse is the undropped softmax's. Where q_desc's tiles are narrower than D
+    (D = 192: Gluon's tiles are powers of two), q's and k's head dims past them are a second
+    tile, read through q_desc2 and k_desc2 (q_desc and k_desc again where there is none)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    D1: gl.constexpr = q_desc.block_type.shape[3]  # the head dims' first tile
+    HEAD_PARTS: gl.constexpr = D1 < D
     GROUPS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(ROWS == 64, "consumer groups of 64 rows (a warp group's wgmma)")
     gl.static_assert(GROUPS * ROWS == BLOCK_M and (GROUPS == 2 or GROUPS == 3),
@@ -375,6 +408,8 @@ def attention_fwd_gluon_kernel(
     gl.static_assert(BLOCK_N % ROWS == 0, "a consumer group's rows within one key tile")
     gl.static_assert(STAGES >= 2, "a tile loading while one is read")
     gl.static_assert(D == DV or not O_TMA, "the output staged in the Q buffers")
+    gl.static_assert(not HEAD_PARTS or q_desc2.block_type.shape[3] == D - D1,
+                     "the second head-dim tile covers the rest of D")
     n_m = gl.cdiv(S_q, BLOCK_M)
     SIDES: gl.constexpr = 2 if CAUSAL else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -382,9 +417,18 @@ def attention_fwd_gluon_kernel(
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=q_desc.layout.swizzle_byte_width,
         element_bitwidth=q_desc.layout.element_bitwidth, rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [GROUPS, ROWS, D], smem_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [GROUPS, ROWS, D1], smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], smem_layout)
+    if HEAD_PARTS:
+        smem_layout2: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=q_desc2.layout.swizzle_byte_width,
+            element_bitwidth=q_desc2.layout.element_bitwidth, rank=2)
+        q_smem2 = gl.allocate_shared_memory(dtype, [GROUPS, ROWS, D - D1], smem_layout2)
+        k_smem2 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D - D1], smem_layout2)
+    else:  # (placeholders, not read)
+        q_smem2 = q_smem
+        k_smem2 = k_smem
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # a barrier per stage, or where KV_APART the K buffers' then the V buffers' (_kv_apart)
@@ -400,38 +444,45 @@ def attention_fwd_gluon_kernel(
     # tensors)
     if GROUPS == 2:
         gl.warp_specialize([
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full,
+                                   q_empty, full, empty,
                                    o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
                                    stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
                                    qk_scale, dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA, HEAD_PARTS)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full,
+                                   q_empty, full, empty,
                                    o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
                                    stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
                                    qk_scale, dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
-                               q_empty, full, empty, n_units, n_m, H, G, S_k,
-                               BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA, HEAD_PARTS)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_desc2, k_desc2, q_smem, k_smem,
+                               v_smem, q_smem2, k_smem2, q_full, q_empty, full, empty,
+                               n_units, n_m, H, G, S_k, BLOCK_M, BLOCK_N, CAUSAL, SIDES,
+                               HEAD_PARTS)),
         ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full,
+                                   q_empty, full, empty,
                                    o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
                                    stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
                                    qk_scale, dropout_seed, dropout_p, 0, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA, HEAD_PARTS)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full,
+                                   q_empty, full, empty,
                                    o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
                                    stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
                                    qk_scale, dropout_seed, dropout_p, 1, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_full, q_empty, full, empty,
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA, HEAD_PARTS)),
+            (_consumer_partition, (q_smem, k_smem, v_smem, q_smem2, k_smem2, q_full,
+                                   q_empty, full, empty,
                                    o_desc, o, lse, lse_log2, stride_ob, stride_os, stride_oh,
                                    stride_od, stride_lb, stride_lh, n_units, n_m, H, S_q, S_k,
                                    qk_scale, dropout_seed, dropout_p, 2, BLOCK_M, BLOCK_N, DV,
-                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full,
-                               q_empty, full, empty, n_units, n_m, H, G, S_k,
-                               BLOCK_M, BLOCK_N, CAUSAL, SIDES)),
+                                   CAUSAL, MASK_LAST, SIDES, DROPOUT, O_TMA, HEAD_PARTS)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_desc2, k_desc2, q_smem, k_smem,
+                               v_smem, q_smem2, k_smem2, q_full, q_empty, full, empty,
+                               n_units, n_m, H, G, S_k, BLOCK_M, BLOCK_N, CAUSAL, SIDES,
+                               HEAD_PARTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOAD_REGS])

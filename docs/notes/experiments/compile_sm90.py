@@ -3,7 +3,7 @@
 Usage (from the repository root, with a Python environment holding triton 3.6.0 and a CPU
 torch; performance notes, entry 104):
 
-    PYTHONPATH=. python docs/notes/experiments/compile_sm90.py           # the 4 configs
+    PYTHONPATH=. python docs/notes/experiments/compile_sm90.py           # the 5 configs
     PYTHONPATH=. python docs/notes/experiments/compile_sm90.py --dump /tmp/ir  # + IR files
     PYTHONPATH=. python docs/notes/experiments/compile_sm90.py --break    # + 3 broken ones
 
@@ -21,7 +21,8 @@ TTIR stage. Registers come from ``cuobjdump --dump-resource-usage`` of the cubin
 has a stack frame; shared memory from metadata.shared, checked against sm_90's 232448-byte
 opt-in limit (the check triton makes at load time), and registers x threads against 65536.
 Compiled kernels are cached as usual (~/.triton/cache; TRITON_ALWAYS_COMPILE=1 or a fresh
-TRITON_CACHE_DIR recompiles). Exit status 1 if one of the 4 default configurations fails.
+TRITON_CACHE_DIR recompiles). Exit status 1 if one of the 5 default configurations fails
+(D = 192 with DV = 128: q's and k's head dim in two tiles).
 
 From Python (an interactive interpreter or another script):
 
@@ -434,7 +435,7 @@ def _indent(text: Optional[str]) -> str:
     return "\n".join("     " + line for line in (text or "").splitlines())
 
 
-DEFAULT_CONFIGS = [(128, False), (128, True), (64, False), (256, False)]
+DEFAULT_CONFIGS = [(128, False), (128, True), (64, False), (256, False), (192, True)]
 
 
 def main(argv=None) -> int:
@@ -449,7 +450,8 @@ def main(argv=None) -> int:
     print(f"triton {triton.__version__} torch {torch.__version__} target {TARGET}", flush=True)
     ok = True
     for D, causal in DEFAULT_CONFIGS:
-        ok &= report(compile_forward(D, causal, dump=args.dump))
+        ok &= report(compile_forward(D, causal, tensors=dict(DV=G.FWD_VALUE_DIMS[D]),
+                                     dump=args.dump))
     if args.broken:
         report(compile_forward(256, False, STAGES=8, label="[broken] D=256 STAGES=8"))
         report(compile_forward(128, False, BLOCK_N=96, label="[broken] D=128 BLOCK_N=96"))
