@@ -279,6 +279,21 @@ backward: CPU path
             "attention_bwd_dkdv_kernel, dK part"])
 
 
+def test_the_gluon_forward_explains_its_head_dim_tiles(monkeypatch):
+    """At D = 192 (DV = 128) the Gluon forward takes q's and k's head dim in tiles of 128 and
+    64 (its tiles are powers of two), and says so; at D = 128 it has one."""
+    monkeypatch.setattr(gluon, "unavailable", lambda device: None)
+    q, k = (torch.randn(1, 1024, 2, 192, device=DEVICE, dtype=torch.bfloat16)
+            for _ in range(2))
+    v = torch.randn(1, 1024, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    with flashop.config.override(gluon=True):
+        told = flashop.explain(flashop.attention, q, k, v, causal=True)
+        plain = flashop.explain(flashop.attention, q[..., :128], k[..., :128], v)
+    assert told.forward.path == plain.forward.path == "Gluon forward"
+    assert told.forward.options == {"q's and k's head dim in tiles of": "128 + 64"}
+    assert plain.forward.options == {}
+
+
 def test_the_main_job_prints_what_its_checks_ran(capsys):
     """python -m flashop's checks print flashop.explain's account of each call they check:
     the first in full, one line per other."""

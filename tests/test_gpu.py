@@ -433,16 +433,18 @@ for dtype in (torch.bfloat16, torch.float32):
         out = flashop.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
                                        cu_k, S_q, S_k, sinks=sinks, causal=True, dropout_p=0.5)
         out.sum().backward()
-    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1), D=64, 128 and 256, and
-        if dtype == torch.bfloat16:  # backward, D=64 and 128
+    elif part == "gluon":  # the Gluon forward (FLASHOP_GLUON=1), D=64, 128, 256 and
+        if dtype == torch.bfloat16:  # 192 / 128, and backward, D=64 and 128
             for causal, layout, Dg, p in ((False, "bshd", 128, 0.0), (True, "bhsd", 128, 0.0),
                                           (True, "bshd", 64, 0.0), (False, "bhsd", 64, 0.0),
                                           (True, "bshd", 128, 0.3), (False, "bhsd", 64, 0.3),
-                                          (False, "bhsd", 256, 0.0), (True, "bshd", 256, 0.0)):
+                                          (False, "bhsd", 256, 0.0), (True, "bshd", 256, 0.0),
+                                          (True, "bhsd", 192, 0.0), (False, "bshd", 192, 0.0)):
                 S_q = S_k if causal else S_q
-                shape = lambda S, h: (B, h, S, Dg) if layout == "bhsd" else (B, S, h, Dg)
-                qg, kg, vg = (torch.randn(shape(S, h), device="cuda", dtype=dtype)
-                              for S, h in ((S_q, H), (S_k, H_kv), (S_k, H_kv)))
+                shape = lambda S, h, d: (B, h, S, d) if layout == "bhsd" else (B, S, h, d)
+                qg, kg, vg = (torch.randn(shape(S, h, d), device="cuda", dtype=dtype)
+                              for S, h, d in ((S_q, H, Dg), (S_k, H_kv, Dg),
+                                              (S_k, H_kv, 128 if Dg == 192 else Dg)))
                 if layout == "bhsd":
                     qg, kg, vg = (x.transpose(1, 2) for x in (qg, kg, vg))
                 assert flashop._launch.gluon.serves(qg, kg, vg, causal, 0.1, True)

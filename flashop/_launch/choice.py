@@ -269,11 +269,14 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
         decline(why, "Gluon forward: not for float8_e4m3fn inputs")
     elif forward_takes_gluon(q, k, v, qk_scale, mods, p.packing, why=why):
         block_m, block_n, stages = gluon.forward_tiles(p.head_dim, mods.dropout)
+        options = {}
+        if p.D & (p.D - 1):  # (Gluon's tiles are powers of two)
+            options["q's and k's head dim in tiles of"] = _head_tiles_text(p.D)
         return ForwardChoice(
             "Gluon forward", [("attention_fwd_gluon_kernel",
                                f"{block_m}x{block_n} tiles, {stages} stages, a load warp and "
                                f"{block_m // gluon.FWD_GROUP_ROWS} consumer groups")],
-            why=why)
+            options, why)
     fold = folds_scale(qk_scale, p.flags, q.dtype)
     if mods.sinks is not None or mods.dropout:
         decline(why, "warp-specialized forward: no sinks or dropout")
