@@ -79,7 +79,7 @@ def splits_dkdv(head_dim: int, dtype: torch.dtype, device: torch.device, why=Non
     fits (1.09-1.26x the whole backward at D = 256 on an H200, though S^T is computed
     twice). Not where q's and k's head dim is in two tiles (``head_in_parts``,
     choice.head_in_parts) and the values' ``value_dim`` is at most 128: there one program
-    of 32 key rows holds both without spilling, and the backward runs 1.16-1.28x the parts'
+    of 32 key rows holds both without spilling, and the backward runs 1.16-1.29x the parts'
     (D = 192 / 128, H200). The interpreter takes the Hopper rule, so that CI runs both
     forms."""
     what = "the dK/dV kernel in two parts"
