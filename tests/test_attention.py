@@ -676,6 +676,24 @@ def test_the_head_dim_in_two_tiles(case, how):
     assert head_blocks(192) == (128, 64) and head_blocks(256)[1] == head_blocks(128)[1] == 0
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_forced_two_query_tiles_take_the_head_dim_in_one_tile(causal):
+    """The forward's two query tiles per program (split_m) hold q's head dim in one tile: tiles
+    forced so at D = 192 (whose head dim the rule puts in two tiles) run it in one, and say
+    why (the kernel with both gave outputs wrong by up to half their scale)."""
+    case = Case(B=1, S_q=77, S_k=90, H_kv=1, G=2, D=192, DV=128, dtype=torch.bfloat16,
+                causal=causal)
+    forced = tiles.Tiles(32, 16, 4, 1, split_m=True)
+    with tiles.force("fwd", forced):
+        check_case(case)
+        q, k, v = make_inputs(case)[0]
+        with flashop.config.override(gluon=False):
+            told = flashop.explain(flashop.attention, q, k, v, causal=causal)
+    assert "q's and k's head dim in tiles of" not in told.forward.options
+    assert ("q's and k's head dim in two tiles: not with two query tiles per program (the "
+            "forward takes those with one head-dim tile)") in told.forward.why
+
+
 @pytest.mark.parametrize("case", [
     Case(B=2, S_q=45, S_k=70, H_kv=1, G=2, D=160, DV=136, dtype=torch.bfloat16, causal=True,
          window_size=(30, 0), softcap=5.0, alibi=(2,), gate=torch.float32),

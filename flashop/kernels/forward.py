@@ -324,6 +324,8 @@ def attention_fwd_kernel(
     and whole, the rest BLOCK_DT wide (D = 192: 128 and 64, where one power-of-two tile
     would be 256 wide, a third of it padding); never with ``SPLIT_M``.
     """
+    tl.static_assert(not (SPLIT_M and BLOCK_DT > 0),
+                     "two query tiles per program take one head-dim tile (BLOCK_DT 0)")
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
