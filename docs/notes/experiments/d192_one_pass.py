@@ -85,23 +85,10 @@ def time_all(seqlens, groups: int = 1, tiles=ONE_PASS_TILES, dims=(192, 128),
              budget: float = 400) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
 
     import flashop
+    from d192_backward_parts import backward_ms as backward, rel
     from flashop._launch import plans
-
-    def backward(fn, q, k, v, do):
-        out = fn(q, k, v)
-        ms = do_bench(lambda: out.backward(do, retain_graph=True), warmup=25, rep=100,
-                      grad_to_none=[q, k, v], return_mode="median")
-        q.grad = k.grad = v.grad = None
-        out.backward(do)
-        grads = [x.grad.float() for x in (q, k, v)]
-        q.grad = k.grad = v.grad = None
-        return ms, grads
-
-    def rel(a, b):
-        return max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))
 
     start = time.time()
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
