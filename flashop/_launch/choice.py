@@ -270,7 +270,7 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
     elif forward_takes_gluon(q, k, v, qk_scale, mods, p.packing, why=why):
         block_m, block_n, stages = gluon.forward_tiles(p.head_dim, mods.dropout)
         options = {}
-        if p.D & (p.D - 1):  # (Gluon's tiles are powers of two)
+        if gluon.forward_head_tiles(p.D)[1]:
             options["q's and k's head dim in tiles of"] = _head_tiles_text(p.D)
         return ForwardChoice(
             "Gluon forward", [("attention_fwd_gluon_kernel",

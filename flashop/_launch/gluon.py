@@ -325,6 +325,12 @@ def forward_tiles(D: int, dropout: bool) -> tuple:
     return FWD_DROPOUT_TILES.get(D, FWD_TILES[D]) if dropout else FWD_TILES[D]
 
 
+def forward_head_tiles(D: int) -> tuple:
+    """The Gluon forward's tiles of q's and k's head dim: (D, 0), or where D is no power of
+    two (Gluon's tiles are) two, common.head_blocks' (D = 192: 128 and 64)."""
+    return head_blocks(D) if D & (D - 1) else (D, 0)
+
+
 def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float,
                       dropout_seed: torch.Tensor, dropout_p: float, DROPOUT: bool) -> None:
     """Launch the Gluon forward into ``out`` (B, S_q, H, DV), ``lse`` and ``lse_log2``
@@ -335,9 +341,8 @@ def attention_forward(q, k, v, out, lse, lse_log2, causal: bool, qk_scale: float
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
     BLOCK_M, BLOCK_N, STAGES = forward_tiles(D, DROPOUT)
     units = work_units(S_q, B * H, BLOCK_M, causal)
-    # q's and k's head dim in one tile, or where it is no power of two in two (D = 192:
-    # 128 + 64; the kernel's second descriptors are its first where there is none)
-    d1, d2 = head_blocks(D) if D & (D - 1) else (D, 0)
+    # (the kernel's second descriptors are its first where there is no second tile)
+    d1, d2 = forward_head_tiles(D)
     q_desc, k_desc = _descriptor(q, FWD_GROUP_ROWS, d1), _descriptor(k, BLOCK_N, d1)
     launch_now(
         _kernel(), (min(units, sm_count(q.device)),),
