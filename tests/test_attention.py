@@ -676,22 +676,31 @@ def test_the_head_dim_in_two_tiles(case, how):
     assert head_blocks(192) == (128, 64) and head_blocks(256)[1] == head_blocks(128)[1] == 0
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_forced_two_query_tiles_take_the_head_dim_in_one_tile(causal):
-    """The forward's two query tiles per program (split_m) hold q's head dim in one tile: tiles
-    forced so at D = 192 (whose head dim the rule puts in two tiles) run it in one, and say
-    why (the kernel with both gave outputs wrong by up to half their scale)."""
-    case = Case(B=1, S_q=77, S_k=90, H_kv=1, G=2, D=192, DV=128, dtype=torch.bfloat16,
-                causal=causal)
+@pytest.mark.parametrize("how", ["pointers", "descriptors"])
+@pytest.mark.parametrize("case", [
+    Case(B=1, S_q=77, S_k=90, H_kv=1, G=2, D=192, DV=128, dtype=torch.bfloat16,
+         causal=True),
+    Case(B=2, S_q=45, S_k=37, H_kv=2, G=1, D=176, DV=96, dtype=torch.float16, layout="bhsd"),
+    Case(B=1, S_q=50, S_k=70, H_kv=1, G=3, D=160, DV=160, dtype=torch.bfloat16, causal=True,
+         window_size=(20, 0), softcap=5.0, alibi=(3,), gate=torch.float32,
+         sinks=torch.float32),
+], ids=["deepseek-causal", "gqa-bhsd", "modifiers"])
+def test_two_query_tiles_with_the_head_dim_in_two_tiles(case, how):
+    """The forward's two query tiles per program (split_m), each with q's head dim in two
+    tiles (128 + the rest): tiles forced so at D = 160-192, rows past S_q, a causal bound
+    whose second tile runs past the first's last key, modifiers; explain names both. (Each
+    tile reads its own second head-dim tile: read from the first, the outputs were wrong by
+    up to half their scale.)"""
     forced = tiles.Tiles(32, 16, 4, 1, split_m=True)
-    with tiles.force("fwd", forced):
+    with tiles.force("fwd", forced), \
+            flashop.config.override(tma=True if how == "descriptors" else None):
         check_case(case)
         q, k, v = make_inputs(case)[0]
         with flashop.config.override(gluon=False):
-            told = flashop.explain(flashop.attention, q, k, v, causal=causal)
-    assert "q's and k's head dim in tiles of" not in told.forward.options
-    assert ("q's and k's head dim in two tiles: not with two query tiles per program (the "
-            "forward takes those with one head-dim tile)") in told.forward.why
+            told = flashop.explain(flashop.attention, q, k, v, causal=case.causal)
+    assert told.forward.options["q's and k's head dim in tiles of"] == \
+        " + ".join(map(str, head_blocks(case.D)))
+    assert "two query tiles per program" in told.forward.kernels[0][1]
 
 
 @pytest.mark.parametrize("case", [

@@ -137,16 +137,6 @@ def test_prune_keeps_exactly_the_candidates_that_fit(kind, block):
     assert kept, f"no {kind} candidate fits head-dim block {block}"
 
 
-def test_prune_keeps_no_split_forward_tile_where_the_head_dim_is_in_two_tiles():
-    """With q's and k's head dim in two tiles (D = 192: 128 + 64) the autotuner's forward
-    candidates hold no two-query-tile one (the kernel takes those with one head-dim tile
-    only); by its shared memory alone the 256-row split tile would be kept there."""
-    split = Tiles(256, 64, 8, 3, split_m=True)
-    assert split in tile_table.prune_tiles("fwd", 192, 128, 2, H200_SHARED_MEMORY)
-    kept = tile_table.prune_tiles("fwd", 192, 128, 2, H200_SHARED_MEMORY, head_in_parts=True)
-    assert kept and not any(t.split_m for t in kept)
-
-
 def test_prune_drops_big_tiles_at_head_dim_256():
     kept = tile_table.prune_tiles("fwd", 256, 256, 2, H200_SHARED_MEMORY)
     assert Tiles(128, 128, 8, 3) not in kept and Tiles(128, 64, 8, 2) in kept

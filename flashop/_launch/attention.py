@@ -75,8 +75,7 @@ def _launch(kernel, kind: str, t: tiles.Tiles, grid: Callable, lengths: tuple,
     if autotune:
         block_d = kwargs["BLOCK_D"] + kwargs.get("BLOCK_DT", 0)
         tuned = tiles.autotuned(kernel, kind, block_d, kwargs["BLOCK_DV"],
-                                kwargs["q"].element_size(), kwargs["q"].device.index,
-                                kwargs.get("BLOCK_DT", 0) > 0)
+                                kwargs["q"].element_size(), kwargs["q"].device.index)
         wrap_triton(tuned)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](
             seq_bucket=tiles.seq_bucket(*lengths), **kwargs)
     else:

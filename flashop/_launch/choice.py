@@ -295,9 +295,6 @@ def choose_forward(q, k, v, p, mods: Modifiers, fp8: bool = False) -> ForwardCho
     t = tiles.forward_tiles(p.head_dim, q.dtype, q.device, p.flags, p.S_k, why, p.DV)
     autotune = tiles.autotunes(q.dtype)
     parts = head_in_parts(p.D, q.device, why)
-    if parts and t.split_m:  # (forced tiles: the table gives two query tiles up to D = 128)
-        parts = decline(why, "q's and k's head dim in two tiles: not with two query tiles "
-                             "per program (the forward takes those with one head-dim tile)")
     options = {"tensor descriptors": tma, "scale folded into the exponent": fold}
     if parts:
         options["q's and k's head dim in tiles of"] = _head_tiles_text(p.D)

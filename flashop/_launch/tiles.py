@@ -67,7 +67,8 @@ SHORT_KEYS = 4096
 
 def two_query_tiles(head_dim: int) -> bool:
     """Head dims whose forward takes two query tiles per program (Tiles.split_m) on Hopper:
-    faster at 64 < D <= 128, slower at D=64, and above 128 the registers do not hold two."""
+    faster at 64 < D <= 128, slower at D=64, and above 128 the registers do not hold two
+    (D = 192 / 128: 196-348 B spilled, 0.87-0.95x one tile from 4k keys, H200)."""
     return 64 < head_dim <= 128
 
 
@@ -289,15 +290,12 @@ def shared_memory_bytes(kind: str, t: Tiles, block_d: int, block_dv: int,
 
 
 def prune_tiles(kind: str, block_d: int, block_dv: int, itemsize: int,
-                shared_memory: int, head_in_parts: bool = False) -> list:
+                shared_memory: int) -> list:
     """The candidates of ``kind`` whose operand tiles fit ``shared_memory`` bytes (what
     Triton adds for layout conversions is not counted: a candidate that still does not fit
-    fails to compile, and the autotuner skips it); where ``head_in_parts`` (q's and k's
-    head dim in two tiles, ``block_d`` their sum), none with two query tiles (``split_m``:
-    the forward takes those with one head-dim tile only)."""
+    fails to compile, and the autotuner skips it)."""
     return [t for t in TILE_CANDIDATES[kind]
-            if not (head_in_parts and t.split_m)
-            and shared_memory_bytes(kind, t, block_d, block_dv, itemsize) <= shared_memory]
+            if shared_memory_bytes(kind, t, block_d, block_dv, itemsize) <= shared_memory]
 
 
 # The autotuner's key: every compile-time choice that moves the best tiles, and the lengths'
@@ -316,14 +314,13 @@ def autotune_key(kernel) -> list:
 
 @functools.lru_cache(maxsize=None)
 def autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
-              device_index: int, head_in_parts: bool = False):
-    """``kernel`` autotuned over the candidates of ``kind`` that fit this GPU (prune_tiles,
-    ``head_in_parts`` as there)."""
-    tiles = prune_tiles(kind, block_d, block_dv, itemsize, max_shared_memory(device_index),
-                        head_in_parts)
+              device_index: int):
+    """``kernel`` autotuned over the candidates of ``kind`` that fit this GPU."""
+    tiles = prune_tiles(kind, block_d, block_dv, itemsize, max_shared_memory(device_index))
     configs = [triton.Config(t.constexprs(kind), num_warps=t.num_warps,
                              num_stages=t.num_stages) for t in tiles]
     return triton.autotune(configs=configs, key=autotune_key(kernel))(kernel)
+
 
 
 def seq_bucket(*lengths) -> int:

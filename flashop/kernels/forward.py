@@ -87,7 +87,7 @@ def fwd_fold(acc, l_i, m_i, b_s, b_v, qk_scale, MASKED: tl.constexpr,
 
 @triton.jit
 def _fwd_key_tiles(
-    state, state2, tile, tile2, b_qt, k, k_t, v, k_strides, v_strides, g_cum, stride_gs,
+    state, state2, tile, tile2, b_qt, b_qt2, k, k_t, v, k_strides, v_strides, g_cum, stride_gs,
     attn_mask, mask_strides, lo, hi, S_q, S_k, scales, bounds, D: tl.constexpr,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     EDGE_TILE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -105,7 +105,8 @@ def _fwd_key_tiles(
     ``scales`` (qk_scale, softcap_log2, alibi_log2), ``bounds`` (left, right, chunk),
     ``dropout`` (seed, i_b, i_h, dropout_p).
     Where ``BLOCK_DT``, the head dims from BLOCK_D on are a second tile of BLOCK_DT: the
-    queries' in ``b_qt``, the keys' read with them (through ``k_t`` where ``TMA``).
+    queries' in ``b_qt`` (``b_qt2`` for ``tile2``), the keys' read with them (through ``k_t``
+    where ``TMA``).
 
     ``EDGE_TILE`` tiles may cross the window (causal) or chunk bounds or the end of the keys;
     the others are inside for every row of the program and skip that masking. Where ``TMA``,
@@ -173,12 +174,12 @@ def _fwd_key_tiles(
             S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk, EDGE_TILE,
             HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE, ATTN_MASK_KIND,
             FOLD_SCALE, UPCAST, DOT_PRECISION, BLOCK_DT)
-        if SPLIT_M:  # (never with BLOCK_DT: two query tiles are for head dims up to 128)
+        if SPLIT_M:
             b_s2 = _fwd_scores(
-                b_q2, b_kt, b_qt, b_ktt, b_gk, o_m2, m_m2, o_n, m_n, attn_mask, stride_amq,
+                b_q2, b_kt, b_qt2, b_ktt, b_gk, o_m2, m_m2, o_n, m_n, attn_mask, stride_amq,
                 stride_amk, S_q, S_k, qk_scale, softcap_log2, alibi_log2, left, right, chunk,
                 EDGE_TILE, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_GATE,
-                ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION, 0)
+                ATTN_MASK_KIND, FOLD_SCALE, UPCAST, DOT_PRECISION, BLOCK_DT)
         if TMA:
             b_v = v.load([start_n, 0])
         else:
@@ -322,10 +323,8 @@ def attention_fwd_kernel(
     e4m3 (see P_SHIFT).
     Where ``BLOCK_DT`` (not 0), q's and k's head dims are two tiles, the first BLOCK_D wide
     and whole, the rest BLOCK_DT wide (D = 192: 128 and 64, where one power-of-two tile
-    would be 256 wide, a third of it padding); never with ``SPLIT_M``.
+    would be 256 wide, a third of it padding); with ``SPLIT_M``, each query tile's own.
     """
-    tl.static_assert(not (SPLIT_M and BLOCK_DT > 0),
-                     "two query tiles per program take one head-dim tile (BLOCK_DT 0)")
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
     dropout_p = tl.cast(dropout_p, tl.float32)
@@ -425,6 +424,11 @@ def attention_fwd_kernel(
                               k_start, stride_gb, stride_gh, HAS_GATE)
             l_i2 = tl.where(m_i2 == float("-inf"), 0.0, P_ONE)
         acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
+    b_qt2 = b_q2  # [TILE_M, BLOCK_DT]: the second tile's head dims past BLOCK_D
+    if SPLIT_M and BLOCK_DT > 0:
+        b_qt2 = load_tile(q + o_m2[:, None] * stride_qs + o_dt[None, :], m_m2[:, None],
+                          o_dt[None, :] < D, True, BLOCK_D + BLOCK_DT > D)
+        b_qt2 = dot_operand(b_qt2, UPCAST)
     seed = 0
     if DROPOUT:
         seed = tl.load(dropout_seed)
@@ -460,7 +464,7 @@ def attention_fwd_kernel(
                 start_n, end_n = u_hi, mid
             acc, l_i, m_i, acc2, l_i2, m_i2 = _fwd_key_tiles(
                 (acc, l_i, m_i), (acc2, l_i2, m_i2), (b_q, o_m, m_m), (b_q2, o_m2, m_m2), b_qt,
-                k, k_t, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum,
+                b_qt2, k, k_t, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum,
                 stride_gs, attn_mask, (stride_amq, stride_amk), start_n, end_n, S_q, S_k,
                 (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
                 BLOCK_DV, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP,
@@ -471,13 +475,14 @@ def attention_fwd_kernel(
         # the second tile alone (its state passed as the first tile's; the placeholders
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
-            (acc2, l_i2, m_i2), (acc2, l_i2, m_i2), (b_q2, o_m2, m_m2), (b_q2, o_m2, m_m2), b_q2,
-            k, k, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum, stride_gs,
+            (acc2, l_i2, m_i2), (acc2, l_i2, m_i2), (b_q2, o_m2, m_m2), (b_q2, o_m2, m_m2), b_qt2,
+            b_qt2, k, k_t, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum, stride_gs,
             attn_mask, (stride_amq, stride_amk), mid, hi, S_q, S_k,
             (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
             BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
             HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION,
-            (seed, i_b, i_h, dropout_p), DROPOUT, block_table, PAGE_SIZE, IS_PAGED, FP8, 0)
+            (seed, i_b, i_h, dropout_p), DROPOUT, block_table, PAGE_SIZE, IS_PAGED, FP8,
+            BLOCK_DT)
 
     fwd_rows_out(acc, l_i, m_i, o, lse, lse_log2, g_cum, o_m, m_m, S_q, S_k, stride_os, stride_gs,
                   DV, BLOCK_DV, HAS_GATE, dropout_p, DROPOUT, v_scale, FP8)
