@@ -540,9 +540,11 @@ def test_where_the_gluon_forward_runs(monkeypatch):
             n192 = min_keys[192, c]
             assert _takes_gluon(replace(long_causal, causal=c, S_q=n192, S_k=n192, **d192))
         assert not _takes_gluon(replace(base, S_q=n, S_k=min_keys[192, False] - 1, **d192))
-        assert not launch_gluon.serves(*make_inputs(replace(long_causal, **d192))[0], True,
-                                       0.1, plain=True, dropout=True)  # (not measured)
-        # with dropout, only where it measured faster than the tl forward: D = 128, not causal
+        for c in (False, True):  # with dropout too, causal and not (measured faster)
+            assert launch_gluon.serves(*make_inputs(replace(long_causal, causal=c, **d192))[0],
+                                       c, 0.1, plain=True, dropout=True)
+        # with dropout, only where it measured faster than the tl forward: D = 128 not causal,
+        # D = 192 / 128
         q, k, v = make_inputs(replace(base, S_k=min_keys[128, False], S_q=n))[0]
         assert launch_gluon.serves(q, k, v, False, 0.1, plain=True, dropout=True)
         q, k, v = make_inputs(replace(base, S_k=n64, S_q=n64, **d64))[0]
