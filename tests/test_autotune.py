@@ -12,7 +12,7 @@ import triton
 import flashop
 from flashop import config
 from flashop._launch.problem import PLAIN_FLAGS
-from flashop._launch import attention as launch, tiles as tile_table
+from flashop._launch import tiles as tile_table
 from flashop.kernels import INTERPRETING
 from flashop.kernels.backward import attention_bwd_dkdv_kernel
 from flashop.kernels.backward_dq import attention_bwd_dq_kernel

@@ -322,7 +322,6 @@ def autotuned(kernel, kind: str, block_d: int, block_dv: int, itemsize: int,
     return triton.autotune(configs=configs, key=autotune_key(kernel))(kernel)
 
 
-
 def seq_bucket(*lengths) -> int:
     """The autotuner's bucket of the lengths: the longest rounded up to a power of two (0,
     one key for every length, where they are symbolic under torch.compile)."""

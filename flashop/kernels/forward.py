@@ -476,8 +476,8 @@ def attention_fwd_kernel(
         # come back unchanged)
         acc2, l_i2, m_i2, _, _, _ = _fwd_key_tiles(
             (acc2, l_i2, m_i2), (acc2, l_i2, m_i2), (b_q2, o_m2, m_m2), (b_q2, o_m2, m_m2), b_qt2,
-            b_qt2, k, k_t, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum, stride_gs,
-            attn_mask, (stride_amq, stride_amk), mid, hi, S_q, S_k,
+            b_qt2, k, k_t, v, (stride_kb, stride_ks), (stride_vb, stride_vs, stride_vd), g_cum,
+            stride_gs, attn_mask, (stride_amq, stride_amk), mid, hi, S_q, S_k,
             (qk_scale, softcap_log2, alibi_log2), (left, right, chunk), D, DV, BLOCK_D,
             BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_SOFTCAP, HAS_ALIBI,
             HAS_GATE, ATTN_MASK_KIND, FOLD_SCALE, False, TMA, UPCAST, DOT_PRECISION,
