@@ -85,9 +85,10 @@ def attention_calls():
     boolean and float masks at D = 256 (the dQ kernel's staged mask tiles),
     dropout, sinks, chunks, a packed batch, pages, e4m3 inputs (forward only), keys read
     through tensor descriptors, the warp-specialized forward (forced: its default rule reads
-    q's device). CPU tensors get what a Hopper GPU's would: its tiles, the head dim in
-    parts, the dK/dV kernel's parts, tensor descriptors (forward and backward at D = 256).
-    Each call is made as it is yielded."""
+    q's device), two query tiles at D = 192 (forced: an autotuning candidate). CPU tensors
+    get what a Hopper GPU's would: its tiles, the head dim in parts, the dK/dV kernel's
+    parts, tensor descriptors (forward and backward at D = 256). Each call is made as it is
+    yielded."""
     bf16, B, S = torch.bfloat16, 2, 256
 
     def qkv(D, DV, H, H_kv, S_k=S, dtype=bf16):
@@ -120,6 +121,12 @@ def attention_calls():
         with config.override(warp_specialize=True):
             return flashop.attention(*plain)
     yield "D=128 warp-specialized forward", warp_specialized
+    d192 = qkv(192, 128, 4, 1)
+
+    def two_query_tiles():  # (the autotuner's 256-row candidate; the table keeps one tile)
+        with tiles.force("fwd", tiles.Tiles(256, 64, 8, 3, split_m=True)):
+            return flashop.attention(*d192, causal=True)
+    yield "D=192/128 two query tiles, each with the head dim in two", two_query_tiles
     mask = torch.zeros(B, 4, S, S, requires_grad=True)
     yield from dense("D=64 float mask with its gradient", 64, 64, 4, 2, attn_mask=mask)
     yield from dense("D=176/128 float mask with its gradient", 176, 128, 4, 2, causal=True,
