@@ -410,6 +410,7 @@ def attention_fwd_kernel(
     o_m2 = o_m + TILE_M
     m_m2 = o_m2 < S_q
     b_q2 = b_q
+    b_qt2 = b_qt  # [TILE_M, BLOCK_DT]: its head dims past BLOCK_D
     m_i2 = 0.0
     l_i2 = 0.0
     acc2 = 0.0
@@ -417,6 +418,10 @@ def attention_fwd_kernel(
         b_q2 = load_tile(q + o_m2[:, None] * stride_qs + o_d[None, :], m_m2[:, None],
                          o_d[None, :] < D, True, BLOCK_D > D)
         b_q2 = dot_operand(b_q2, UPCAST)
+        if BLOCK_DT > 0:
+            b_qt2 = load_tile(q + o_m2[:, None] * stride_qs + o_dt[None, :], m_m2[:, None],
+                              o_dt[None, :] < D, True, BLOCK_D + BLOCK_DT > D)
+            b_qt2 = dot_operand(b_qt2, UPCAST)
         m_i2 = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
         l_i2 = tl.zeros([TILE_M], dtype=tl.float32)
         if HAS_SINK:
@@ -424,11 +429,6 @@ def attention_fwd_kernel(
                               k_start, stride_gb, stride_gh, HAS_GATE)
             l_i2 = tl.where(m_i2 == float("-inf"), 0.0, P_ONE)
         acc2 = tl.zeros([TILE_M, BLOCK_DV], dtype=tl.float32)
-    b_qt2 = b_q2  # [TILE_M, BLOCK_DT]: the second tile's head dims past BLOCK_D
-    if SPLIT_M and BLOCK_DT > 0:
-        b_qt2 = load_tile(q + o_m2[:, None] * stride_qs + o_dt[None, :], m_m2[:, None],
-                          o_dt[None, :] < D, True, BLOCK_D + BLOCK_DT > D)
-        b_qt2 = dot_operand(b_qt2, UPCAST)
     seed = 0
     if DROPOUT:
         seed = tl.load(dropout_seed)
