@@ -9,8 +9,10 @@ import torch
 
 from flashop import api
 from flashop._launch import attention as launch, kvcache as launch_kvcache
+from flashop._launch import mla_gluon as launch_mla_gluon
 from flashop._launch.choice import Choice
 from flashop._ops import attention as ops, attention_fp8 as fp8_ops, kvcache as kvcache_ops
+from flashop._ops.checks_mla import cache_aliasing
 
 
 @dataclass
@@ -101,11 +103,18 @@ def _kvcache(fn, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, causal=F
             "CPU path", [], {"computed by": "PyTorch's CPU operations, each sequence's keys "
                                             "at once after the append"},
             ["Triton kernels: CPU tensors without Triton's interpreter (the CPU path)"]))
-    kernel = "mla_decode_kernel" if mla else "attention_decode_kernel"
-    choice = launch_kvcache.plan_choice(plan, kernel)
+    gluon = plan.decode is not None and plan.kernel == launch_mla_gluon.KERNEL_NAME
+    choice = launch_kvcache.plan_choice(
+        plan, launch_mla_gluon.describe(plan.decode.static) if gluon else None)
     if mla:
         choice.why.append("MLA's latent cache (head dims 576 and 512): its own kernel, each "
                           "cached row read once for both products")
+        if not gluon:
+            why = []
+            launch_mla_gluon.serves(q, k_cache, cache_aliasing(k_cache, v_cache, k, v)[0] is True,
+                                    tensors_and_options.get("block_table"),
+                                    tensors_and_options.get("cache_leftpad"), why=why)
+            choice.why.extend(why)
     asked = tensors_and_options.get("num_splits", 0)
     choice.why.append(f"splits: as num_splits={asked} asks" if asked else
                       "splits: num_splits=0, chosen from the GPU's size, the batch, the key/"

@@ -489,15 +489,20 @@ for dtype in (torch.bfloat16, torch.float32):
             cache = torch.randn(B, cap, 1, 576, device="cuda", dtype=dtype)
             flashop.attention_with_kvcache(ql, cache, cache[..., :512], new, cache_seqlens=lens,
                                            causal=True, return_lse=True)
+            # 64 heads: the Gluon kernel where it runs (triton 3.6, Hopper)
+            q64 = torch.randn(B, s, 64, 576, device="cuda", dtype=dtype)
+            flashop.attention_with_kvcache(q64, cache, cache[..., :512], new, cache_seqlens=lens,
+                                           causal=True, return_lse=True)
             for page in (16, 64):
                 per_seq = -(-cap // page)
                 table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
                 table = table.view(B, per_seq).to(torch.int32)
                 pages = torch.randn(B * per_seq + 3, page, 1, 576, device="cuda", dtype=dtype)
                 for splits in (0, 1, 3):
-                    flashop.attention_with_kvcache(ql, pages, pages[..., :512], new,
-                                                   cache_seqlens=lens, block_table=table,
-                                                   causal=True, num_splits=splits)
+                    for queries in (ql, q64):
+                        flashop.attention_with_kvcache(queries, pages, pages[..., :512], new,
+                                                       cache_seqlens=lens, block_table=table,
+                                                       causal=True, num_splits=splits)
             q, k, v = q.detach(), k.detach(), v.detach()  # a chunked decode of the shape
             new_k = k.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]
             new_v = v.repeat(1, -(-S_q // S_k), 1, 1)[:, :S_q]

@@ -549,13 +549,16 @@ class TestLatentCacheErrors(TestCase):
 @pytest.mark.parametrize("S_q", [1, 2])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
-def test_gpu_bf16_real_shapes(H, S_q, paged, num_splits):
+@pytest.mark.parametrize("gluon", [None, False], ids=["default", "tl"])
+def test_gpu_bf16_real_shapes(H, S_q, paged, num_splits, gluon):
     """bf16 on the GPU's tiles: DeepSeek-V3's heads (16 per GPU at tensor parallelism 8,
     and 128), decode and MTP's two queries, caches from empty to full (4096 keys), pages
-    of 64, auto and forced splits."""
-    check_mla_case(MlaCase((0, 1000, 4093 - S_q, 4096 - S_q), S_q, S_q, H, paged=paged,
-                           page=64, capacity=4096, num_splits=num_splits,
-                           scale=0.1352, new_values="view"))
+    of 64, auto and forced splits; by default (128 heads: the Gluon kernel where it runs)
+    and with the `tl` kernel forced."""
+    with flashop.config.override(gluon=gluon):
+        check_mla_case(MlaCase((0, 1000, 4093 - S_q, 4096 - S_q), S_q, S_q, H, paged=paged,
+                               page=64, capacity=4096, num_splits=num_splits,
+                               scale=0.1352, new_values="view"))
 
 
 def _mla_step(case: MlaCase):
@@ -598,13 +601,10 @@ def test_gpu_cuda_graph_replays_equal_eager(paged, H, S_q):
         assert bitwise_equal(cache, eager_cache)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("paged", [False, True])
-def test_gpu_inductor_launches_the_latent_kernels(paged):
-    """Under torch.compile(fullgraph=True) Inductor's code launches the append, latent and
-    merge kernels itself, with eager's out, lse and cache bit for bit; FlashMLA's door
-    compiles alike."""
+def _compiled_call_equals_eager(paged: bool):
+    """A 128-head MTP step (two queries appended and attended, four splits) compiled with
+    fullgraph=True: its out, lse and cache bit for bit against eager's. Returns Inductor's
+    code and (q, the eager call's cache, its keyword arguments)."""
     from torch._inductor.utils import run_and_get_code
 
     case = MlaCase((100, 2000), 2, 2, 128, paged=paged, page=64, capacity=4096,
@@ -617,19 +617,32 @@ def test_gpu_inductor_launches_the_latent_kernels(paged):
     compiled = torch.compile(lambda q, c, k: flashop.attention_with_kvcache(
         q, c, c[..., :DV], k, **kwargs, return_lse=True), fullgraph=True)
     result, code = run_and_get_code(lambda: compiled(q, cache, k))
-    code = "\n".join(code)
-    for kernel in ("kvcache_append_kernel", "mla_decode_kernel",
-                   "attention_decode_merge_kernel"):
-        assert kernel in code, f"{kernel} not in Inductor's code"
     assert all(bitwise_equal(a, b) for a, b in zip(result, expected))
     assert bitwise_equal(cache, k_cache)
-    if paged:
-        door = torch.compile(flash_mla_with_kvcache, fullgraph=True)
-        args = (q, k_cache, kwargs["block_table"], kwargs["cache_seqlens"] + 2, DV, None, None)
-        out = door(*args, softmax_scale=0.1352, causal=True)
-        direct = flash_mla_with_kvcache(*args, softmax_scale=0.1352, causal=True)
-        assert all(bitwise_equal(a, b) for a, b in zip(out, direct))
+    return "\n".join(code), (q, k_cache, kwargs)
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_inductor_launches_the_latent_kernels(paged):
+    """Under torch.compile(fullgraph=True) Inductor's code launches the append, `tl` latent
+    and merge kernels itself, with eager's out, lse and cache bit for bit; FlashMLA's door
+    compiles alike. (The Gluon kernel, which takes these 128 heads on triton 3.6, is off
+    here: a graph reaches it through an opaque operator,
+    test_gpu_gluon_kernel_in_compiled_graphs_and_cuda_graphs.)"""
+    with flashop.config.override(gluon=False):
+        code, (q, k_cache, kwargs) = _compiled_call_equals_eager(paged)
+        for kernel in ("kvcache_append_kernel", "mla_decode_kernel",
+                       "attention_decode_merge_kernel"):
+            assert kernel in code, f"{kernel} not in Inductor's code"
+        if paged:
+            door = torch.compile(flash_mla_with_kvcache, fullgraph=True)
+            args = (q, k_cache, kwargs["block_table"], kwargs["cache_seqlens"] + 2, DV, None,
+                    None)
+            out = door(*args, softmax_scale=0.1352, causal=True)
+            direct = flash_mla_with_kvcache(*args, softmax_scale=0.1352, causal=True)
+            assert all(bitwise_equal(a, b) for a, b in zip(out, direct))
 
 
 @pytest.mark.gpu
@@ -703,3 +716,115 @@ def test_gpu_a_compile_under_other_tiles_plans_its_own_launches():
             out = torch.compile(call, fullgraph=True)(q, k_cache)
             expected = call(q, k_cache)
     assert all(bitwise_equal(a, b) for a, b in zip(out, expected))
+
+
+# --- the Gluon kernel (triton 3.6, Hopper) --------------------------------------------------
+
+
+def _gluon_available() -> bool:
+    from flashop._launch import gluon
+    return DEVICE == "cuda" and gluon.available(torch.device("cuda"))
+
+
+def _kernel_of(case: MlaCase) -> str:
+    """The attention kernel a case's call plans (flashop.explain's)."""
+    (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
+    explanation = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
+                                  **kwargs)
+    return [name for name, _ in explanation.forward.kernels if "decode" in name][0]
+
+
+GLUON_CASES = {
+    "dense-decode": MlaCase((0, 1, 63, 64, 65, 1000), 1, 1, 128, capacity=1024, scale=0.1352,
+                            num_splits=1),
+    "dense-decode-auto-splits": MlaCase((5, 700, 4000), 1, 1, 64, capacity=4096),
+    "dense-mtp-causal-splits": MlaCase((0, 130, 2043), 3, 3, 128, capacity=2048,
+                                       num_splits=3, new_values="view"),
+    "dense-not-causal-fp16": MlaCase((77, 129), 2, 0, 64, torch.float16, capacity=256,
+                                     causal=False, num_splits=2, magnitude=2.0),
+    "dense-batch-idx-full-cache": MlaCase((200, 252), 4, 4, 64, capacity=256,
+                                          batch_idx=True, spare=2, num_splits=5),
+    "paged-64": MlaCase((1, 300, 510), 2, 2, 128, paged=True, page=64, capacity=512,
+                        spare=3, num_splits=2),
+    "paged-128-auto": MlaCase((129, 0, 1000), 1, 1, 64, paged=True, page=128, capacity=1024),
+    "paged-256-many-splits": MlaCase((255, 257), 4, 1, 64, paged=True, page=256,
+                                     capacity=1024, num_splits=7),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gluon_available(), reason="needs triton 3.6 on a Hopper GPU")
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gpu_gluon_kernel_matches_reference(name):
+    """The Gluon kernel takes these calls (flashop.explain says so) and matches the reference
+    under the rule, the append bit for bit: lengths 0, inside one key tile, on and across
+    tile edges, up to the capacity; 1-4 queries causal and not; dense, cache_batch_idx,
+    pages of 64, 128 and 256; one split, several, more than a run has tiles, auto. Rows
+    past each sequence's keys hold NaN, so a read of them shows."""
+    case = GLUON_CASES[name]
+    assert _kernel_of(case) == "mla_decode_gluon_kernel"
+    check_mla_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gluon_available(), reason="needs triton 3.6 on a Hopper GPU")
+def test_gpu_gluon_kernel_negative_length_attends_no_key():
+    """A negative length (docs/decoding.md's unchecked values) attends no key in the Gluon
+    kernel too: out 0, lse -inf, beside a sequence that attends its keys."""
+    case = MlaCase((3, 5), 2, 1, 64, capacity=16)
+    (q, k_cache, v_cache, k, _), kwargs = make_mla_call(case)
+    kwargs["cache_seqlens"] = torch.tensor([-3, 5], dtype=torch.int32, device=DEVICE)
+    assert _kernel_of(case) == "mla_decode_gluon_kernel"
+    with poisoned_outputs():
+        out, lse = flashop.attention_with_kvcache(q, k_cache, v_cache, k, **kwargs,
+                                                  return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gluon_available(), reason="needs triton 3.6 on a Hopper GPU")
+def test_gpu_gluon_kernel_declines_what_it_does_not_take():
+    """Calls the Gluon kernel does not take run the `tl` kernel, and the explanation says
+    why: 16 heads, pages of 32, left padding, a value cache of its own, the switch off."""
+    base = MlaCase((10, 100), 1, 1, 64, capacity=128)
+    for case, reason in [
+            (MlaCase((10, 100), 1, 1, 16, capacity=128), "a multiple of 64 query heads"),
+            (MlaCase((10, 100), 1, 1, 64, paged=True, page=32, capacity=128),
+             "pages of a multiple of 64"),
+            (MlaCase((10, 100), 1, 1, 64, capacity=128, leftpad=True), "cache_leftpad"),
+            (MlaCase((10, 100), 1, 1, 64, capacity=128, own_values=True), "first 512 dims")]:
+        (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
+        explanation = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache,
+                                      k, v, **kwargs)
+        assert "mla_decode_kernel" in str(explanation), case
+        assert reason in str(explanation), (reason, str(explanation))
+        check_mla_case(case)
+    with flashop.config.override(gluon=False):
+        assert _kernel_of(base) == "mla_decode_kernel"
+        check_mla_case(base)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gluon_available(), reason="needs triton 3.6 on a Hopper GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_gluon_kernel_in_compiled_graphs_and_cuda_graphs(paged):
+    """Under torch.compile(fullgraph=True) a call the Gluon kernel takes runs through the
+    opaque operator (Inductor cannot trace Gluon) with eager's out, lse and cache bit for
+    bit; a CUDA graph of the step replays eager's outputs."""
+    code, _ = _compiled_call_equals_eager(paged)
+    assert "attention_with_kvcache_opaque" in code
+    case = MlaCase((100, 2000), 2, 2, 128, paged=paged, page=64, capacity=4096,
+                   num_splits=4, scale=0.1352)
+    inputs, graph_cache, step = _mla_step(case)
+    eager_inputs, eager_cache, eager_step = _mla_step(case)
+    graph, captured = cuda_graph(step)
+    eager_cache.copy_(graph_cache)
+    for i in range(1, 6):
+        inputs[2].copy_(torch.tensor([100 + 3 * i, 2000 - 5 * i], dtype=torch.int32))
+        eager_inputs[2].copy_(inputs[2])
+        graph.replay()
+        out = eager_step()
+        torch.cuda.synchronize()
+        assert all(bitwise_equal(a, b) for a, b in zip(captured, out)), i
+        assert bitwise_equal(graph_cache, eager_cache), i

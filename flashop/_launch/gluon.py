@@ -136,7 +136,7 @@ def compiled_here(x: torch.Tensor) -> bool:
     return not V.aot_compilation
 
 
-def _takes_call(q: torch.Tensor, plain: bool, traced: bool, why, what: str) -> bool:
+def takes_call(q: torch.Tensor, plain: bool, traced: bool, why, what: str) -> bool:
     """What both Gluon kernels ask of a call: the switch not off, a plain call (``plain``),
     the kernels available on q's device, 16-bit inputs, an eager call (``traced``: a call
     traced for a graph compiled here, compiled_here). ``what``: the kernel, for ``why``."""
@@ -178,7 +178,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, qk_s
     (no guard: the eager launcher that the opaque operator runs decides on the lengths)."""
     what = "Gluon forward"
     setting = config.settings.gluon
-    if not _takes_call(q, plain, traced, why, what):
+    if not takes_call(q, plain, traced, why, what):
         return False
     B, S_q, H, D = q.shape
     S_k, DV = k.shape[1], v.shape[-1]
@@ -219,7 +219,7 @@ def serves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     serves()."""
     what = ("Gluon backward, dQ in key-tile order" if deterministic
             else "Gluon backward, dQ by atomics")
-    if not _takes_call(q, plain, traced, why, what):
+    if not takes_call(q, plain, traced, why, what):
         return False
     B, S_q, H, D = q.shape
     S_k, H_kv, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -298,7 +298,11 @@ def _descriptor(x: torch.Tensor, block_rows: int, block_cols: Optional[int] = No
     """A descriptor of ``x`` (B, S, H, D) as it is strided, its tiles [1, block_rows, 1,
     block_cols] (default: D). Made without TensorDescriptor's checks, which serves() and
     serves_backward() have made (_addressable; no empty dimension reaches a launch)."""
-    block = (1, block_rows, 1, block_cols or x.shape[-1])
+    return descriptor_of(x, (1, block_rows, 1, block_cols or x.shape[-1]))
+
+
+def descriptor_of(x: torch.Tensor, block: tuple):
+    """A descriptor of ``x`` as it is strided, its tiles ``block`` (as _descriptor)."""
     d = object.__new__(_descriptor_type())
     d.base, d.shape, d.strides, d.block_shape = x, list(x.shape), list(x.stride()), list(block)
     d.layout, d.padding, d.spec = _tile_layout(block, x.dtype), "zero", (x.dtype, block)

@@ -47,12 +47,14 @@ def kvcache_outputs(q: torch.Tensor, v_cache: torch.Tensor,
 class _Plan(NamedTuple):
     """A call's launches: the append (None without new keys), the split-KV attention (None
     where the output is empty), the merge of its splits (None with one split), and the
-    shapes of the splits' partial outputs and lse (None with one split)."""
+    shapes of the splits' partial outputs and lse (None with one split); the attention
+    kernel's name (flashop.explain's, and which one the launcher launches)."""
 
     append: Optional[Planned]
     decode: Optional[Planned]
     merge: Optional[Planned]
     parts: Optional[tuple]
+    kernel: str = "attention_decode_kernel"
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -319,19 +321,20 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, k_descale=k_descale,
                        v_descale=v_descale)
     return launch_split_kv(
-        attention_decode_kernel, plan, q, v_cache, k_cache=k_cache, v_cache=v_cache,
+        attention_decode_kernel, plan, q, v_cache, q=q, k_cache=k_cache, v_cache=v_cache,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
         alibi=alibi, sinks=sinks, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, k_descale=scores_descale, v_descale=v_descale)
 
 
 def launch_split_kv(kernel, plan: _Plan, q: torch.Tensor, v_cache: torch.Tensor, /,
-                    **tensors) -> tuple[torch.Tensor, torch.Tensor]:
+                    launch=None, **tensors) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV attention of ``plan`` (a decode launcher's, after its append): out and
-    lse allocated (kvcache_outputs(q, v_cache)), ``kernel`` launched with q and the call's
-    other ``tensors`` by name (the kernel's v_cache among them), writing out and lse
+    lse allocated (kvcache_outputs(q, v_cache)), ``kernel`` launched with the call's
+    ``tensors`` by name (the kernel's q and v_cache among them), writing out and lse
     directly (one split) or the splits' partial outputs, which the merge kernel combines;
-    no launch where the output is empty. Returns (out, lse)."""
+    no launch where the output is empty; ``launch(kernel, planned, **arguments)``
+    launches it (default launch_planned). Returns (out, lse)."""
     out, lse = kvcache_outputs(q, v_cache)
     if plan.decode is None:
         return out, lse
@@ -344,26 +347,29 @@ def launch_split_kv(kernel, plan: _Plan, q: torch.Tensor, v_cache: torch.Tensor,
     so, sl = out.stride(), lse.stride()
     outputs = dict(o=out, lse=lse, stride_ob=so[0], stride_os=so[1], stride_oh=so[2],
                    stride_lb=sl[0], stride_lh=sl[1])
-    launch_planned(kernel, plan.decode, q=q, o_part=o_part, lse_part=lse_part, **tensors,
-                   **outputs)
+    (launch or launch_planned)(kernel, plan.decode, o_part=o_part, lse_part=lse_part,
+                               **tensors, **outputs)
     if plan.merge is not None:
         launch_planned(attention_decode_merge_kernel, plan.merge, o_part=o_part,
                        lse_part=lse_part, **outputs)
     return out, lse
 
 
-def plan_choice(plan: _Plan, kernel: str) -> Choice:
+def plan_choice(plan: _Plan, tiles: Optional[str] = None) -> Choice:
     """A decode call's plan as flashop.explain tells it: the append, the split-KV attention
-    kernel ``kernel`` with its tiles and splits, the merge."""
+    kernel (plan.kernel) with its tiles (``tiles`` where given, else the `tl` kernels'
+    arguments) and splits, the merge."""
     kernels = []
     if plan.append is not None:
         kernels.append(("kvcache_append_kernel", None))
     if plan.decode is None:
         return Choice("nothing to attend (an empty output)", kernels)
     d = plan.decode.static
-    kernels.append((kernel, f"{d['BLOCK_M']}x{d['BLOCK_N']} tiles (query rows x keys), "
-                            f"{d['num_warps']} warps, {d['num_stages']} stage"
-                            f"{'s' if d['num_stages'] > 1 else ''}"))
+    if tiles is None:
+        tiles = (f"{d['BLOCK_M']}x{d['BLOCK_N']} tiles (query rows x keys), "
+                 f"{d['num_warps']} warps, {d['num_stages']} stage"
+                 f"{'s' if d['num_stages'] > 1 else ''}")
+    kernels.append((plan.kernel, tiles))
     splits = plan.decode.grid[0]
     if plan.merge is not None:
         kernels.append(("attention_decode_merge_kernel", None))

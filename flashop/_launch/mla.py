@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from flashop._launch import cpu, tiles as tile_table
+from flashop._launch import cpu, mla_gluon, tiles as tile_table
 from flashop._launch.cpu import kvcache as cpu_kvcache
 from flashop._launch.common import (
     TensorMeta, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2, on_inputs_device,
@@ -108,10 +108,11 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     """The launches of a call whose tensors (q, k_cache, v_cache, k, v, cache_batch_idx,
     block_table, cache_leftpad) have the (shape, strides, dtype, device) ``metas`` (None
     for None), with ``options`` (causal, scale, num_splits, whether v_cache is
-    k_cache[..., :DV], the forced tiles). The outputs' strides are the call's to add."""
+    k_cache[..., :DV], the forced tiles, whether the Gluon kernel takes the call:
+    mla_gluon.serves). The outputs' strides are the call's to add."""
     q, k_cache, v_cache, k, v, batch_idx, block_table, leftpad = (
         None if m is None else TensorMeta(*m) for m in metas)
-    causal, scale, num_splits, values_in_keys, forced = options
+    causal, scale, num_splits, values_in_keys, forced, use_gluon = options
     paged = block_table is not None
     append = None
     S_new = 0
@@ -126,6 +127,15 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     D, G, page = int(D), int(H // H_kv), int(k_cache.shape[1])
     capacity = block_table.shape[1] * page if paged else page
     page_size = page if paged else 0
+    qk_scale = score_args(PLAIN[causal], resolve_scale(scale, D), None)["qk_scale"]
+    if use_gluon:
+        num_splits = mla_gluon.splits(num_splits, int(B * S_q * H // mla_gluon.ROWS),
+                                      int(capacity), q.device)
+        merge, parts, _, _ = merge_launch(num_splits, B, S_q, H, DV, DV)
+        decode = mla_gluon.decode_launch(
+            num_splits, B, S_q, H, S_new, capacity, page, paged, batch_idx is not None,
+            causal, qk_scale, block_table.stride[0] if paged else 0)
+        return _Plan(append, decode, merge, parts, mla_gluon.KERNEL_NAME)
     itemsize = q.dtype.itemsize
     own_values = 0 if values_in_keys else DV
     t = dict(forced).get(TILE_KIND)
@@ -145,14 +155,13 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         **input_strides(q, k_cache, v_cache),
         stride_tb=block_table.stride[0] if paged else 0,
         S_q=S_q, S_new=S_new, capacity=capacity, G=G,
-        qk_scale=score_args(PLAIN[causal], resolve_scale(scale, D), None)["qk_scale"],
-        DV=DV, D_ROPE=D - DV, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
+        qk_scale=qk_scale, DV=DV, D_ROPE=D - DV, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
         TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
         HAS_BATCH_IDX=batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
         IS_CAUSAL=causal, V_IN_K=values_in_keys, SPLIT=num_splits > 1, **dtype_constexprs(q.dtype),
         num_warps=t.num_warps, num_stages=t.num_stages))
-    return _Plan(append, decode, merge, parts)
+    return _Plan(append, decode, merge, parts, "mla_decode_kernel")
 
 
 # eager calls of one signature share their plan (a decode loop repeats one signature)
@@ -196,7 +205,10 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
             v = k[..., :v_cache.shape[-1]] if v is None else unit_stride_last(v)
     q = unit_stride_last(q)
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, cache_leftpad)
-    options = (mods.causal, scale, num_splits, values_in_keys, tile_table.forced())
+    forced = tile_table.forced()
+    use_gluon = TILE_KIND not in dict(forced) and mla_gluon.serves(
+        q, k_cache, values_in_keys, block_table, cache_leftpad)
+    options = (mods.causal, scale, num_splits, values_in_keys, forced, use_gluon)
     plan = call_plan(_plan, tensors, options)
     if plan_only:
         return plan
@@ -206,7 +218,12 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
                        cache_seqlens=cache_seqlens,
                        cache_batch_idx=cache_batch_idx, block_table=block_table,
                        rotary_cos=None, rotary_sin=None, k_descale=None, v_descale=None)
-    return launch_split_kv(mla_decode_kernel, plan, q, v_cache, k_cache=k_cache,
+    if use_gluon:
+        return launch_split_kv(
+            mla_gluon.kernel(), plan, q, v_cache, launch=mla_gluon.launch,
+            **mla_gluon.descriptors(q, k_cache), cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx, block_table=block_table)
+    return launch_split_kv(mla_decode_kernel, plan, q, v_cache, q=q, k_cache=k_cache,
                            v_cache=k_cache if values_in_keys else v_cache,
                            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                            block_table=block_table, cache_leftpad=cache_leftpad)

@@ -46,6 +46,8 @@ from flashop._launch import attention as launch_attention
 from flashop._launch import cpu
 from flashop._launch import kvcache as launch
 from flashop._launch import mla as launch_mla
+from flashop._launch import mla_gluon as launch_mla_gluon
+from flashop._launch.common import is_traced
 from flashop._launch.plans import PlannedBody
 from flashop._launch.options import Packing, modifiers
 from flashop._ops import autocast
@@ -116,15 +118,17 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
     """attention_with_kvcache's body (its arguments): checks, then the kernels; (out, lse).
     Also run directly by the eager path (flashop/_ops/eager.py). MLA's head dims (576, 512)
     go to the latent-cache kernel, which reads each row once where v_cache is
-    k_cache[..., :512] (the checks' aliasing). A traced call of CPU tensors runs it through
-    attention_with_kvcache_opaque (cpu.traced). ``plan_only``: the launcher's plan and
+    k_cache[..., :512] (the checks' aliasing). A traced call of CPU tensors (cpu.traced),
+    or that the Gluon MLA kernel takes in a graph compiled here (_gluon_traced), runs it
+    through attention_with_kvcache_opaque. ``plan_only``: the launcher's plan and
     whether it is MLA's, launching nothing (flashop.explain; None over CPU tensors)."""
     mods, aliasing = _checked(q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx,
                             block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
                             cache_leftpad, k_descale, v_descale, q_descale, scale=scale,
                             num_splits=num_splits, rotary_interleaved=rotary_interleaved,
                             out_dtype=out_dtype, **options)
-    if cpu.traced(q):
+    if cpu.traced(q) or _gluon_traced(q, k_cache, v_cache, block_table, cache_leftpad,
+                                      aliasing):
         return torch.ops.flashop.attention_with_kvcache_opaque(
             q, k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, block_table,
             alibi_slopes, sinks, rotary_cos, rotary_sin, cache_leftpad, k_descale, v_descale,
@@ -143,6 +147,14 @@ def run_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=Non
         num_splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, k_descale,
         v_descale, q_descale, plan_only=plan_only)
     return (result, False) if plan_only else result
+
+
+def _gluon_traced(q, k_cache, v_cache, block_table, cache_leftpad, aliasing) -> bool:
+    """Whether a traced call runs the Gluon MLA kernel when its graph runs (a graph compiled
+    here: mla_gluon.serves), through attention_with_kvcache_opaque, which Inductor does not
+    trace into."""
+    return (is_traced(q) and is_mla(k_cache, v_cache) and launch_mla_gluon.serves(
+        q, k_cache, aliasing[0] is True, block_table, cache_leftpad, traced=True))
 
 
 def _cache_aliasing(args: tuple) -> tuple:
