@@ -3,7 +3,10 @@
 computes S in both warp groups. Stripped: a dense latent cache (values the rows' first 512
 dims), one query per sequence (the query heads are the rows), no split of the keys, keys a
 multiple of BLOCK_N. Compiled for sm_90 on a machine without a GPU, its shared memory,
-registers and spills reported; not run.
+registers and spills reported. Run on an H200 by gluon_mla_decode_gpu.py (entry 144: 449-490
+TFLOP/s at H = 128 where the grid fills the GPU, against the `tl` kernel's 286-300), once
+group 0's last arrival waited for group 1's read of the last P (one barrier phase apart);
+the package's kernel (flashop/kernels/mla_gluon.py) grew from it.
 
 From the repository root, with triton 3.6.0 and a CPU torch:
 
@@ -114,6 +117,8 @@ def _group(q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, 
             mbarrier.arrive(p_empty, count=1)
         mbarrier.arrive(empty.index(s), count=1)
     if WG == 0:
+        # (group 1 has waited for the last tile's P: the sums' arrival is a phase of its own)
+        mbarrier.wait(p_empty, (n_tiles - 1) & 1)
         l_smem.store(l_i)
         o_r = gl.arange(0, ROWS, layout=row_layout)
         gl.store(lse + i_b * stride_lb + h0 + o_r, (m_i + gl.log2(l_i)) * 0.6931471805599453)
