@@ -8,13 +8,14 @@ causal). Figures: the cache's bytes (B * L * 576 * 2) per second against the mea
 bandwidth, and TFLOP/s counting 2 * S_q * H * L * (576 + 512) per sequence (FlashMLA's).
 
 Providers: flashop over the paged cache (``flashop-p64``) and over the same cache dense
-(``flashop``), and SDPA on the dense cache (``sdpa``: (B, H, S_q, 576) queries, the latent
-head expanded with ``enable_gqa=True``, values 512 dims: its math path) where its
-expanded keys and values fit in memory.
+(``flashop``), with its defaults (at H = 128 on Hopper with triton 3.6 the Gluon kernel,
+else the `tl` one; FLASHOP_GLUON=0 times the `tl` one there), and SDPA on the dense cache
+(``sdpa``: (B, H, S_q, 576) queries, the latent head expanded with ``enable_gqa=True``,
+values 512 dims: its math path) where its expanded keys and values fit in memory.
 
-``--sweep`` times, per point, flashop's call over the paged cache and the dense one with
-each candidate tile (rows per program BLOCK_M, keys per step BLOCK_N, warps, stages, each
-key's page id or a tile's) and split count, forced through
+``--sweep`` times, per point, the `tl` kernel's call over the paged cache and the dense
+one with each candidate tile (rows per program BLOCK_M, keys per step BLOCK_N, warps,
+stages, each key's page id or a tile's) and split count, forced through
 ``flashop._launch.tiles.force("mla", ...)``, and prints a table per point (the fastest
 first); ``--tiles`` and ``--splits`` replace the candidates.
 

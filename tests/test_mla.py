@@ -721,6 +721,48 @@ def test_gpu_a_compile_under_other_tiles_plans_its_own_launches():
 # --- the Gluon kernel (triton 3.6, Hopper) --------------------------------------------------
 
 
+def test_gluon_kernel_rule_and_plan(monkeypatch):
+    """The Gluon kernel's rule and plan on any machine (its kernel runs on Hopper only), the
+    kernels taken as available: a call it takes plans its grid (splits, S_q * H / 64, B)
+    and the merge, and explain names it; each call it declines names its reason and plans
+    the `tl` kernel."""
+    from flashop._launch import gluon, mla as launch_mla
+    from flashop._launch.options import modifiers
+
+    monkeypatch.setattr(gluon, "unavailable", lambda device: None)
+
+    def planned(case):
+        (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
+        explanation = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache,
+                                      k, v, **kwargs)
+        plan = launch_mla.attention_with_latent_cache(
+            q, k_cache, v_cache, k, v, kwargs["cache_seqlens"],
+            kwargs.get("cache_batch_idx"), kwargs.get("block_table"), None,
+            modifiers(causal=case.causal), case.num_splits, kwargs.get("cache_leftpad"),
+            values_in_keys=not case.own_values, plan_only=True)
+        return str(explanation), plan
+
+    text, plan = planned(MlaCase((10, 100), 2, 2, 128, paged=True, page=128, capacity=256,
+                                 num_splits=3, new_values="view"))
+    assert plan.kernel == "mla_decode_gluon_kernel" and "mla_decode_gluon_kernel" in text
+    assert plan.decode.grid == (3, 2 * 128 // 64, 2) and plan.merge is not None
+    assert plan.append is not None and plan.decode.static["PAGE_SIZE"] == 128
+    for case, reason in [
+            (MlaCase((10, 100), 1, 1, 96, capacity=128), "a multiple of 64 query heads"),
+            (MlaCase((10, 100), 1, 1, 64, paged=True, page=32, capacity=128),
+             "pages of a multiple of 64 keys, not 32"),
+            (MlaCase((10, 100), 1, 1, 64, capacity=128, leftpad=True), "no cache_leftpad"),
+            (MlaCase((10, 100), 1, 1, 64, torch.float32, capacity=128),
+             "float16 or bfloat16 inputs only"),
+            (MlaCase((10, 100), 1, 1, 64, capacity=128, own_values=True), "first 512 dims")]:
+        text, plan = planned(case)
+        assert plan.kernel == "mla_decode_kernel", case
+        assert reason in text, (reason, text)
+    with flashop.config.override(gluon=False):
+        text, plan = planned(MlaCase((10, 100), 1, 1, 64, capacity=128))
+        assert plan.kernel == "mla_decode_kernel" and "FLASHOP_GLUON=0" in text
+
+
 def _gluon_available() -> bool:
     from flashop._launch import gluon
     return DEVICE == "cuda" and gluon.available(torch.device("cuda"))

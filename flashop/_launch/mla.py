@@ -205,7 +205,7 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
             v = k[..., :v_cache.shape[-1]] if v is None else unit_stride_last(v)
     q = unit_stride_last(q)
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, cache_leftpad)
-    forced = tile_table.forced()
+    forced = tile_table.forced()  # (tiles forced for the `tl` kernel's sweeps: that kernel)
     use_gluon = TILE_KIND not in dict(forced) and mla_gluon.serves(
         q, k_cache, values_in_keys, block_table, cache_leftpad)
     options = (mods.causal, scale, num_splits, values_in_keys, forced, use_gluon)

@@ -165,10 +165,10 @@ def _group(q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, 
             gl.store(lse_part + (i_run * H + o_r) * S_q + i_q,
                      gl.where(empty_rows, float("-inf"), m_i + gl.log2(l_safe)))
     else:
-        gl.store(o + i_b * stride_ob + i_q * stride_os + gl.expand_dims(o_h * stride_oh, 1)
+        gl.store(o + i_b.to(gl.int64) * stride_ob + i_q * stride_os + gl.expand_dims(o_h * stride_oh, 1)
                  + gl.expand_dims(o_c, 0), out.to(o.dtype.element_ty))
         if WG == 0:
-            gl.store(lse + i_b * stride_lb + o_r * stride_lh + i_q,
+            gl.store(lse + i_b.to(gl.int64) * stride_lb + o_r * stride_lh + i_q,
                      gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2))
 
 
@@ -209,7 +209,8 @@ def mla_decode_gluon_kernel(
     s_lo = gl.minimum(i_split * tiles_per_split * BLOCK_N, hi)
     s_hi = gl.minimum(s_lo + tiles_per_split * BLOCK_N, hi)
     n_tiles = gl.cdiv(s_hi - s_lo, BLOCK_N)
-    i_run = i_split * gl.num_programs(2) + i_b
+    # (64-bit: the partials of every split and sequence, and the outputs' batch offsets)
+    i_run = i_split.to(gl.int64) * gl.num_programs(2) + i_b
     i_row = i_b
     if HAS_BATCH_IDX:
         i_row = gl.load(cache_batch_idx + i_b)
