@@ -747,8 +747,11 @@ def test_gluon_kernel_rule_and_plan(monkeypatch):
     assert plan.kernel == "mla_decode_gluon_kernel" and "mla_decode_gluon_kernel" in text
     assert plan.decode.grid == (3, 2 * 128 // 64, 2) and plan.merge is not None
     assert plan.append is not None and plan.decode.static["PAGE_SIZE"] == 128
+    text, plan = planned(MlaCase((10, 100), 2, 2, 32, capacity=128, num_splits=2))
+    assert plan.kernel == "mla_decode_gluon_kernel" and plan.decode.grid == (2, 1, 2)
     for case, reason in [
             (MlaCase((10, 100), 1, 1, 96, capacity=128), "a multiple of 64 query heads"),
+            (MlaCase((10, 100), 1, 1, 32, capacity=128), "not 1 and 32 x 1"),
             (MlaCase((10, 100), 1, 1, 64, paged=True, page=32, capacity=128),
              "pages of a multiple of 64 keys, not 32"),
             (MlaCase((10, 100), 1, 1, 64, capacity=128, leftpad=True), "no cache_leftpad"),
@@ -791,6 +794,14 @@ GLUON_CASES = {
     "paged-128-auto": MlaCase((129, 0, 1000), 1, 1, 64, paged=True, page=128, capacity=1024),
     "paged-256-many-splits": MlaCase((255, 257), 4, 1, 64, paged=True, page=256,
                                      capacity=1024, num_splits=7),
+    # 64 rows over several queries: each row's causal bound its own, rows with no key beside
+    # rows with keys (in a tile and in a split)
+    "32-heads-2-queries": MlaCase((0, 64, 1000), 2, 2, 32, capacity=1024, num_splits=3,
+                                  new_values="view"),
+    "16-heads-4-queries-rows-with-no-key": MlaCase((1, 3, 70, 200), 4, 0, 16, paged=True,
+                                                   page=64, capacity=256, num_splits=2),
+    "16-heads-4-queries-not-causal": MlaCase((5, 190), 4, 4, 16, torch.float16,
+                                             capacity=256, causal=False),
 }
 
 
@@ -800,9 +811,10 @@ GLUON_CASES = {
 def test_gpu_gluon_kernel_matches_reference(name):
     """The Gluon kernel takes these calls (flashop.explain says so) and matches the reference
     under the rule, the append bit for bit: lengths 0, inside one key tile, on and across
-    tile edges, up to the capacity; 1-4 queries causal and not; dense, cache_batch_idx,
-    pages of 64, 128 and 256; one split, several, more than a run has tiles, auto. Rows
-    past each sequence's keys hold NaN, so a read of them shows."""
+    tile edges, up to the capacity; 1-4 queries causal and not; 64 and 128 heads, and 16
+    and 32 whose programs' rows span queries; dense, cache_batch_idx, pages of 64, 128 and
+    256; one split, several, more than a run has tiles, auto. Rows past each sequence's
+    keys hold NaN, so a read of them shows."""
     case = GLUON_CASES[name]
     assert _kernel_of(case) == "mla_decode_gluon_kernel"
     check_mla_case(case)
@@ -832,6 +844,7 @@ def test_gpu_gluon_kernel_declines_what_it_does_not_take():
     base = MlaCase((10, 100), 1, 1, 64, capacity=128)
     for case, reason in [
             (MlaCase((10, 100), 1, 1, 16, capacity=128), "a multiple of 64 query heads"),
+            (MlaCase((10, 100), 2, 2, 16, capacity=128), "not 1 and 16 x 2"),
             (MlaCase((10, 100), 1, 1, 64, paged=True, page=32, capacity=128),
              "pages of a multiple of 64"),
             (MlaCase((10, 100), 1, 1, 64, capacity=128, leftpad=True), "cache_leftpad"),

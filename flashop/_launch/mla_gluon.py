@@ -4,7 +4,7 @@ call of the latent-cache launcher (mla.py), its plan's launch, and its descripto
 Where it serves, as the Gluon forward (gluon.py): triton 3.6 on a Hopper GPU, eager calls
 and CUDA graphs captured from them, and graphs that torch.compile runs here, whose
 operator then calls it through attention_with_kvcache's opaque twin (Inductor cannot trace
-Gluon kernels); exported graphs keep the `tl` kernel. Its tiles are fixed: 64 query heads
+Gluon kernels); exported graphs keep the `tl` kernel. Its tiles are fixed: 64 query rows
 and 64 keys per step, two key tiles in flight (230 KB of shared memory, one program per
 SM), two consumer groups of 240 registers and a load warp.
 """
@@ -21,7 +21,7 @@ from flashop._launch.common import decline, sm_count, tma_aligned
 from flashop._launch.decode_tiles import MAX_SPLITS, auto_splits
 from flashop._launch.launches import Planned, launch_now
 
-ROWS = 64  # query heads per program (Hopper's wgmma: 64 rows per consumer group)
+ROWS = 64  # query rows per program (Hopper's wgmma: 64 rows per consumer group)
 BLOCK_N = 64  # keys per step; a page holds whole tiles (pages of a multiple of 64)
 STAGES = 2
 CONSUMER_REGS, LOAD_REGS = 240, 24
@@ -41,20 +41,22 @@ def serves(q: torch.Tensor, k_cache: torch.Tensor, values_in_keys: bool,
     """Whether the Gluon kernel takes this latent-cache call: where the Gluon kernels run
     (gluon.takes_call: the switch not off, triton 3.6 on a Hopper GPU, 16-bit inputs,
     ``traced`` as there), the values the rows' first 512 dims (one cache), one latent head,
-    a multiple of 64 query heads, no left padding, a dense cache or pages of a multiple of
-    64 keys, and q and the cache addressable by descriptors (a unit-stride last dim,
-    16-byte aligned start and strides)."""
+    a multiple of 64 query heads (or a divisor of 64, the heads times the queries a
+    multiple of 64: a program's 64 rows then span queries), no left padding, a dense
+    cache or pages of a multiple of 64 keys, and q and the cache addressable by
+    descriptors (a unit-stride last dim, 16-byte aligned start and strides)."""
     what = "Gluon MLA decode"
     if not gluon.takes_call(q, True, traced, why, what):
         return False
-    H, D = q.shape[2], q.shape[3]
+    S_q, H, D = q.shape[1], q.shape[2], q.shape[3]
     H_kv = k_cache.shape[2]
     if not values_in_keys or D != LATENT + ROPE:
         return decline(why, f"{what}: the latent cache's values as its rows' first "
                             f"{LATENT} dims only")
-    if H_kv != 1 or H % ROWS:
-        return decline(why, f"{what}: one latent head and a multiple of {ROWS} query heads, "
-                            f"not {H_kv} and {H}")
+    if H_kv != 1 or not (H % ROWS == 0 or (ROWS % H == 0 and H * S_q % ROWS == 0)):
+        return decline(why, f"{what}: one latent head and a multiple of {ROWS} query heads "
+                            f"(or a divisor of {ROWS} with heads x queries a multiple of "
+                            f"{ROWS}), not {H_kv} and {H} x {S_q}")
     if cache_leftpad is not None:
         return decline(why, f"{what}: no cache_leftpad")
     if block_table is not None and k_cache.shape[1] % BLOCK_N:
@@ -86,10 +88,12 @@ def decode_launch(num_splits: int, B: int, S_q: int, H: int, S_new: int, capacit
 
 
 def descriptors(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """The kernel's descriptors of a call: q's latent and rotary tiles of 64 heads, the
-    cache's of BLOCK_N rows."""
-    return dict(q_desc=gluon.descriptor_of(q, (1, 1, ROWS, LATENT)),
-                qr_desc=gluon.descriptor_of(q, (1, 1, ROWS, ROPE)),
+    """The kernel's descriptors of a call: q's latent and rotary tiles of 64 rows (64
+    heads of one query, or the H heads of 64 / H queries), the cache's of BLOCK_N rows."""
+    heads = min(q.shape[2], ROWS)
+    tile = (1, ROWS // heads, heads)
+    return dict(q_desc=gluon.descriptor_of(q, tile + (LATENT,)),
+                qr_desc=gluon.descriptor_of(q, tile + (ROPE,)),
                 k_desc=gluon.descriptor_of(k_cache, (1, BLOCK_N, 1, LATENT)),
                 kr_desc=gluon.descriptor_of(k_cache, (1, BLOCK_N, 1, ROPE)))
 

@@ -16,8 +16,9 @@ columns executed per (row, key) for the 1088 counted). Here, as in FlashMLA:
   does.
 
 The call's shape rules are the launcher's (flashop/_launch/mla_gluon.py): one latent head
-whose first 512 dims are the values, 64 query heads per program (a tile of rows is 64 heads
-of one query), 16-bit dtypes, a dense cache or pages of a multiple of 64 keys. As
+whose first 512 dims are the values, 64 query rows per program (64 heads of one query, or
+all the heads of 64 / H queries where H divides 64), 16-bit dtypes, a dense cache or pages
+of a multiple of 64 keys. As
 mla_decode_kernel: grid (splits, row tiles, B); the lengths read here; a split's partial
 output and base-2 lse to o_part / lse_part for the merge kernel; rows that attend no key get
 0 and -inf. Rows past a sequence's keys are never attended: their scores are masked, and
@@ -90,9 +91,12 @@ def _pv(acc, b_alpha, p_smem, v_half, acc_layout: gl.constexpr):
 @gluon.jit
 def _group(q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, full, empty,
            p_full, p_empty, o, lse, o_part, lse_part, stride_ob, stride_os, stride_oh,
-           stride_lb, stride_lh, i_b, i_q, h0, s_lo, s_hi, n_tiles, i_run, S_q, H, qk_scale,
-           WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-           SPLIT: gl.constexpr):
+           stride_lb, stride_lh, i_b, i_q, h0, s_lo, s_hi, n_tiles, i_run, S_q, H, off,
+           qk_scale, WG: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, MASK_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+    """One consumer group (``WG``) of a program whose 64 rows are HEADS heads (from h0) of
+    64 / HEADS queries (from i_q); ``off``: query i's key position less i. MASK_ROWS:
+    causal with several queries per tile, whose rows' bounds differ."""
     ROWS: gl.constexpr = q_smem.shape[0]
     DV: gl.constexpr = k_smem.shape[2]
     HALF: gl.constexpr = DV // 2
@@ -119,14 +123,23 @@ def _group(q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, 
             tok = warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), tok,
                                 is_async=True)
             b_s = warpgroup_mma_wait(num_outstanding=0, deps=(tok,)) * qk_scale
-            valid = s_hi - (s_lo + j * BLOCK_N)  # the tile's keys of the run (>= 1)
-            if valid < BLOCK_N:  # the run's last tile reaches past its keys
-                o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            start_n = s_lo + j * BLOCK_N
+            valid = s_hi - start_n  # the tile's keys of the run (>= 1)
+            o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if MASK_ROWS:  # each row's keys: up to its query's position, within the run
+                o_r = gl.arange(0, ROWS, layout=row_layout)
+                keys = gl.minimum(i_q + o_r // HEADS + off + 1 - start_n, valid)
+                b_s = gl.where(gl.expand_dims(o_n, 0) < gl.expand_dims(keys, 1), b_s,
+                               float("-inf"))
+            elif valid < BLOCK_N:  # the run's last tile reaches past its keys
                 b_s = gl.where(gl.expand_dims(o_n < valid, 0), b_s, float("-inf"))
+            if valid < BLOCK_N:  # (their values too: 0 x NaN is NaN)
                 _zero_rows_past(k_smem.index(s), valid, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(b_s, 1))
-            b_alpha = gl.exp2(m_i - m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(m_new, 1))
+            # (a row with no key yet keeps m = -inf: its P and rescale are then 0)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            b_alpha = gl.exp2(m_i - m_use)
+            b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
             l_i = l_i * b_alpha + gl.sum(b_p, 1)
             m_i = m_new
             if j > 0:  # group 1 has read the P of the tile before
@@ -155,20 +168,23 @@ def _group(q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, 
     empty_rows = l_i == 0.0
     l_safe = gl.where(empty_rows, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    o_h = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    # row r: head h0 + r % HEADS of query i_q + r // HEADS
+    o_ro = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    o_h, o_i = h0 + o_ro % HEADS, i_q + o_ro // HEADS
     o_c = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_r = h0 + gl.arange(0, ROWS, layout=row_layout)
+    o_r = gl.arange(0, ROWS, layout=row_layout)
+    o_rh, o_ri = h0 + o_r % HEADS, i_q + o_r // HEADS
     if SPLIT:  # the partials [splits, B, S_q, H, DV] and [splits, B, H, S_q], contiguous
-        o_pr = (i_run * S_q + i_q) * H + o_h
+        o_pr = (i_run * S_q + o_i) * H + o_h
         gl.store(o_part + gl.expand_dims(o_pr * DV, 1) + gl.expand_dims(o_c, 0), out)
         if WG == 0:
-            gl.store(lse_part + (i_run * H + o_r) * S_q + i_q,
+            gl.store(lse_part + (i_run * H + o_rh) * S_q + o_ri,
                      gl.where(empty_rows, float("-inf"), m_i + gl.log2(l_safe)))
     else:
-        gl.store(o + i_b.to(gl.int64) * stride_ob + i_q * stride_os + gl.expand_dims(o_h * stride_oh, 1)
-                 + gl.expand_dims(o_c, 0), out.to(o.dtype.element_ty))
+        p_o = o + i_b.to(gl.int64) * stride_ob + o_i * stride_os + o_h * stride_oh
+        gl.store(gl.expand_dims(p_o, 1) + gl.expand_dims(o_c, 0), out.to(o.dtype.element_ty))
         if WG == 0:
-            gl.store(lse + i_b.to(gl.int64) * stride_lb + o_r * stride_lh + i_q,
+            gl.store(lse + i_b.to(gl.int64) * stride_lb + o_rh * stride_lh + o_ri,
                      gl.where(empty_rows, float("-inf"), (m_i + gl.log2(l_safe)) * LN2))
 
 
@@ -183,13 +199,17 @@ def mla_decode_gluon_kernel(
     SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     """Attention of q[b, i, h] (512 + 64 dims; q_desc / qr_desc its latent and rotary
-    tiles of 64 heads) over the first ``L = cache_seqlens[b] + S_new`` rows of sequence b's
-    latent cache (k_desc / kr_desc: a row's latent and rotary tiles of BLOCK_N keys; the
-    values its latent dims), query i at key position ``i + L - S_q`` (bottom-right causal
-    where ``IS_CAUSAL``). Grid (splits, S_q * G // 64, B): program (split, t, b) takes heads
-    ``64 t % G`` on of query ``64 t // G`` (G query heads over one latent head, a multiple
-    of 64), and its split's run of whole key tiles (mla_decode_kernel's split_run)."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    tiles [1, QUERIES, HEADS, dims] of 64 rows) over the first ``L = cache_seqlens[b] +
+    S_new`` rows of sequence b's latent cache (k_desc / kr_desc: a row's latent and rotary
+    tiles of BLOCK_N keys; the values its latent dims), query i at key position ``i + L -
+    S_q`` (bottom-right causal where ``IS_CAUSAL``). The G query heads over one latent
+    head are a multiple of 64 (HEADS = 64, QUERIES = 1) or divide 64 (HEADS = G; G * S_q a
+    multiple of 64). Grid (splits, S_q * G // 64, B): program (split, t, b) takes rows
+    ``r = i * G + g`` from 64 t, and its split's run of whole key tiles
+    (mla_decode_kernel's split_run)."""
+    QUERIES: gl.constexpr = q_desc.block_type.shape[1]  # queries per tile of rows
+    HEADS: gl.constexpr = q_desc.block_type.shape[2]  # and heads of each
+    ROWS: gl.constexpr = QUERIES * HEADS
     DV: gl.constexpr = q_desc.block_type.shape[3]
     D_ROPE: gl.constexpr = qr_desc.block_type.shape[3]
     qk_scale = qk_scale.to(gl.float32)
@@ -198,11 +218,13 @@ def mla_decode_gluon_kernel(
     i_b = gl.program_id(2)
     i_q = r0 // G
     h0 = r0 % G
-    # this program's keys [0, hi): the sequence's, up to its query's position where causal
+    # this program's keys [0, hi): the sequence's, up to its last query's position where
+    # causal
     L = gl.load(cache_seqlens + i_b) + S_new
+    off = L - S_q
     hi = gl.minimum(L, capacity)
     if IS_CAUSAL:
-        hi = gl.minimum(hi, i_q + L - S_q + 1)
+        hi = gl.minimum(hi, i_q + QUERIES + off)
     hi = gl.maximum(hi, 0)
     # the split's run [s_lo, s_hi) of whole key tiles
     tiles_per_split = gl.cdiv(gl.cdiv(hi, BLOCK_N), gl.num_programs(0))
@@ -251,11 +273,13 @@ def mla_decode_gluon_kernel(
         (_group, (q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, full,
                   empty, p_full, p_empty, o, lse, o_part, lse_part, stride_ob, stride_os,
                   stride_oh, stride_lb, stride_lh, i_b, i_q, h0, s_lo, s_hi, n_tiles, i_run,
-                  S_q, G, qk_scale, 0, BLOCK_N, STAGES, SPLIT)),
+                  S_q, G, off, qk_scale, 0, HEADS, BLOCK_N, STAGES,
+                  IS_CAUSAL and QUERIES > 1, SPLIT)),
         (_group, (q_smem, qr_smem, k_smem, kr_smem, p_smem, alpha_smem, l_smem, q_bar, full,
                   empty, p_full, p_empty, o, lse, o_part, lse_part, stride_ob, stride_os,
                   stride_oh, stride_lb, stride_lh, i_b, i_q, h0, s_lo, s_hi, n_tiles, i_run,
-                  S_q, G, qk_scale, 1, BLOCK_N, STAGES, SPLIT)),
+                  S_q, G, off, qk_scale, 1, HEADS, BLOCK_N, STAGES,
+                  IS_CAUSAL and QUERIES > 1, SPLIT)),
         (_load, (q_desc, qr_desc, k_desc, kr_desc, q_smem, qr_smem, k_smem, kr_smem, q_bar,
                  full, empty, block_table, i_b, i_q, h0, i_row, s_lo, n_tiles, BLOCK_N,
                  STAGES, PAGE_SIZE, IS_PAGED)),
