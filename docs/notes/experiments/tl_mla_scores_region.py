@@ -19,6 +19,15 @@ From the repository root, with a CPU torch and triton 3.6.0 (or the newest):
 (``--check``: the variant in the package's place under Triton's interpreter, test_mla's
 CPU cases against the reference: the regions change no result.)
 
+On a Hopper GPU, one process per kernel (a kernel's compiled form is keyed once):
+
+    PYTHONPATH=. python docs/notes/experiments/tl_mla_scores_region.py --time package
+    PYTHONPATH=. python docs/notes/experiments/tl_mla_scores_region.py --time region
+
+(``--time``: the `tl` kernel (FLASHOP_GLUON off) at benchmarks/decode.py's H = 128 points,
+dense and pages of 64, CUDA-graph replays, after test_mla's 128-head real-shape case
+against the reference.)
+
 It compiles the package's kernel and the variant at the launches the MLA launcher plans for
 H = 128 (dense and pages of 64, S_q = 1 and 2, the table's 64 x 64 tile, 8 warps, 2
 stages), and prints per kernel the shared memory, registers, spills, the MMA layouts of
@@ -37,7 +46,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 CHECK = "--check" in sys.argv
-if not CHECK:
+TIME = sys.argv[sys.argv.index("--time") + 1] if "--time" in sys.argv else None
+if not CHECK and TIME is None:
     import compile_for_hopper as C  # noqa: E402  (the stand-in driver first)
     from compile_sm90 import compile_kernel, report  # noqa: E402
 import torch  # noqa: E402
@@ -150,9 +160,43 @@ def check() -> int:
     return failed
 
 
+def time_on_gpu(which: str) -> int:
+    """The `tl` kernel (``which``: "package" or "region") checked, then timed."""
+    import test_mla
+
+    import flashop
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from decode import time_us
+    if which == "region":
+        kernels._mla_key_tiles = _mla_key_tiles_region  # (before its first compile)
+    flashop.config.settings.gluon = False
+    test_mla.check_mla_case(test_mla.MlaCase(
+        (0, 1000, 4091, 4094), 2, 2, 128, paged=True, page=64, capacity=4096,
+        scale=0.1352, new_values="view"))
+    print(f"{which}: the 128-head case within the rule")
+    for B, H, L, S_q in ((32, 128, 8192, 1), (128, 128, 4096, 1), (64, 128, 8192, 2)):
+        q = torch.randn(B, S_q, H, 576, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
+        dense = torch.randn(B, L, 1, 576, device="cuda", dtype=torch.bfloat16)
+        pages = dense.view(B * L // 64, 64, 1, 576)
+        table = torch.randperm(B * L // 64, device="cuda").view(B, -1).int()
+        flops = 2 * S_q * H * L * 1088 * B
+        row = f"{which} B={B} H={H} L={L} S_q={S_q}:"
+        for name, cache, extra in (("dense", dense, {}), ("paged", pages,
+                                                          {"block_table": table})):
+            us = time_us(lambda: flashop.attention_with_kvcache(
+                q, cache, cache[..., :512], cache_seqlens=lens, scale=0.1352,
+                causal=S_q > 1, **extra), True)
+            row += f"  {name} {us:.0f} us {flops / us / 1e6:.0f} TFLOP/s"
+        print(row, flush=True)
+    return 0
+
+
 def main() -> int:
     if CHECK:
         return check()
+    if TIME is not None:
+        return time_on_gpu(TIME)
     failed = 0
     variant = _variant_kernel()
     for label, kwargs, grid in launches():
