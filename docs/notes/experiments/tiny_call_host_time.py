@@ -1,7 +1,7 @@
 """Host time of a tiny eager call (B=1, H=1, N=128, D=64, causal, bf16): flashop's forward
 and forward+backward, beside SDPA's, median of 7 rounds of 200 calls each (CUDA-synchronized
 at round ends). Usage: PYTHONPATH=<checkout> python tiny_call_host_time.py LABEL, alternating
-checkouts in one session on one GPU."""
+checkouts in one run on one GPU."""
 import statistics
 import sys
 import time
