@@ -129,8 +129,9 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     page_size = page if paged else 0
     qk_scale = score_args(PLAIN[causal], resolve_scale(scale, D), None)["qk_scale"]
     if use_gluon:
-        num_splits = mla_gluon.splits(num_splits, int(B * S_q * H // mla_gluon.ROWS),
-                                      int(capacity), q.device)
+        num_splits = call_splits(num_splits, int(B * S_q * H // mla_gluon.ROWS),
+                                 int(capacity), mla_gluon.TILES, D, 0, q.dtype.itemsize,
+                                 q.device)
         merge, parts, _, _ = merge_launch(num_splits, B, S_q, H, DV, DV)
         decode = mla_gluon.decode_launch(
             num_splits, B, S_q, H, S_new, capacity, page, paged, batch_idx is not None,

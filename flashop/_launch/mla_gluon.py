@@ -17,14 +17,17 @@ from typing import Optional
 import torch
 
 from flashop._launch import gluon
-from flashop._launch.common import decline, sm_count, tma_aligned
-from flashop._launch.decode_tiles import MAX_SPLITS, auto_splits
+from flashop._launch.common import decline, tma_aligned
+from flashop._launch.decode_tiles import DecodeTiles
 from flashop._launch.launches import Planned, launch_now
 
 ROWS = 64  # query rows per program (Hopper's wgmma: 64 rows per consumer group)
 BLOCK_N = 64  # keys per step; a page holds whole tiles (pages of a multiple of 64)
 STAGES = 2
 CONSUMER_REGS, LOAD_REGS = 240, 24
+# the tiles as the decode's split rule (decode_tiles.call_splits) reads them: one program
+# per SM
+TILES = DecodeTiles(ROWS, BLOCK_N, num_stages=STAGES, per_sm=1)
 LATENT, ROPE = 512, 64
 KERNEL_NAME = "mla_decode_gluon_kernel"
 
@@ -66,14 +69,6 @@ def serves(q: torch.Tensor, k_cache: torch.Tensor, values_in_keys: bool,
         return decline(why, f"{what}: q or k_cache not 16-byte aligned with a unit-stride "
                             f"head dim")
     return True
-
-
-def splits(num_splits: int, programs: int, capacity: int, device: torch.device) -> int:
-    """The call's split count: ``num_splits`` where asked, else auto_splits' rule for
-    ``programs`` per split on one program per SM."""
-    if num_splits == 0:
-        num_splits = auto_splits(programs, capacity, BLOCK_N, sm_count(device))
-    return min(num_splits, MAX_SPLITS)
 
 
 def decode_launch(num_splits: int, B: int, S_q: int, H: int, S_new: int, capacity: int,
