@@ -493,13 +493,18 @@ for dtype in (torch.bfloat16, torch.float32):
             q64 = torch.randn(B, s, 64, 576, device="cuda", dtype=dtype)
             flashop.attention_with_kvcache(q64, cache, cache[..., :512], new, cache_seqlens=lens,
                                            causal=True, return_lse=True)
+            # and 64 rows over the s queries (64 / s heads each; its per-row causal bounds)
+            qs = [ql, q64] + ([torch.randn(B, s, 64 // s, 576, device="cuda", dtype=dtype)]
+                              if s in (2, 4) else [])
+            flashop.attention_with_kvcache(qs[-1], cache, cache[..., :512], new,
+                                           cache_seqlens=lens, causal=True, return_lse=True)
             for page in (16, 64):
                 per_seq = -(-cap // page)
                 table = torch.randperm(B * per_seq + 3, device="cuda")[:B * per_seq]
                 table = table.view(B, per_seq).to(torch.int32)
                 pages = torch.randn(B * per_seq + 3, page, 1, 576, device="cuda", dtype=dtype)
                 for splits in (0, 1, 3):
-                    for queries in (ql, q64):
+                    for queries in qs:
                         flashop.attention_with_kvcache(queries, pages, pages[..., :512], new,
                                                        cache_seqlens=lens, block_table=table,
                                                        causal=True, num_splits=splits)

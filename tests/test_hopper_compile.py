@@ -39,4 +39,4 @@ def test_a_launch_past_the_shared_memory_fails_there():
     done = _compile("--planted")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "FAIL mla_decode_kernel: planted" in done.stdout
-    assert "shared memory 369664 B > sm_90's 232448 B" in done.stdout
+    assert "shared memory 386048 B > sm_90's 232448 B" in done.stdout  # (P's 16 KiB too)

@@ -199,16 +199,19 @@ def test_every_page_size(page):
                            capacity=2 * page, num_splits=2))
 
 
-@pytest.mark.parametrize("tiles,page", [((16, 32), 16), ((32, 16, 4, 1, 0, True), 64)],
-                         ids=["tiles-over-pages", "each-keys-page-id"])
-def test_forced_tiles(tiles, page):
+@pytest.mark.parametrize("tiles,page,H", [((16, 32), 16, 8), ((32, 16, 4, 1, 0, True), 64, 8),
+                                          ((64, 16, 8, 2), 64, 32)],
+                         ids=["tiles-over-pages", "each-keys-page-id", "64-rows"])
+def test_forced_tiles(tiles, page, H):
     """Tiles forced as the benchmark's sweep forces them (tiles.force("mla", ...)): keys of
     a tile in two pages (32 keys, pages of 16) and each key's page id loaded, both a GPU's
-    ways at pages below its 64-key tiles; 32 rows a program."""
+    ways at pages below its 64-key tiles; 32 rows a program; 64 rows (a GPU's tile at 32
+    heads and more: its products in regions, kernels/mla.py), rows past the last query's
+    masked."""
     from flashop._launch import tiles as tile_table
     from flashop._launch.decode_tiles import DecodeTiles
     with tile_table.force("mla", DecodeTiles(*tiles)):
-        check_mla_case(MlaCase((page - 3, 2 * page + 5), 2, 2, 8, paged=True, page=page,
+        check_mla_case(MlaCase((page - 3, 2 * page + 5), 2, 2, H, paged=True, page=page,
                                capacity=4 * page, num_splits=3))
 
 
@@ -730,6 +733,7 @@ def test_gluon_kernel_rule_and_plan(monkeypatch):
     from flashop._launch.options import modifiers
 
     monkeypatch.setattr(gluon, "unavailable", lambda device: None)
+    monkeypatch.setattr(flashop.config.settings, "gluon", None)  # (whatever FLASHOP_GLUON says)
 
     def planned(case):
         (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
@@ -818,6 +822,19 @@ def test_gpu_gluon_kernel_matches_reference(name):
     case = GLUON_CASES[name]
     assert _kernel_of(case) == "mla_decode_gluon_kernel"
     check_mla_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gpu_tl_kernel_matches_reference_in_the_gluon_cases(name):
+    """The `tl` kernel (what every stack but triton 3.6 on Hopper runs) over the same calls,
+    at the GPU's tiles: at 64 rows its two warp groups split S by keys and P V by value
+    dims (kernels/mla.py's regions)."""
+    case = GLUON_CASES[name]
+    with flashop.config.override(gluon=False):
+        assert _kernel_of(case) == "mla_decode_kernel"
+        check_mla_case(case)
 
 
 @pytest.mark.gpu

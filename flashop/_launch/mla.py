@@ -39,7 +39,8 @@ TILE_KIND = "mla"
 
 
 # what the compiled kernel takes of shared memory beyond held_bytes: up to 4 KiB at 2 stages
-# or more (layout conversions), measured for sm_90 with triton 3.6.0 and 3.9.0
+# or more (layout conversions), 8 KiB at 64 rows and 64 keys in 2 stages (P passing between
+# the two warp groups: 229376 B in all), measured for sm_90 with triton 3.6.0 and 3.9.0
 MARGIN = 8 * 1024
 
 
@@ -59,7 +60,8 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int,
     bandwidth at H = 16, B = 32, 8k keys, against 0.74 with 32 keys in 2 stages); other
     pages and up to 32 rows (their 64-key tiles spill), 32 keys per step in 2 stages with 4
     warps; 64 rows, 64 keys in 2 stages with 8 warps (two key buffers: 250-285 TFLOP/s
-    at H = 128, B = 32, 8k keys, against 183-191 in one stage), one stage where that does
+    at H = 128, B = 32, 8k keys, against 183-191 in one stage, before the kernel's regions
+    split S between the warp groups: 272-291 since), one stage where that does
     not fit. A paged tile that lies in one page loads its one page id. fp32: 16 keys.
     Under the interpreter, small tiles."""
     block_m = max(16, next_power_of_2(rows))

@@ -29,6 +29,28 @@ from flashop.kernels.decode_steps import (
 
 
 @triton.jit
+def _tile_probs(
+    b_lat, b_qr, b_kr, m_i, l_i, o_i, m_r, o_n, m_n, S_q, L, qk_scale, k_cache,
+    EDGE_TILE: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """A key tile's P (in the keys' dtype) and the softmax's step (alpha, l, m), from the
+    latent part of its scores ``b_lat`` [BLOCK_M, BLOCK_N] and the rotary blocks: scaled,
+    masked past the keys and (causal: a right bound of 0) after the diagonal; no window's
+    left bound, softcap, ALiBi, gate or mask."""
+    b_qk = tl.dot(b_qr, tl.trans(dot_operand(b_kr, UPCAST)), b_lat,
+                  input_precision=DOT_PRECISION)
+    b_s, _ = attention_scores(
+        b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
+        left=0, right=0, chunk=0, softcap_log2=0.0, alibi_log2=0.0, b_gk=0.0,
+        p_attn_mask=k_cache, stride_amq=0, stride_amk=0, EDGE_TILE=EDGE_TILE,
+        HAS_LEFT=False, HAS_RIGHT=IS_CAUSAL, HAS_CHUNK=False, HAS_SOFTCAP=False,
+        HAS_ALIBI=False, HAS_GATE=False, ATTN_MASK_KIND=0, SCALED=True)
+    b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
+    return round_to(b_p, b_kr.dtype), alpha, l_i, m_i
+
+
+@triton.jit
 def _mla_key_tiles(
     acc, l_i, m_i, b_q, b_qr, k_cache, v_cache, block_table, o_i, m_r, start, end, L_read, L,
     S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, DV: tl.constexpr,
@@ -61,27 +83,42 @@ def _mla_key_tiles(
         b_kr = load_tile(k_cache + o_kn[:, None] + o_dr[None, :], m_n[:, None], None,
                          EDGE_TILE, False)
         b_kl = dot_operand(b_k, UPCAST)
-        # [BLOCK_M, BLOCK_N]
-        b_qk = tl.dot(b_q, tl.trans(b_kl), input_precision=DOT_PRECISION)
-        b_qk = tl.dot(b_qr, tl.trans(dot_operand(b_kr, UPCAST)), b_qk,
-                      input_precision=DOT_PRECISION)
-        # scaled, masked past the keys and (causal: a right bound of 0) after the diagonal;
-        # no window's left bound, softcap, ALiBi, gate or mask
-        b_s, _ = attention_scores(
-            b_qk, qk_scale, o_i[:, None], o_n[None, :], m_r[:, None], m_n[None, :], S_q, L,
-            left=0, right=0, chunk=0, softcap_log2=0.0, alibi_log2=0.0, b_gk=0.0,
-            p_attn_mask=k_cache, stride_amq=0, stride_amk=0, EDGE_TILE=EDGE_TILE,
-            HAS_LEFT=False, HAS_RIGHT=IS_CAUSAL, HAS_CHUNK=False, HAS_SOFTCAP=False,
-            HAS_ALIBI=False, HAS_GATE=False, ATTN_MASK_KIND=0, SCALED=True)
-        b_p, alpha, l_i, m_i = softmax_step(b_s, m_i, l_i, EDGE_TILE=EDGE_TILE)
+        if b_q.shape[0] >= 64:
+            # Two warp groups: each product in an ``if`` that is always entered. Triton
+            # lays a product out over all its warps along the rows when its result reaches
+            # another product, so both groups would compute the whole of S; the search stops
+            # at a region's end, so here S splits between the groups by keys and P V by
+            # value dims, P passing through shared memory (performance notes, entries 147
+            # and 148). The latent product's result is the rotary one's accumulator: a
+            # region of its own, on another condition (two of one condition are merged).
+            if start_n < end:
+                b_lat = tl.dot(b_q, tl.trans(b_kl), input_precision=DOT_PRECISION)
+            else:
+                b_lat = tl.zeros([b_q.shape[0], BLOCK_N], dtype=tl.float32)
+            if start_n >= start:
+                b_pk, alpha, l_new, m_new = _tile_probs(
+                    b_lat, b_qr, b_kr, m_i, l_i, o_i, m_r, o_n, m_n, S_q, L, qk_scale,
+                    k_cache, EDGE_TILE=EDGE_TILE, IS_CAUSAL=IS_CAUSAL, UPCAST=UPCAST,
+                    DOT_PRECISION=DOT_PRECISION)
+            else:
+                b_pk = tl.zeros([b_q.shape[0], BLOCK_N], dtype=b_k.dtype)
+                alpha = tl.full([b_q.shape[0]], 1.0, dtype=tl.float32)
+                l_new = l_i
+                m_new = m_i
+        else:
+            b_lat = tl.dot(b_q, tl.trans(b_kl), input_precision=DOT_PRECISION)
+            b_pk, alpha, l_new, m_new = _tile_probs(
+                b_lat, b_qr, b_kr, m_i, l_i, o_i, m_r, o_n, m_n, S_q, L, qk_scale, k_cache,
+                EDGE_TILE=EDGE_TILE, IS_CAUSAL=IS_CAUSAL, UPCAST=UPCAST,
+                DOT_PRECISION=DOT_PRECISION)
+        l_i, m_i = l_new, m_new
         if V_IN_K:  # the values: the same latent block, read once for both products
             b_v = b_kl
         else:  # [BLOCK_N, DV]
             b_v = load_tile(v_cache + o_vn[:, None] + o_dv[None, :], m_n[:, None], None,
                             EDGE_TILE, False)
         # [BLOCK_M, DV]
-        acc = pv_step(acc, alpha, round_to(b_p, b_k.dtype), b_v, UPCAST=UPCAST,
-                      DOT_PRECISION=DOT_PRECISION)
+        acc = pv_step(acc, alpha, b_pk, b_v, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
 

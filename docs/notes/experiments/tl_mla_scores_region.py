@@ -1,5 +1,7 @@
 """The `tl` MLA decode kernel with each tile's scores computed in a region of their own
-(performance notes, entry 147), compiled for sm_90 on a machine without a GPU; not run.
+(performance notes, entry 147), compiled for sm_90 on a machine without a GPU; timed in
+entry 148, after which kernels/mla.py took the regions (at 64 rows): since then "package"
+and "region" below compile and time the same code.
 
 Entry 141: at 64 rows and 8 warps, Triton lays S = Q K^T out over all eight warps along the
 rows (warpsPerCTA [8, 1]) because S feeds another product (P V): Triton's choice of warps
