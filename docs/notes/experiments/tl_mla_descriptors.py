@@ -8,6 +8,10 @@ triton 3.6.0 or newer), the package's kernel and the variant at the MLA launcher
 and H = 16 launches, each's shared memory, registers and spills:
 
     PYTHONPATH=. python docs/notes/experiments/tl_mla_descriptors.py
+    PYTHONPATH=. python docs/notes/experiments/tl_mla_descriptors.py --ws
+
+(``--ws``: the variant's loop as ``tl.range(..., warp_specialize=True)`` where it reads
+through descriptors; each compile prints whether the TTGIR holds a warp_specialize op.)
 
 On a Hopper GPU, one process per kernel (a kernel's compiled form is keyed once): checked
 against the reference at four cases of tests/test_mla.py, then timed (CUDA-graph replays,
@@ -26,6 +30,8 @@ if TIME is None and not os.environ.get("TRITON_INTERPRET"):
     import compile_for_hopper as C  # noqa
     from compile_sm90 import compile_kernel, report  # noqa
 import torch, triton, triton.language as tl  # noqa
+
+WS = tl.constexpr("--ws" in sys.argv)
 from flashop._launch import mla
 from flashop._launch.options import PLAIN
 from flashop.kernels import mla as kernels
@@ -63,7 +69,7 @@ def _tiles_desc(
             k_rot = tl.make_tensor_descriptor(k_cache + DV, shape=[n, D_ROPE],
                                               strides=[stride_kcs, 1],
                                               block_shape=[BLOCK_N, D_ROPE])
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS and DESC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n, m_n, o_kn, o_vn = key_tile(
             block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
@@ -183,4 +189,8 @@ if __name__ == "__main__":
     for H in (128, 16):
         for label, kwargs, grid in launches(H):
             report(compile_kernel(kernels.mla_decode_kernel, grid, kwargs, label=f"package {label}"))
-            report(compile_kernel(variant, grid, kwargs, label=f"desc {label}"))
+            res = compile_kernel(variant, grid, kwargs, label=f"desc {label}")
+            report(res)
+            if res.ok and WS:
+                print("    warp_specialize ops in the TTGIR:",
+                      res.compiled.asm["ttgir"].count("ttg.warp_specialize"))
