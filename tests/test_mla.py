@@ -205,9 +205,8 @@ def test_every_page_size(page):
 def test_forced_tiles(tiles, page, H):
     """Tiles forced as the benchmark's sweep forces them (tiles.force("mla", ...)): keys of
     a tile in two pages (32 keys, pages of 16) and each key's page id loaded, both a GPU's
-    ways at pages below its 64-key tiles; 32 rows a program; 64 rows (a GPU's tile at 32
-    heads and more: its products in regions, kernels/mla.py), rows past the last query's
-    masked."""
+    ways at pages below its 64-key tiles; 32 rows a program; 64 rows (32 heads x 2
+    queries: a GPU's tile from 64 rows, its products in regions, kernels/mla.py)."""
     from flashop._launch import tiles as tile_table
     from flashop._launch.decode_tiles import DecodeTiles
     with tile_table.force("mla", DecodeTiles(*tiles)):
