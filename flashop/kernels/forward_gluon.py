@@ -37,9 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from flashop.kernels.common import LN2
 from flashop.kernels.dropout_gluon import dropout_args, draw_rows, keep_rows
-
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-LN2 = gl.constexpr(0.6931471805599453)
+from flashop.kernels.common import LN2
 
 
 @gluon.jit
