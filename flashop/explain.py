@@ -9,7 +9,7 @@ import torch
 
 from flashop import api
 from flashop._launch import attention as launch, kvcache as launch_kvcache
-from flashop._launch import mla_gluon as launch_mla_gluon
+from flashop._launch import mla as launch_mla, mla_gluon as launch_mla_gluon
 from flashop._launch.choice import Choice
 from flashop._ops import attention as ops, attention_fp8 as fp8_ops, kvcache as kvcache_ops
 from flashop._ops.checks_mla import cache_aliasing
@@ -111,9 +111,13 @@ def _kvcache(fn, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, causal=F
                           "cached row read once for both products")
         if not gluon:
             why = []
-            launch_mla_gluon.serves(q, k_cache, cache_aliasing(k_cache, v_cache, k, v)[0] is True,
+            values_in_keys = cache_aliasing(k_cache, v_cache, k, v)[0] is True
+            launch_mla_gluon.serves(q, k_cache, values_in_keys,
                                     tensors_and_options.get("block_table"),
                                     tensors_and_options.get("cache_leftpad"), why=why)
+            if plan.decode is not None:
+                choice.options["tensor descriptors"] = launch_mla.explain_descriptors(
+                    plan.decode.static, q, k_cache, v_cache, values_in_keys, why)
             choice.why.extend(why)
     asked = tensors_and_options.get("num_splits", 0)
     choice.why.append(f"splits: as num_splits={asked} asks" if asked else

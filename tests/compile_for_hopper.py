@@ -61,7 +61,7 @@ def catch_launches(call) -> list:
         patch(mla, "launch_planned", catch)
         patch(attention, "launch_kernel", catch_kernel)
         patch(cpu, "serves", lambda x: False)  # CPU tensors stand for the GPU's here
-        for module in (tiles, choice):  # (the stand-in's sm_90)
+        for module in (tiles, choice, mla):  # (the stand-in's sm_90)
             patch(module, "is_hopper", lambda device: True)
         for module, name in _ON_A_GPU:
             patch(module, name, _on_a_gpu(getattr(module, name)))

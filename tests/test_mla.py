@@ -214,6 +214,106 @@ def test_forced_tiles(tiles, page, H):
                                capacity=4 * page, num_splits=3))
 
 
+def _decode_static(monkeypatch) -> dict:
+    """The attention launch's static arguments, filled in by the calls that follow."""
+    from flashop._launch import kvcache as launch_kvcache
+    static, launch = {}, launch_kvcache.launch_planned
+
+    def recorded(kernel, planned, **per_call):
+        if getattr(kernel, "fn", kernel).__name__ == "mla_decode_kernel":
+            static.update(planned.static)
+        return launch(kernel, planned, **per_call)
+
+    monkeypatch.setattr(launch_kvcache, "launch_planned", recorded)
+    return static
+
+
+@pytest.mark.parametrize("case,tiles", [
+    (MlaCase((5, 40), 2, 1, 4, capacity=48, num_splits=2), (16, 16, 4, 2)),
+    (MlaCase((20, 45), 1, 2, 2, capacity=64, leftpad=True, batch_idx=True, spare=2),
+     (16, 16, 4, 2)),
+    (MlaCase((30, 50), 2, 2, 2, paged=True, page=16, capacity=64, num_splits=2),
+     (16, 16, 4, 2)),
+    (MlaCase((61, 133), 2, 2, 32, paged=True, page=64, capacity=256, num_splits=3),
+     (64, 16, 8, 2))], ids=["dense", "dense-leftpad-batch-idx", "pages-of-16", "64-rows"])
+def test_descriptors_forced(monkeypatch, case, tiles):
+    """FLASHOP_TMA=1: the `tl` kernel's inner key tiles through tensor descriptors made in
+    the kernel (by default only at 64 rows on Hopper): a dense cache's over each
+    sequence's rows from its row of the cache and its left padding, a paged one's over
+    [pages, page rows, dims] at the tile's page; the edge tiles by pointer loads. Lengths
+    end mid-tile, the appends cross tiles, splits; tiles forced (16 keys, which lie in one
+    page of 16; 64 rows), as a GPU's table would not pick them."""
+    from flashop._launch import tiles as tile_table
+    from flashop._launch.decode_tiles import DecodeTiles
+    static = _decode_static(monkeypatch)
+    with flashop.config.override(tma=True), tile_table.force("mla", DecodeTiles(*tiles)):
+        check_mla_case(case)
+    assert static["TMA"] is True and static["V_IN_K"] is True
+
+
+def test_descriptor_rule(monkeypatch):
+    """Where the `tl` kernel reads through descriptors: each call's setting (FLASHOP_TMA,
+    16-bit caches, the values in the keys, k_cache's alignment, in the plan's key), then
+    the plan's tiles (a dense cache or tiles within one page; by default 64 rows on
+    Hopper). A declined rule says why, and a call whose cache is not aligned plans pointer
+    loads even where FLASHOP_TMA=1."""
+    from flashop._launch import mla as launch_mla
+    from flashop._launch.decode_tiles import DecodeTiles
+    setting = launch_mla.descriptor_setting
+    q, k_cache = torch.zeros(1, 1, 4, D, dtype=torch.bfloat16), torch.zeros(2, 64, 1, D,
+                                                                           dtype=torch.bfloat16)
+    v_cache = k_cache[..., :DV]
+    shifted = torch.zeros(2 * 64 * D + 1, dtype=torch.bfloat16)[1:].view(2, 64, 1, D)
+    with flashop.config.override(tma=None):
+        assert setting(q, k_cache, v_cache, True) is None
+        for args, reason in [
+                ((q.float(), k_cache.float(), v_cache.float(), True), "16-bit caches only"),
+                ((q, k_cache, torch.zeros_like(v_cache), False), "a value cache of its own"),
+                ((q, shifted, shifted[..., :DV], True), "k_cache not 16-byte aligned")]:
+            why = []
+            assert setting(*args, why) is False and reason in why[0], why
+    with flashop.config.override(tma=True):
+        assert setting(q, k_cache, v_cache, True) is True
+        assert setting(q, shifted, shifted[..., :DV], True) is False
+    with flashop.config.override(tma=False):
+        why = []
+        assert setting(q, k_cache, v_cache, True, why) is False
+        assert why == ["tensor descriptors: off (FLASHOP_TMA=0)"]
+
+    uses, cuda = launch_mla.uses_descriptors, torch.device("cuda")
+    rows64, rows16 = DecodeTiles(64, 64, 8, 2), DecodeTiles(16, 64, 4, 5)
+    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: True)
+    assert uses(None, rows64, False, False, cuda) and uses(None, rows64, True, True, cuda)
+    assert uses(True, rows16, True, True, cuda) and not uses(False, rows64, False, False, cuda)
+    for args, reason in [
+            ((None, rows64, True, False, cuda), "not for tiles that cross pages"),
+            ((True, rows16, True, False, cuda), "not for tiles that cross pages"),
+            ((None, rows16, False, False, cuda), "from 64 query rows a program, not 16"),
+            ((None, rows64, False, False, torch.device("cpu")), "on Hopper GPUs only")]:
+        why = []
+        assert not uses(*args, why) and reason in why[0], (args, why)
+    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: False)
+    why = []
+    assert not uses(None, rows64, False, False, cuda, why) and "Hopper" in why[0]
+
+
+def test_explain_tells_the_descriptors():
+    """flashop.explain says whether the `tl` kernel reads through descriptors, and which
+    rule declined them."""
+    (q, k_cache, v_cache, k, v), kwargs = make_mla_call(MlaCase((5, 40), 1, 1, 4,
+                                                                capacity=48))
+    with flashop.config.override(gluon=False, tma=True):
+        told = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
+                               **kwargs)
+        assert told.forward.options["tensor descriptors"] is True
+        assert "tensor descriptors: True" in str(told)
+    with flashop.config.override(gluon=False, tma=False):
+        told = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
+                               **kwargs)
+        assert told.forward.options["tensor descriptors"] is False
+        assert "tensor descriptors: off (FLASHOP_TMA=0)" in str(told)
+
+
 @pytest.mark.parametrize("shared_memory", [227 * 1024, 163 * 1024, 99 * 1024])
 def test_tile_rule_fits_every_shared_memory(monkeypatch, shared_memory):
     """mla_tiles as on a GPU: 64-key tiles for up to 16 rows over a dense cache (3 stages)
@@ -825,14 +925,21 @@ def test_gpu_gluon_kernel_matches_reference(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tma", [None, False], ids=["default", "pointer-loads"])
 @pytest.mark.parametrize("name", list(GLUON_CASES))
-def test_gpu_tl_kernel_matches_reference_in_the_gluon_cases(name):
+def test_gpu_tl_kernel_matches_reference_in_the_gluon_cases(name, tma):
     """The `tl` kernel (what every stack but triton 3.6 on Hopper runs) over the same calls,
     at the GPU's tiles: at 64 rows its two warp groups split S by keys and P V by value
-    dims (kernels/mla.py's regions)."""
+    dims (kernels/mla.py's regions); its inner key tiles through tensor descriptors (by
+    default on Hopper at 64 rows, dense or pages of 64 and more) and by pointer loads."""
     case = GLUON_CASES[name]
-    with flashop.config.override(gluon=False):
+    with flashop.config.override(gluon=False, tma=tma):
         assert _kernel_of(case) == "mla_decode_kernel"
+        (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
+        told = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
+                               **kwargs)
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert told.forward.options["tensor descriptors"] is (tma is None and hopper), told
         check_mla_case(case)
 
 

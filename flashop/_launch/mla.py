@@ -17,9 +17,11 @@ import torch
 
 from flashop._launch import cpu, mla_gluon, tiles as tile_table
 from flashop._launch.cpu import kvcache as cpu_kvcache
+from flashop import config
 from flashop._launch.common import (
-    TensorMeta, cdiv, dtype_constexprs, max_shared_memory, next_power_of_2, on_inputs_device,
-    resolve_scale, unit_stride_last,
+    TensorMeta, cdiv, decline, dtype_constexprs, ensure_triton_allocator, is_hopper,
+    max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale, tma_aligned,
+    unit_stride_last,
 )
 from flashop._launch.calls import call_plan
 from flashop._launch.launches import Planned, launch_planned
@@ -81,6 +83,60 @@ def mla_tiles(rows: int, dtype: torch.dtype, page: int,
     return t if fits(t, *held) else DecodeTiles(64, 64, 8, 1)
 
 
+# tensor descriptors by default from tiles of this many query rows: on an H200, +4-9% over
+# pages of 64 and +0-4% dense at 64 rows; half the speed at 16 rows, where they spill
+TMA_MIN_ROWS = 64
+
+
+def descriptor_setting(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       values_in_keys: bool, why: Optional[list] = None) -> Optional[bool]:
+    """Whether the `tl` kernel may read the cache's key tiles through tensor descriptors:
+    False where it cannot or must not (FLASHOP_TMA=0; not 16-bit; values of their own;
+    k_cache's start, strides, latent or rotary dims not 16-byte aligned), True where FLASHOP_TMA=1
+    asks for them, None where the default rule decides by the plan's tiles
+    (uses_descriptors). The alignment is each call's: the plan's key has it."""
+    setting = config.settings.tma
+    if setting is False:
+        return decline(why, "tensor descriptors: off (FLASHOP_TMA=0)")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return decline(why, "tensor descriptors: 16-bit caches only")
+    if not values_in_keys:
+        return decline(why, "tensor descriptors: not with a value cache of its own")
+    DV, size = v_cache.shape[-1], k_cache.element_size()
+    if not (k_cache.stride(-1) == 1 and tma_aligned(k_cache) and DV * size % 16 == 0
+            and (k_cache.shape[-1] - DV) * size % 16 == 0):
+        return decline(why, "tensor descriptors: k_cache not 16-byte aligned")
+    return setting
+
+
+def uses_descriptors(setting: Optional[bool], t: DecodeTiles, paged: bool, tile_page: bool,
+                     device: torch.device, why: Optional[list] = None) -> bool:
+    """Whether a plan's kernel reads its inner key tiles through descriptors: where
+    descriptor_setting allows them, a dense cache or tiles that lie in one page, and
+    FLASHOP_TMA=1 or, by default, tiles of TMA_MIN_ROWS rows or more on a Hopper GPU."""
+    if setting is False:
+        return False
+    if paged and not tile_page:
+        return decline(why, "tensor descriptors: not for tiles that cross pages")
+    if setting is None:
+        if t.BLOCK_M < TMA_MIN_ROWS:
+            return decline(why, f"tensor descriptors: by default from {TMA_MIN_ROWS} query "
+                                f"rows a program, not {t.BLOCK_M}")
+        if device.type != "cuda" or not is_hopper(device):
+            return decline(why, "tensor descriptors: by default on Hopper GPUs only")
+    return True
+
+
+def explain_descriptors(static: dict, q: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, values_in_keys: bool, why: list) -> bool:
+    """flashop.explain's account of a plan's descriptors (its ``static`` arguments): the
+    plan's choice, with the rules that declined them added to ``why``."""
+    setting = descriptor_setting(q, k_cache, v_cache, values_in_keys, why)
+    uses_descriptors(setting, DecodeTiles(static["BLOCK_M"], static["BLOCK_N"]),
+                     static["IS_PAGED"], static["TILE_PAGE"], q.device, why)
+    return static["TMA"]
+
+
 def fits(t: DecodeTiles, D: int, itemsize: int, paged: bool, shared_memory: int,
          own_values: int = 0) -> bool:
     """Whether the kernel at tiles ``t`` fits ``shared_memory``: held_bytes, with MARGIN
@@ -114,7 +170,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     mla_gluon.serves). The outputs' strides are the call's to add."""
     q, k_cache, v_cache, k, v, batch_idx, block_table, leftpad = (
         None if m is None else TensorMeta(*m) for m in metas)
-    causal, scale, num_splits, values_in_keys, forced, use_gluon = options
+    causal, scale, num_splits, values_in_keys, forced, use_gluon, descriptors = options
     paged = block_table is not None
     append = None
     S_new = 0
@@ -154,15 +210,17 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
     num_splits = call_splits(num_splits, int(B * H_kv * row_tiles), int(capacity), t, D, 0,
                              itemsize, q.device)
     merge, parts, _, _ = merge_launch(num_splits, B, S_q, H, DV, DV)
+    tile_page = paged and page >= t.BLOCK_N and not t.key_page_ids
     decode = Planned((num_splits, H_kv * row_tiles, B), dict(
         **input_strides(q, k_cache, v_cache),
         stride_tb=block_table.stride[0] if paged else 0,
         S_q=S_q, S_new=S_new, capacity=capacity, G=G,
         qk_scale=qk_scale, DV=DV, D_ROPE=D - DV, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N,
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
-        TILE_PAGE=paged and page >= t.BLOCK_N and not t.key_page_ids,
-        HAS_BATCH_IDX=batch_idx is not None, HAS_LEFTPAD=leftpad is not None,
-        IS_CAUSAL=causal, V_IN_K=values_in_keys, SPLIT=num_splits > 1, **dtype_constexprs(q.dtype),
+        TILE_PAGE=tile_page, HAS_BATCH_IDX=batch_idx is not None,
+        HAS_LEFTPAD=leftpad is not None, IS_CAUSAL=causal, V_IN_K=values_in_keys,
+        TMA=uses_descriptors(descriptors, t, paged, tile_page, q.device),
+        SPLIT=num_splits > 1, **dtype_constexprs(q.dtype),
         num_warps=t.num_warps, num_stages=t.num_stages))
     return _Plan(append, decode, merge, parts, "mla_decode_kernel")
 
@@ -211,7 +269,8 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
     forced = tile_table.forced()  # (tiles forced for the `tl` kernel's sweeps: that kernel)
     use_gluon = TILE_KIND not in dict(forced) and mla_gluon.serves(
         q, k_cache, values_in_keys, block_table, cache_leftpad)
-    options = (mods.causal, scale, num_splits, values_in_keys, forced, use_gluon)
+    descriptors = None if use_gluon else descriptor_setting(q, k_cache, v_cache, values_in_keys)
+    options = (mods.causal, scale, num_splits, values_in_keys, forced, use_gluon, descriptors)
     plan = call_plan(_plan, tensors, options)
     if plan_only:
         return plan
@@ -226,6 +285,8 @@ def attention_with_latent_cache(q: torch.Tensor, k_cache: torch.Tensor,
             mla_gluon.kernel(), plan, q, v_cache, launch=mla_gluon.launch,
             **mla_gluon.descriptors(q, k_cache), cache_seqlens=cache_seqlens,
             cache_batch_idx=cache_batch_idx, block_table=block_table)
+    if plan.decode is not None and plan.decode.static["TMA"]:
+        ensure_triton_allocator()
     return launch_split_kv(mla_decode_kernel, plan, q, v_cache, q=q, k_cache=k_cache,
                            v_cache=k_cache if values_in_keys else v_cache,
                            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,

@@ -56,8 +56,8 @@ def _mla_key_tiles(
     S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, DV: tl.constexpr,
     D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr, EDGE_TILE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, V_IN_K: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, V_IN_K: tl.constexpr, TMA: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles in [start, end) (multiples of BLOCK_N) into the running (acc,
     l_i, m_i) of the query rows, whose latent part is ``b_q`` [BLOCK_M, DV] and rotary part
@@ -67,21 +67,51 @@ def _mla_key_tiles(
     ``V_IN_K`` the values are the key tile's latent block (v_cache is not read), else a
     tile of v_cache's rows. ``EDGE_TILE`` tiles may reach past the ``L_read`` readable keys
     or cross the causal bound; the others are inside for every row and skip that
-    masking."""
+    masking. Where ``TMA`` (the values in the keys, a dense cache or tiles that lie in one
+    page), the inner tiles' latent and rotary blocks are read through tensor descriptors
+    made here: a dense cache's over the sequence's rows, a paged one's over [pages, page
+    rows, dims] (no inner tile reaches past its page, so the bound on pages is nominal)."""
     o_dv = tl.arange(0, DV)
     o_dr = DV + tl.arange(0, D_ROPE)
+    DESC: tl.constexpr = TMA and V_IN_K and (not EDGE_TILE) and ((not IS_PAGED) or TILE_PAGE)
+    if DESC:
+        if IS_PAGED:
+            k_lat = tl.make_tensor_descriptor(k_cache, shape=[2**30, PAGE_SIZE, DV],
+                                              strides=[stride_kcb, stride_kcs, 1],
+                                              block_shape=[1, BLOCK_N, DV])
+            k_rot = tl.make_tensor_descriptor(k_cache + DV, shape=[2**30, PAGE_SIZE, D_ROPE],
+                                              strides=[stride_kcb, stride_kcs, 1],
+                                              block_shape=[1, BLOCK_N, D_ROPE])
+        else:
+            n_rows = tl.maximum(L_read, 1)
+            k_lat = tl.make_tensor_descriptor(k_cache, shape=[n_rows, DV],
+                                              strides=[stride_kcs, 1],
+                                              block_shape=[BLOCK_N, DV])
+            k_rot = tl.make_tensor_descriptor(k_cache + DV, shape=[n_rows, D_ROPE],
+                                              strides=[stride_kcs, 1],
+                                              block_shape=[BLOCK_N, D_ROPE])
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n, m_n, o_kn, o_vn = key_tile(
             block_table, start_n, L_read, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, IS_PAGED=IS_PAGED, TILE_PAGE=TILE_PAGE,
             EDGE_TILE=EDGE_TILE)
-        # the keys' latent dims [BLOCK_N, DV]
-        b_k = load_tile(k_cache + o_kn[:, None] + o_dv[None, :], m_n[:, None], None,
-                        EDGE_TILE, False)
-        # their rotary dims [BLOCK_N, D_ROPE]
-        b_kr = load_tile(k_cache + o_kn[:, None] + o_dr[None, :], m_n[:, None], None,
-                         EDGE_TILE, False)
+        if DESC:  # the tile's latent dims [BLOCK_N, DV] and rotary dims [BLOCK_N, D_ROPE]
+            if IS_PAGED:
+                i_page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int32)
+                row = (start_n % PAGE_SIZE).to(tl.int32)
+                b_k = k_lat.load([i_page, row, 0]).reshape(BLOCK_N, DV)
+                b_kr = k_rot.load([i_page, row, 0]).reshape(BLOCK_N, D_ROPE)
+            else:
+                b_k = k_lat.load([start_n.to(tl.int32), 0])
+                b_kr = k_rot.load([start_n.to(tl.int32), 0])
+        else:
+            # the keys' latent dims [BLOCK_N, DV]
+            b_k = load_tile(k_cache + o_kn[:, None] + o_dv[None, :], m_n[:, None], None,
+                            EDGE_TILE, False)
+            # their rotary dims [BLOCK_N, D_ROPE]
+            b_kr = load_tile(k_cache + o_kn[:, None] + o_dr[None, :], m_n[:, None], None,
+                             EDGE_TILE, False)
         b_kl = dot_operand(b_k, UPCAST)
         if b_q.shape[0] >= 64:
             # Two warp groups: each product in an ``if`` that is always entered. Triton
@@ -136,7 +166,7 @@ def mla_decode_kernel(
     DV: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, TILE_PAGE: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    V_IN_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    V_IN_K: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Attention of q[b, i, h] (DV + D_ROPE dims) over the first ``L = cache_seqlens[b] +
@@ -153,7 +183,9 @@ def mla_decode_kernel(
     the merge kernel (both the launcher's contiguous buffers: their strides follow from the
     grid); else ``o`` and the natural-log ``lse`` [b, h, i] directly. Rows that
     attend no key get 0 and -inf. The lengths are read here, so the launch depends on shapes
-    only (CUDA graphs, one compilation for all lengths)."""
+    only (CUDA graphs, one compilation for all lengths). Where ``TMA``, the inner key
+    tiles are read through tensor descriptors (_mla_key_tiles; the caller set Triton's
+    scratch allocator)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass a Python float as fp64
     i_b, i_hk, o_i, o_h, m_r, i_first, i_last = query_rows(G, S_q, BLOCK_M=BLOCK_M)
     _, lp, L, L_read = sequence_keys(cache_seqlens, cache_leftpad, i_b, S_new, capacity,
@@ -199,7 +231,7 @@ def mla_decode_kernel(
             acc, l_i, m_i, b_q, b_qr, k_base, v_base, block_table, o_i, m_r, start, end,
             L_read, L, S_q, stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale, DV,
             D_ROPE, BLOCK_N, PAGE_SIZE, IS_PAGED, TILE_PAGE, part == 1, IS_CAUSAL, V_IN_K,
-            UPCAST, DOT_PRECISION)
+            TMA, UPCAST, DOT_PRECISION)
 
     b_o, b_lse2 = normalized_rows(acc, l_i, m_i)
     m_o = m_r[:, None]

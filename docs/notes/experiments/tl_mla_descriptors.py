@@ -1,7 +1,9 @@
 """The `tl` MLA decode kernel with its inner key tiles (not a run's edge tile) loaded through
 tensor descriptors made in the kernel (TMA), where the values are the keys' leading dims and
-the cache is dense or a tile lies in one page (performance notes, entry 149). Not in the
-package.
+the cache is dense or a tile lies in one page (performance notes, entry 149). The package
+took it since (entry 151: flashop/kernels/mla.py's ``TMA``); the variant and the offline
+compiles below substitute the package's key-tile loop as it was at commit 09c233e, so run
+them there (``--time package`` runs on the current package, FLASHOP_TMA as set).
 
 From the repository root: compiled for sm_90 on a machine without a GPU (a CPU torch,
 triton 3.6.0 or newer), the package's kernel and the variant at the MLA launcher's H = 128
