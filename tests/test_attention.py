@@ -1,6 +1,7 @@
 """flashop.attention against the fp64 reference: Hypothesis-drawn cases and edge cases."""
 
 import functools
+import itertools
 import sys
 from dataclasses import replace
 from unittest import mock
@@ -366,6 +367,111 @@ def test_gluon_deterministic_backward_matches_reference(dtype, data, seed):
     assert launched.called and all(call.args[7] is not None  # the counters
                                    for call in launched.call_args_list)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.skipif(not GLUON, reason="the Gluon backward needs a Hopper GPU and triton 3.6 "
+                                      "(Triton's interpreter cannot run Gluon)")
+@pytest.mark.parametrize("S_q,S_k,H_kv,G", [
+    (1000, 1000, 2, 2), (1100, 2100, 1, 3), (2100, 777, 2, 1), (4096, 4096, 1, 2),
+    (132 * launch_gluon.BWD_BLOCK_M, 132 * launch_gluon.BWD_BLOCK_N, 1, 1)],
+    ids=["tails-gqa", "as-many-query-tiles", "more-query-tiles", "4k", "a-tile-per-sm"])
+def test_gluon_rotated_backward(monkeypatch, S_q, S_k, H_kv, G):
+    """Not causal at D = 128, the deterministic Gluon backward rotated (each key tile of a
+    (batch, KV head) starts on its own query tile; dQ's adds in the order they reach it):
+    as many query tiles as key tiles (18 and 17) and more, GQA, tails, and as many key
+    tiles as the H200 has SMs (all resident at once, each waiting on others). Against the
+    reference; three runs bitwise equal; dQ not equal to key-tile order's (BWD_ROTATE off)
+    bit for bit: its adds ran in the rotated order."""
+    case = Case(B=2, S_q=S_q, S_k=S_k, H_kv=H_kv, G=G, D=128, DV=128, dtype=torch.bfloat16,
+                causal=False)
+    if launch_gluon.cdiv(S_k, launch_gluon.BWD_BLOCK_N) > launch_gluon.sm_count(
+            torch.device(DEVICE)):
+        pytest.skip("more key tiles than this GPU's SMs: the rotation does not take them")
+    assert launch_gluon.backward_rotates(False, True, 128, S_q, S_k, torch.device(DEVICE))
+    rule, answers = launch_gluon.backward_rotates, []
+    monkeypatch.setattr(launch_gluon, "backward_rotates",
+                        lambda *args: answers.append(rule(*args)) or answers[-1])
+    with flashop.config.override(gluon=True):
+        assert _takes_gluon_backward(case, deterministic=True)
+        plans.clear_plans()  # (a replayed plan would not ask the rule)
+        check_case(case, seed=3)
+        inputs, dout, dlse = make_inputs(case, seed=3)
+        runs = [run_flashop(case, inputs, dout, dlse)[2] for _ in range(3)]
+        assert answers and all(answers), "the deterministic backward did not run rotated"
+        monkeypatch.setattr(launch_gluon, "BWD_ROTATE", False)
+        plans.clear_plans()
+        ordered = run_flashop(case, inputs, dout, dlse)[2]
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    # (dK and dV differ too: each program's sums over query tiles start elsewhere)
+    assert not torch.equal(runs[0][0], ordered[0]), "dQ summed in key-tile order"
+
+
+def test_where_the_gluon_backward_rotates(monkeypatch):
+    """The rotation's rule: deterministic, not causal, at BWD_ROTATE_DIMS, no more key
+    tiles than the GPU's SMs (every key tile of a (batch, KV head) must be resident at once:
+    each may wait on any other), and at least as many query tiles as key tiles."""
+    monkeypatch.setattr(launch_gluon, "sm_count", lambda device: 132)
+    rotates, cuda = launch_gluon.backward_rotates, torch.device("cuda")
+    keys = 132 * launch_gluon.BWD_BLOCK_N
+    assert rotates(False, True, 128, keys, keys, cuda) and rotates(False, True, 128, 1, 1, cuda)
+    assert rotates(False, True, 128, 64 * 33, 128 * 33, cuda)  # 33 query and key tiles
+    assert not rotates(False, True, 128, 64 * 32, 128 * 33, cuda)  # 32 query tiles, 33 keys'
+    assert not rotates(False, True, 128, keys + 1, keys + 1, cuda)  # 133 key tiles
+    assert not rotates(True, True, 128, 4096, 4096, cuda)  # causal: from the last query down
+    assert not rotates(False, False, 128, 4096, 4096, cuda)  # dQ by atomics
+    assert not rotates(False, True, 64, 4096, 4096, cuda)  # measured slower there
+    monkeypatch.setattr(launch_gluon, "BWD_ROTATE", False)
+    assert not rotates(False, True, 128, 4096, 4096, cuda)
+
+
+def _rotated_schedule(n_tiles: int, n_qt: int, in_flight: float) -> float:
+    """The rotated order as kernels/backward_gluon.py computes it (key tile j starts on
+    query tile j * n_qt // n_tiles; its turn at query tile m is (j0 - j) mod n_tiles, j0
+    the last key tile to start on m or before), run on a model of the GPU: all key tiles
+    at once, a step of work each per query tile, an add complete ``in_flight`` steps after
+    it is made, a key tile adding only once the one before it in the tile's order has.
+    Returns the steps taken per query tile (1: no key tile ever waited)."""
+    start = [j * n_qt // n_tiles for j in range(n_tiles)]
+
+    def turn(j, m):
+        j0 = min(((m + 1) * n_tiles + n_qt - 1) // n_qt - 1, n_tiles - 1)
+        return (j0 - j) % n_tiles
+
+    for m in range(n_qt):  # each query tile takes every key tile's add once
+        assert sorted(turn(j, m) for j in range(n_tiles)) == list(range(n_tiles)), m
+    added, clock, step = {}, [0.0] * n_tiles, [0] * n_tiles
+    while any(s < n_qt for s in step):
+        moved = False
+        for j in range(n_tiles):
+            if step[j] == n_qt:
+                continue
+            m = (start[j] + step[j]) % n_qt
+            ready = clock[j] + 1
+            if turn(j, m):
+                before = added.get((m, turn(j, m) - 1))
+                if before is None:
+                    continue
+                ready = max(ready, before)
+            added[(m, turn(j, m))] = ready + in_flight
+            clock[j], step[j], moved = ready, step[j] + 1, True
+        assert moved, "the key tiles wait on each other: a deadlock"
+    return max(clock) / n_qt
+
+
+def test_the_rotated_order():
+    """The rotated backward's order of dQ's adds, on a model of the GPU: each query tile
+    takes every key tile's add once, no shape deadlocks, and where the query tiles are at
+    least as many as the key tiles (where the rule rotates; self-attention has twice as
+    many) none waits longer than an add in flight; in key-tile order from one start, key
+    tile j would start j steps late. With fewer query tiles (where the rule does not
+    rotate) key tiles share a start and wait on each other there. (The model mirrors
+    _dq_turn and the kernel's start tiles; the GPU test test_gluon_rotated_backward runs
+    the kernel.)"""
+    for n_tiles, n_qt in ((1, 1), (1, 7), (8, 16), (32, 64), (132, 264), (7, 13), (5, 5)):
+        assert _rotated_schedule(n_tiles, n_qt, in_flight=0.5) == 1.0, (n_tiles, n_qt)
+    assert _rotated_schedule(16, 4, in_flight=0.5) > 2
+    for n_tiles, n_qt, in_flight in itertools.product((2, 9, 31), (1, 4, 40), (0.0, 3.0)):
+        _rotated_schedule(n_tiles, n_qt, in_flight)
 
 
 def test_the_gluon_backward_splits_query_heads_on_small_grids(monkeypatch):

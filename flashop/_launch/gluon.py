@@ -70,15 +70,21 @@ BWD_STAGES = 2
 BWD_CONSUMER_REGS, BWD_LOAD_REGS = 240, 24
 # where deterministic, the key tiles of one (batch, KV head) that run side by side
 BWD_KEY_GROUP = 4
+# where deterministic and not causal, at these head dims, with no more key tiles than SMs:
+# all of a (batch, KV head)'s key tiles side by side instead, each starting on its own query
+# tile, dQ's adds into a query tile in the order the key tiles reach it (backward_rotates;
+# on an H200 +4-8% at D = 128 over 1k-8k keys, 1% at 16k; 1-4% slower at D = 64 from 2k)
+BWD_ROTATE = True
+BWD_ROTATE_DIMS = (128,)
 # dQ by atomics: a causal grouped-query call of fewer programs (key tiles x batch x KV heads)
 # than BWD_SPLIT_PROGRAMS per SM splits each group's query heads between programs
 # (backward_split; measured faster up to 2048 programs, performance-notes)
 BWD_SPLIT_PROGRAMS = 16
 BWD_HEAD_DIMS = (64, 128)
-# The deterministic backward's default rule (its dQ adds in key-tile order), where it
-# measured faster than the tl kernels: at least BWD_MIN_KEYS[D, causal] keys (at D = 64,
-# none: slower at every length measured)
-BWD_MIN_KEYS = {(128, False): 4096, (128, True): 1536}
+# The deterministic backward's default rule (its dQ adds in a fixed order: key-tile order,
+# or rotated, BWD_ROTATE), where it measured faster than the tl kernels: at least
+# BWD_MIN_KEYS[D, causal] keys (at D = 64, none: slower at every length measured)
+BWD_MIN_KEYS = {(128, False): 2048, (128, True): 1536}
 # The default backward (dQ by atomics, no order asked for): at least BWD_ATOMIC_MIN_KEYS
 # keys at every (D, causal), where it measured faster than the tl kernels' deterministic
 # backward (at 1k keys as fast or slower: the deterministic kernels keep those calls)
@@ -413,6 +419,19 @@ def backward_buffer(q: torch.Tensor, k: torch.Tensor, deterministic: bool, split
     return buf, dq_acc, dq_sem, dk_acc, dv_acc
 
 
+def backward_rotates(causal: bool, deterministic: bool, D: int, S_q: int, S_k: int,
+                     device: torch.device) -> bool:
+    """Whether the deterministic Gluon backward runs rotated (BWD_ROTATE): not causal, at
+    BWD_ROTATE_DIMS, no more key tiles than the GPU's SMs, so that every key tile of a
+    (batch, KV head), each of which may wait on any other's adds, can be resident at once
+    (a program per SM at least; the programs launched before them finish without waiting
+    on them), and at least as many query tiles as key tiles (with fewer, key tiles start
+    on the same query tile and their adds wait on each other there)."""
+    n_tiles = cdiv(S_k, BWD_BLOCK_N)
+    return (BWD_ROTATE and deterministic and not causal and D in BWD_ROTATE_DIMS
+            and n_tiles <= sm_count(device) and cdiv(S_q, BWD_BLOCK_M) >= n_tiles)
+
+
 def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal: bool,
                        sm_scale: float, qk_scale: float, dropout_seed: torch.Tensor,
                        dropout_p: float, DROPOUT: bool, split: int = 1) -> None:
@@ -439,5 +458,6 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         dropout_seed=dropout_seed, dropout_p=dropout_p,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
-        KEY_GROUP=BWD_KEY_GROUP, SPLIT=split, DROPOUT=DROPOUT,
+        KEY_GROUP=BWD_KEY_GROUP, ROTATE=backward_rotates(causal, deterministic, D, S_q, S_k, q.device),
+        SPLIT=split, DROPOUT=DROPOUT,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

@@ -7,15 +7,20 @@ by TMA's bulk reduce-add, so S and dP are computed once (five products per tile 
 the deterministic ``tl`` backward computes seven): FlashAttention-3's structure. Where
 DETERMINISTIC is off the sum's order over key tiles is not fixed, so dQ is not bitwise
 reproducible (flashop runs it so only where the caller asked for dQ by atomics); where it
-is on, each query tile of dQ takes its key tiles' adds in order, 0, 1, 2, ..., by a
-counter per query tile in global memory (zeroed by the caller): the program of key tile n
-waits until the counter reads n before its adds, and raises it once they are complete. A
-program waits only on the program of the key tile before it, launched before it, so the
-waits end whatever the number of programs resident; the grid runs key tiles in bands of a
-few per (batch, KV head), so that the programs resident at once share Q, dO and dQ's tiles
-(in L2) yet hold few key tiles of one head to wait on each other. The waits and the adds
-are a warp's of their own, so that the consumer groups never wait for an add to complete,
-only for it to have read their shared tile.
+is on, each query tile of dQ takes its key tiles' adds in a fixed order, by a counter per
+query tile in global memory (zeroed by the caller): a program waits until the counter
+reads its turn before its adds, and raises it once they are complete. Either in key-tile
+order, 0, 1, 2, ...: a program waits only on the program of the key tile before it,
+launched before it, so the waits end whatever the number of programs resident; the grid
+runs key tiles in bands of a few per (batch, KV head), so that the programs resident at
+once share Q, dO and dQ's tiles (in L2) yet hold few key tiles of one head to wait on each
+other. Or, where ROTATE (not causal; the launcher's rule: no more key tiles than the GPU
+holds programs), rotated: all key tiles of a (batch, KV head) side by side, key tile j
+starting on query tile j * n_qt // n_tiles and walking on cyclically, each query tile's
+adds in the order the key tiles reach it (_dq_turn), so that in key-tile order's place,
+where key tile j starts j steps late, none waits but for an add in flight. The waits and
+the adds are a warp's of their own, so that the consumer groups never wait for an add to
+complete, only for it to have read their shared tile.
 
 One program takes BLOCK_N keys of one (batch, KV head) and runs four partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
@@ -87,13 +92,30 @@ def _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _query_tile(t, h0, m_lo, n_qt, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
+def _query_tile(t, h0, m_lo, n_qt, shift, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
     """Step t's query head and first row: the program's heads from h0 in turn, each over
-    query tiles m_lo, ..., m_lo + n_qt - 1, or from the last down where DESCENDING."""
+    query tiles m_lo, ..., m_lo + n_qt - 1, or from the last down where DESCENDING, from
+    the ``shift``-th on, cyclically (0 where not ROTATE)."""
     i_m = t % n_qt
     if DESCENDING:
         i_m = n_qt - 1 - i_m
+    i_m = (i_m + shift) % n_qt
     return h0 + t // n_qt, (m_lo + i_m) * BLOCK_M
+
+
+@gluon.jit
+def _dq_turn(i_n, start_m, n_tiles, n_qt, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr):
+    """Key tile i_n's place among the adds into dQ's query tile start_m / BLOCK_M: i_n
+    (key-tile order), or where ROTATE (every key tile of the (batch, KV head) resident at
+    once, not causal, key tile j starting on query tile j * n_qt // n_tiles) the order in
+    which they reach it: the last key tile to start on it or before it (j0), then j0 - 1,
+    ..., 0, n_tiles - 1, ..., j0 + 1, so that none waits on one behind it."""
+    turn = i_n
+    if ROTATE:
+        i_m = start_m // BLOCK_M
+        j0 = gl.minimum(((i_m + 1) * n_tiles + n_qt - 1) // n_qt - 1, n_tiles - 1)
+        turn = (j0 - i_n + n_tiles) % n_tiles
+    return turn
 
 
 @gluon.jit
@@ -113,8 +135,9 @@ def _load_row_values(lse_log2, delta, lse_smem, delta_smem, stride_lb, stride_lh
 @gluon.jit
 def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                         lse_smem, delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q,
-                        kv_bar, full, empty, i_b, i_hk, h0, start_n, m_lo, n_qt, n_steps,
-                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
+                        kv_bar, full, empty, i_b, i_hk, h0, start_n, m_lo, n_qt, shift,
+                        n_steps, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                        DESCENDING: gl.constexpr):
     """The load warp: K and V once, then Q and dO of step t (by TMA) and its rows' lse and
     delta (by loads) into buffer t % STAGES, once both consumer groups released that
     buffer's previous tile. full[s] completes on TMA's bytes and this warp's arrival."""
@@ -127,7 +150,7 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
         s = t % STAGES
         if t >= STAGES:
             mbarrier.wait(empty.index(s), ((t // STAGES) - 1) & 1)
-        i_h, start_m = _query_tile(t, h0, m_lo, n_qt, BLOCK_M, DESCENDING)
+        i_h, start_m = _query_tile(t, h0, m_lo, n_qt, shift, BLOCK_M, DESCENDING)
         mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_h, 0], full.index(s),
                                         q_smem.index(s).reshape(q_desc.block_type.shape))
@@ -142,7 +165,7 @@ def _bwd_load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
 def _bwd_consumer_partition(
     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, full,
     empty, ds_bar, dq_full, dq_empty, dq_desc, dk, dv, stride_dks, stride_dkd, stride_dvs,
-    stride_dvd, i_b, h0, start_n, m_lo, n_qt, n_steps, S_k, qk_scale, sm_scale,
+    stride_dvd, i_b, h0, start_n, m_lo, n_qt, shift, n_steps, S_k, qk_scale, sm_scale,
     dropout_seed, dropout_p,
     WG: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
@@ -186,7 +209,7 @@ def _bwd_consumer_partition(
     mbarrier.wait(kv_bar, 0)
     for t in range(n_steps):
         s = t % STAGES
-        i_h, start_m = _query_tile(t, h0, m_lo, n_qt, BLOCK_M, DESCENDING)
+        i_h, start_m = _query_tile(t, h0, m_lo, n_qt, shift, BLOCK_M, DESCENDING)
         mbarrier.wait(full.index(s), (t // STAGES) & 1)
         b_lse = lse_smem.index(s).load(query_layout)
         b_delta = delta_smem.index(s).load(query_layout)
@@ -276,18 +299,19 @@ def _bwd_consumer_partition(
 
 @gluon.jit
 def _bwd_dq_partition(dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, h0, i_n,
-                      H, m_lo, n_qt, n_m, n_steps, D: gl.constexpr,
+                      n_tiles, H, m_lo, n_qt, shift, n_m, n_steps, D: gl.constexpr,
                       BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                      DESCENDING: gl.constexpr):
+                      DESCENDING: gl.constexpr, ROTATE: gl.constexpr):
     """The dQ warp (where DETERMINISTIC; otherwise idle): per step, once the key tile
-    before this one added its share into the step's query tile (its counter reads i_n), the
-    adds of both groups' halves as each is stored; once they have read shared memory, the
-    groups may store the next; once they are complete, the counter is raised."""
+    before this one in the query tile's order (_dq_turn) added its share into it (its
+    counter reads this one's turn), the adds of both groups' halves as each is stored; once
+    they have read shared memory, the groups may store the next; once they are complete,
+    the counter is raised."""
     if DETERMINISTIC:
         for t in range(n_steps):
-            i_h, start_m = _query_tile(t, h0, m_lo, n_qt, BLOCK_M, DESCENDING)
+            i_h, start_m = _query_tile(t, h0, m_lo, n_qt, shift, BLOCK_M, DESCENDING)
             sem = _dq_counter(dq_sem, i_b, i_h, H, start_m, n_m, BLOCK_M)
-            _dq_wait_turn(sem, i_n)
+            _dq_wait_turn(sem, _dq_turn(i_n, start_m, n_tiles, n_qt, BLOCK_M, ROTATE))
             mbarrier.wait(dq_full.index(0), t & 1)
             _reduce_add_shared_to_global(dq_desc, [i_b, start_m, i_h, 0],
                                          dq0_smem.reshape(dq_desc.block_type.shape))
@@ -308,8 +332,9 @@ def attention_bwd_gluon_kernel(
     S_q, S_k, H_kv, G, sm_scale, qk_scale, dropout_seed, dropout_p,
     D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_KEYS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, SPLIT: gl.constexpr,
-    DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr, KEY_GROUP: gl.constexpr, ROTATE: gl.constexpr,
+    SPLIT: gl.constexpr, DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
 ):
     """dK, dV (B, S_k, H_kv, D / DV) of one key tile, and its share of dQ added into the
     fp32 (B, S_q, H, D) buffer behind ``dq_desc`` (zeroed by the caller); the
@@ -324,11 +349,16 @@ def attention_bwd_gluon_kernel(
     where DETERMINISTIC, (B * H_kv * cdiv(S_k, BLOCK_N),): bands of KEY_GROUP key tiles in
     order, within a band each (batch, KV head)'s tiles in turn, so that a program waits only
     on programs before it, and the programs resident at once share Q, dO and dQ's tiles in
-    groups (L2); ``dq_sem`` holds the zeroed int32 counters, (B, H, cdiv(S_q, BLOCK_M))
-    (otherwise unused). Where DROPOUT, the forward's mask of the int64 ``dropout_seed[0]`` and
-    ``dropout_p`` (P and dP of the dropped pairs 0, the rest scaled by 1 / (1 - dropout_p))."""
-    if DETERMINISTIC:
-        n_tiles = gl.cdiv(S_k, BLOCK_N)
+    groups (L2); where ROTATE (DETERMINISTIC, not CAUSAL), each (batch, KV head)'s key tiles
+    in turn, all of which the GPU must hold at once (the module's docstring); ``dq_sem``
+    holds the zeroed int32 counters, (B, H, cdiv(S_q, BLOCK_M)) (otherwise unused). Where
+    DROPOUT, the forward's mask of the int64 ``dropout_seed[0]`` and ``dropout_p`` (P and dP
+    of the dropped pairs 0, the rest scaled by 1 / (1 - dropout_p))."""
+    n_tiles = gl.cdiv(S_k, BLOCK_N)
+    if ROTATE:  # each (batch, KV head)'s key tiles side by side
+        i_bh = gl.program_id(0) // n_tiles
+        i_n = gl.program_id(0) % n_tiles
+    elif DETERMINISTIC:
         band_size = gl.minimum(n_tiles, KEY_GROUP) * (gl.num_programs(0) // n_tiles)
         band = gl.program_id(0) // band_size
         in_band = gl.program_id(0) - band * band_size
@@ -389,6 +419,9 @@ def attention_bwd_gluon_kernel(
     n_m = gl.cdiv(S_q, BLOCK_M)
     n_qt = n_m - m_lo
     n_steps = heads * n_qt
+    shift = 0
+    if ROTATE:  # each key tile starts on its own query tile (_dq_turn)
+        shift = i_n * n_qt // n_tiles
     dk += i_b.to(gl.int64) * stride_dkb + i_hk.to(gl.int64) * stride_dkh
     dv += i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
     gl.warp_specialize([
@@ -396,19 +429,22 @@ def attention_bwd_gluon_kernel(
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq0_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(0), dq_empty.index(0), dq_desc, dk, dv,
             stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, h0, start_n, m_lo, n_qt,
-            n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 0, KEYS, BLOCK_M, D,
-            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT, SPLIT)),
+            shift, n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 0, KEYS,
+            BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT,
+            SPLIT)),
         (_bwd_consumer_partition, (
             q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq1_smem, kv_bar,
             full, empty, ds_bar, dq_full.index(1), dq_empty.index(1), dq_desc, dk, dv,
             stride_dks, stride_dkd, stride_dvs, stride_dvd, i_b, h0, start_n, m_lo, n_qt,
-            n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 1, KEYS, BLOCK_M, D,
-            DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT, SPLIT)),
+            shift, n_steps, S_k, qk_scale, sm_scale, dropout_seed, dropout_p, 1, KEYS,
+            BLOCK_M, D, DV, STAGES, CAUSAL, MASK_KEYS, DETERMINISTIC, DESCENDING, DROPOUT,
+            SPLIT)),
         (_bwd_load_partition, (
             q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, lse_smem,
             delta_smem, lse_log2, delta, stride_lb, stride_lh, S_q, kv_bar, full, empty, i_b,
-            i_hk, h0, start_n, m_lo, n_qt, n_steps, STAGES, BLOCK_M, DESCENDING)),
+            i_hk, h0, start_n, m_lo, n_qt, shift, n_steps, STAGES, BLOCK_M, DESCENDING)),
         (_bwd_dq_partition, (
-            dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, h0, i_n, H_kv * G,
-            m_lo, n_qt, n_m, n_steps, D, BLOCK_M, DETERMINISTIC, DESCENDING)),
+            dq_desc, dq_sem, dq0_smem, dq1_smem, dq_full, dq_empty, i_b, h0, i_n, n_tiles,
+            H_kv * G, m_lo, n_qt, shift, n_m, n_steps, D, BLOCK_M, DETERMINISTIC, DESCENDING,
+            ROTATE)),
     ], [4, 1, 1], [CONSUMER_REGS, LOAD_REGS, LOAD_REGS])
