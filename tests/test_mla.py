@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+from unittest import mock
 
 import pytest
 import torch
@@ -279,6 +280,12 @@ def test_descriptor_rule(monkeypatch):
         why = []
         assert setting(q, k_cache, v_cache, True, why) is False
         assert why == ["tensor descriptors: off (FLASHOP_TMA=0)"]
+    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: False)
+    cuda_q = mock.Mock(device=torch.device("cuda"), dtype=torch.bfloat16)
+    with flashop.config.override(tma=None):  # a GPU before Hopper: no further checks
+        why = []
+        assert setting(cuda_q, k_cache, v_cache, True, why) is False
+        assert why == ["tensor descriptors: by default on Hopper GPUs only"]
 
     uses, cuda = launch_mla.uses_descriptors, torch.device("cuda")
     rows64, rows16 = DecodeTiles(64, 64, 8, 2), DecodeTiles(16, 64, 4, 5)

@@ -92,12 +92,16 @@ def descriptor_setting(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        values_in_keys: bool, why: Optional[list] = None) -> Optional[bool]:
     """Whether the `tl` kernel may read the cache's key tiles through tensor descriptors:
     False where it cannot or must not (FLASHOP_TMA=0; not 16-bit; values of their own;
-    k_cache's start, strides, latent or rotary dims not 16-byte aligned), True where FLASHOP_TMA=1
-    asks for them, None where the default rule decides by the plan's tiles
-    (uses_descriptors). The alignment is each call's: the plan's key has it."""
+    k_cache's start, strides, latent or rotary dims not 16-byte aligned; by default, a GPU
+    before Hopper), True where FLASHOP_TMA=1 asks for them, None where the default rule
+    decides by the plan's tiles (uses_descriptors). The alignment is each call's: the
+    plan's key has it."""
     setting = config.settings.tma
     if setting is False:
         return decline(why, "tensor descriptors: off (FLASHOP_TMA=0)")
+    if setting is None and q.device.type == "cuda" and not is_hopper(q.device):
+        # (the default rule's: a decode step's host time counts, so no more checks)
+        return decline(why, "tensor descriptors: by default on Hopper GPUs only")
     if q.dtype not in (torch.float16, torch.bfloat16):
         return decline(why, "tensor descriptors: 16-bit caches only")
     if not values_in_keys:
