@@ -458,6 +458,7 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         dropout_seed=dropout_seed, dropout_p=dropout_p,
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
-        KEY_GROUP=BWD_KEY_GROUP, ROTATE=backward_rotates(causal, deterministic, D, S_q, S_k, q.device),
+        KEY_GROUP=BWD_KEY_GROUP,
+        ROTATE=backward_rotates(causal, deterministic, D, S_q, S_k, q.device),
         SPLIT=split, DROPOUT=DROPOUT,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)

@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
+from flashop import config
 from flashop._launch import cpu, mla_gluon, tiles as tile_table
 from flashop._launch.cpu import kvcache as cpu_kvcache
-from flashop import config
 from flashop._launch.common import (
     TensorMeta, cdiv, decline, dtype_constexprs, ensure_triton_allocator, is_hopper,
     max_shared_memory, next_power_of_2, on_inputs_device, resolve_scale, tma_aligned,

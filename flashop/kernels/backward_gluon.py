@@ -17,10 +17,10 @@ once share Q, dO and dQ's tiles (in L2) yet hold few key tiles of one head to wa
 other. Or, where ROTATE (not causal; the launcher's rule: no more key tiles than the GPU
 holds programs), rotated: all key tiles of a (batch, KV head) side by side, key tile j
 starting on query tile j * n_qt // n_tiles and walking on cyclically, each query tile's
-adds in the order the key tiles reach it (_dq_turn), so that in key-tile order's place,
-where key tile j starts j steps late, none waits but for an add in flight. The waits and
-the adds are a warp's of their own, so that the consumer groups never wait for an add to
-complete, only for it to have read their shared tile.
+adds in the order the key tiles reach it (_dq_turn), so that none waits but for an add in
+flight (in key-tile order, key tile j starts j steps late). The waits and the adds are a
+warp's of their own, so that the consumer groups never wait for an add to complete, only
+for it to have read their shared tile.
 
 One program takes BLOCK_N keys of one (batch, KV head) and runs four partitions:
 - a load warp: K and V once, then Q and dO of each query tile (of every query head of the
