@@ -387,7 +387,7 @@ def test_gluon_rotated_backward(monkeypatch, S_q, S_k, H_kv, G):
     if launch_gluon.cdiv(S_k, launch_gluon.BWD_BLOCK_N) > launch_gluon.sm_count(
             torch.device(DEVICE)):
         pytest.skip("more key tiles than this GPU's SMs: the rotation does not take them")
-    assert launch_gluon.backward_rotates(False, True, 128, S_q, S_k, torch.device(DEVICE))
+    assert launch_gluon.backward_rotates(False, 128, S_q, S_k, torch.device(DEVICE))
     rule, answers = launch_gluon.backward_rotates, []
     monkeypatch.setattr(launch_gluon, "backward_rotates",
                         lambda *args: answers.append(rule(*args)) or answers[-1])
@@ -407,21 +407,59 @@ def test_gluon_rotated_backward(monkeypatch, S_q, S_k, H_kv, G):
 
 
 def test_where_the_gluon_backward_rotates(monkeypatch):
-    """The rotation's rule: deterministic, not causal, at BWD_ROTATE_DIMS, no more key
-    tiles than the GPU's SMs (every key tile of a (batch, KV head) must be resident at once:
-    each may wait on any other), and at least as many query tiles as key tiles."""
+    """The rotation's rule: not causal, at BWD_ROTATE_DIMS, no more key tiles than the GPU's
+    SMs (every key tile of a (batch, KV head) must be resident at once: each may wait on
+    any other), and at least as many query tiles as key tiles. The backward's choice asks
+    it where dQ goes in a fixed order, and says which order (flashop.explain's backward;
+    the Gluon kernels taken as available, nothing launched): rotated, key-tile order where
+    the rule declines, by atomics where the backward need not be reproducible."""
     monkeypatch.setattr(launch_gluon, "sm_count", lambda device: 132)
     rotates, cuda = launch_gluon.backward_rotates, torch.device("cuda")
     keys = 132 * launch_gluon.BWD_BLOCK_N
-    assert rotates(False, True, 128, keys, keys, cuda) and rotates(False, True, 128, 1, 1, cuda)
-    assert rotates(False, True, 128, 64 * 33, 128 * 33, cuda)  # 33 query and key tiles
-    assert not rotates(False, True, 128, 64 * 32, 128 * 33, cuda)  # 32 query tiles, 33 keys'
-    assert not rotates(False, True, 128, keys + 1, keys + 1, cuda)  # 133 key tiles
-    assert not rotates(True, True, 128, 4096, 4096, cuda)  # causal: from the last query down
-    assert not rotates(False, False, 128, 4096, 4096, cuda)  # dQ by atomics
-    assert not rotates(False, True, 64, 4096, 4096, cuda)  # measured slower there
+    assert rotates(False, 128, keys, keys, cuda) and rotates(False, 128, 1, 1, cuda)
+    assert rotates(False, 128, 64 * 33, 128 * 33, cuda)  # 33 query and key tiles
+    assert not rotates(False, 128, 64 * 32, 128 * 33, cuda)  # 32 query tiles, 33 keys'
+    assert not rotates(False, 128, keys + 1, keys + 1, cuda)  # 133 key tiles
+    assert not rotates(True, 128, 4096, 4096, cuda)  # causal: from the last query down
+    assert not rotates(False, 64, 4096, 4096, cuda)  # measured slower there
+
+    monkeypatch.setattr(launch_gluon, "unavailable", lambda device: None)
+
+    def told(S, causal=False, deterministic=True, D=128):
+        q = torch.randn(1, S, 2, D, dtype=torch.bfloat16, device=DEVICE)
+        with flashop.config.override(gluon=True):
+            return flashop.explain(flashop.attention, q, q, q, causal=causal,
+                                   deterministic=deterministic).backward
+
+    rotated = told(1024)
+    assert rotated.path == "Gluon backward, dQ added in a rotated order" and rotated.rotated
+    for backward in (told(1024, causal=True), told(1024, D=64), told(keys + 1)):
+        assert backward.path == "Gluon backward, dQ added in key-tile order", backward
+        assert backward.ordered and not backward.rotated
+    atomics = told(1024, deterministic=False)
+    assert atomics.path == "Gluon backward, dQ added by atomics" and not atomics.rotated
     monkeypatch.setattr(launch_gluon, "BWD_ROTATE", False)
-    assert not rotates(False, True, 128, 4096, 4096, cuda)
+    assert not rotates(False, 128, 4096, 4096, cuda) and not told(1024).rotated
+
+
+def test_the_gluon_backward_launches_the_order_its_choice_says(monkeypatch):
+    """The launch takes the rotation the backward's choice made (the kernels taken as
+    available, the Gluon launch recorded, not made): rotated not causal, key-tile order
+    causal, the counters given either way."""
+    monkeypatch.setattr(launch_gluon, "unavailable", lambda device: None)
+    monkeypatch.setattr(launch_gluon, "sm_count", lambda device: 132)
+    launched = mock.Mock()
+    monkeypatch.setattr(launch_gluon, "attention_backward", launched)
+    for causal in (False, True):
+        q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16, device=DEVICE,
+                        requires_grad=True)
+        with flashop.config.override(gluon=False):  # (the forward: the tl kernel)
+            out = flashop.attention(q, q, q, causal=causal, deterministic=True)
+        plans.clear_plans()
+        with flashop.config.override(gluon=True):
+            out.sum().backward()
+        assert launched.call_args.kwargs["rotate"] is (not causal)
+        assert launched.call_args.args[7] is not None  # dQ's counters
 
 
 def _rotated_schedule(n_tiles: int, n_qt: int, in_flight: float) -> float:

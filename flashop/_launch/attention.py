@@ -267,7 +267,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse_log2, scale: Optional[float
         gluon.attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem,
                                  dk if split == 1 else dk_acc, dv if split == 1 else dv_acc,
                                  p.flags["HAS_RIGHT"], p.sm_scale, p.modifier_args["qk_scale"],
-                                 **dropout_args(mods), split=split)
+                                 **dropout_args(mods), split=split, rotate=c.rotated)
         # the kernel adds dQ itself, scaled
         _cast_grads(acc, dq, 1.0, *((dk, dv) if split > 1 else ()))
         return dq, dk, dv, dg, dmask

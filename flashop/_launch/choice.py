@@ -347,7 +347,8 @@ def gluon_backward_order(q, k, v, dout, mods: Modifiers, attn_mask_grad: bool,
 
 @dataclass
 class BackwardChoice(Choice):
-    ordered: Optional[bool] = None  # the Gluon backward's dQ in key-tile order, or None
+    ordered: Optional[bool] = None  # the Gluon backward's dQ in a fixed order, or None
+    rotated: bool = False  # that order rotated (gluon.backward_rotates), else key-tile order
     split: int = 1  # the Gluon backward's split of each group's query heads
     dq_atomic: bool = False  # the tl dK/dV kernel adds dQ by atomics (no dQ kernel)
     parts: tuple = ()  # the tl dK/dV kernel's launches: (kind, PARTS)
@@ -361,7 +362,8 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
                     deterministic: bool) -> BackwardChoice:
     """The backward's kernels for the call ``p`` (problem.Problem): the Gluon backward
     where its rule takes the call (dQ by atomics unless the backward must be reproducible,
-    else in key-tile order); else the tl kernels: the dQ kernel, then the dK/dV kernel (in
+    else in a fixed order: rotated where gluon.backward_rotates says so, else key-tile
+    order); else the tl kernels: the dQ kernel, then the dK/dV kernel (in
     two parts above head dim 128, tiles.splits_dkdv), or, where the atomics are forced
     (config.settings.dq_atomics) and there is no gate and no mask gradient, the dK/dV kernel
     adding dQ by fp32 atomics alone. ``deterministic`` as deterministic_backward gives it.
@@ -372,7 +374,10 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
                                    deterministic, why=why)
     if ordered is not None:
         split = gluon.backward_split(q, k, causal, ordered)
-        adds = "in key-tile order" if ordered else "by atomics"
+        rotated = ordered and gluon.backward_rotates(causal, p.D, q.shape[1], k.shape[1],
+                                                     q.device)
+        adds = ("in a rotated order" if rotated else "in key-tile order" if ordered
+                else "by atomics")
         return BackwardChoice(
             f"Gluon backward, dQ added {adds}",
             [("attention_bwd_preprocess_kernel", None),
@@ -381,7 +386,7 @@ def choose_backward(q, k, v, dout, p, mods: Modifiers, attn_mask_grad: bool,
               f"load warp and two consumer groups"),
              ("attention_bwd_cast_kernel", None)],
             {"query heads of a group split between programs": split}, why,
-            ordered=ordered, split=split)
+            ordered=ordered, rotated=rotated, split=split)
     has_gate = mods.g is not None
     dq_atomic = config.settings.dq_atomics is True
     if dq_atomic and deterministic:

@@ -419,26 +419,28 @@ def backward_buffer(q: torch.Tensor, k: torch.Tensor, deterministic: bool, split
     return buf, dq_acc, dq_sem, dk_acc, dv_acc
 
 
-def backward_rotates(causal: bool, deterministic: bool, D: int, S_q: int, S_k: int,
-                     device: torch.device) -> bool:
-    """Whether the deterministic Gluon backward runs rotated (BWD_ROTATE): not causal, at
+def backward_rotates(causal: bool, D: int, S_q: int, S_k: int, device: torch.device) -> bool:
+    """Whether the Gluon backward with dQ in a fixed order (the reproducible one) runs that
+    order rotated (BWD_ROTATE; choice.choose_backward asks): not causal, at
     BWD_ROTATE_DIMS, no more key tiles than the GPU's SMs, so that every key tile of a
     (batch, KV head), each of which may wait on any other's adds, can be resident at once
     (a program per SM at least; the programs launched before them finish without waiting
     on them), and at least as many query tiles as key tiles (with fewer, key tiles start
     on the same query tile and their adds wait on each other there)."""
     n_tiles = cdiv(S_k, BWD_BLOCK_N)
-    return (BWD_ROTATE and deterministic and not causal and D in BWD_ROTATE_DIMS
+    return (BWD_ROTATE and not causal and D in BWD_ROTATE_DIMS
             and n_tiles <= sm_count(device) and cdiv(S_q, BWD_BLOCK_M) >= n_tiles)
 
 
 def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, causal: bool,
                        sm_scale: float, qk_scale: float, dropout_seed: torch.Tensor,
-                       dropout_p: float, DROPOUT: bool, split: int = 1) -> None:
+                       dropout_p: float, DROPOUT: bool, split: int = 1,
+                       rotate: bool = False) -> None:
     """Launch the Gluon backward where serves_backward() said it takes the call: dK and dV
     into ``dk``, ``dv`` (B, S_k, H_kv, D), where ``split`` > 1 (backward_split) added into
-    the zeroed fp32 buffers that backward_buffer() made; dQ added into ``dq_acc`` in
-    key-tile order where ``dq_sem`` is given, by atomics where it is None;
+    the zeroed fp32 buffers that backward_buffer() made; dQ added into ``dq_acc`` in a
+    fixed order where ``dq_sem`` is given (rotated where ``rotate``: backward_rotates, else
+    key-tile order), by atomics where it is None;
     ``delta`` = rowsum(dO * O) - dlse as the preprocess kernel stores it; the dropout
     arguments as the ``tl`` kernels take them (problem.dropout_args)."""
     B, S_q, H, D = q.shape
@@ -459,6 +461,6 @@ def attention_backward(q, k, v, dout, lse_log2, delta, dq_acc, dq_sem, dk, dv, c
         D=D, DV=DV, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES,
         CAUSAL=causal, MASK_KEYS=S_k % BWD_BLOCK_N != 0, DETERMINISTIC=deterministic,
         KEY_GROUP=BWD_KEY_GROUP,
-        ROTATE=backward_rotates(causal, deterministic, D, S_q, S_k, q.device),
+        ROTATE=rotate,
         SPLIT=split, DROPOUT=DROPOUT,
         CONSUMER_REGS=BWD_CONSUMER_REGS, LOAD_REGS=BWD_LOAD_REGS, num_warps=4)
