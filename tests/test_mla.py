@@ -215,18 +215,19 @@ def test_forced_tiles(tiles, page, H):
                                capacity=4 * page, num_splits=3))
 
 
-def _decode_static(monkeypatch) -> dict:
-    """The attention launch's static arguments, filled in by the calls that follow."""
-    from flashop._launch import kvcache as launch_kvcache
-    static, launch = {}, launch_kvcache.launch_planned
+def _launched_statics(monkeypatch) -> dict:
+    """Each planned launch's static arguments by its kernel's name (the append's, the
+    attention's, the merge's), filled in by the calls that follow."""
+    from flashop._launch import kvcache as launch_kvcache, mla as launch_mla
+    statics, launch = {}, launch_kvcache.launch_planned
 
     def recorded(kernel, planned, **per_call):
-        if getattr(kernel, "fn", kernel).__name__ == "mla_decode_kernel":
-            static.update(planned.static)
+        statics[getattr(kernel, "fn", kernel).__name__] = planned.static
         return launch(kernel, planned, **per_call)
 
-    monkeypatch.setattr(launch_kvcache, "launch_planned", recorded)
-    return static
+    monkeypatch.setattr(launch_mla, "launch_planned", recorded)  # the append
+    monkeypatch.setattr(launch_kvcache, "launch_planned", recorded)  # the attention's
+    return statics
 
 
 @pytest.mark.parametrize("case,tiles", [
@@ -246,18 +247,19 @@ def test_descriptors_forced(monkeypatch, case, tiles):
     page of 16; 64 rows), as a GPU's table would not pick them."""
     from flashop._launch import tiles as tile_table
     from flashop._launch.decode_tiles import DecodeTiles
-    static = _decode_static(monkeypatch)
+    statics = _launched_statics(monkeypatch)
     with flashop.config.override(tma=True), tile_table.force("mla", DecodeTiles(*tiles)):
         check_mla_case(case)
+    static = statics["mla_decode_kernel"]
     assert static["TMA"] is True and static["V_IN_K"] is True
 
 
 def test_descriptor_rule(monkeypatch):
     """Where the `tl` kernel reads through descriptors: each call's setting (FLASHOP_TMA,
-    16-bit caches, the values in the keys, k_cache's alignment, in the plan's key), then
-    the plan's tiles (a dense cache or tiles within one page; by default 64 rows on
-    Hopper). A declined rule says why, and a call whose cache is not aligned plans pointer
-    loads even where FLASHOP_TMA=1."""
+    by default a Hopper GPU, 16-bit caches, the values in the keys, k_cache's alignment, in
+    the plan's key), then the plan's tiles (a dense cache or tiles within one page; by
+    default 64 rows). A declined rule says why, and a call whose cache is not aligned plans
+    pointer loads even where FLASHOP_TMA=1."""
     from flashop._launch import mla as launch_mla
     from flashop._launch.decode_tiles import DecodeTiles
     setting = launch_mla.descriptor_setting
@@ -265,12 +267,16 @@ def test_descriptor_rule(monkeypatch):
                                                                            dtype=torch.bfloat16)
     v_cache = k_cache[..., :DV]
     shifted = torch.zeros(2 * 64 * D + 1, dtype=torch.bfloat16)[1:].view(2, 64, 1, D)
+    # q on a GPU (what the rule reads of it: its device and dtype)
+    gpu_q = mock.Mock(device=torch.device("cuda"), dtype=torch.bfloat16)
+    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: True)
     with flashop.config.override(tma=None):
-        assert setting(q, k_cache, v_cache, True) is None
+        assert setting(gpu_q, k_cache, v_cache, True) is None
         for args, reason in [
-                ((q.float(), k_cache.float(), v_cache.float(), True), "16-bit caches only"),
-                ((q, k_cache, torch.zeros_like(v_cache), False), "a value cache of its own"),
-                ((q, shifted, shifted[..., :DV], True), "k_cache not 16-byte aligned")]:
+                ((mock.Mock(device=torch.device("cuda"), dtype=torch.float32),
+                  k_cache.float(), v_cache.float(), True), "16-bit caches only"),
+                ((gpu_q, k_cache, torch.zeros_like(v_cache), False), "a value cache of its own"),
+                ((gpu_q, shifted, shifted[..., :DV], True), "k_cache not 16-byte aligned")]:
             why = []
             assert setting(*args, why) is False and reason in why[0], why
     with flashop.config.override(tma=True):
@@ -278,30 +284,25 @@ def test_descriptor_rule(monkeypatch):
         assert setting(q, shifted, shifted[..., :DV], True) is False
     with flashop.config.override(tma=False):
         why = []
-        assert setting(q, k_cache, v_cache, True, why) is False
+        assert setting(gpu_q, k_cache, v_cache, True, why) is False
         assert why == ["tensor descriptors: off (FLASHOP_TMA=0)"]
-    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: False)
-    cuda_q = mock.Mock(device=torch.device("cuda"), dtype=torch.bfloat16)
-    with flashop.config.override(tma=None):  # a GPU before Hopper: no further checks
-        why = []
-        assert setting(cuda_q, k_cache, v_cache, True, why) is False
-        assert why == ["tensor descriptors: by default on Hopper GPUs only"]
+    with flashop.config.override(tma=None):  # by default off a Hopper GPU: no further checks
+        for on_hopper, x in ((True, q), (False, gpu_q)):
+            monkeypatch.setattr(launch_mla, "is_hopper", lambda device, h=on_hopper: h)
+            why = []
+            assert setting(x, k_cache, v_cache, True, why) is False
+            assert why == ["tensor descriptors: by default on Hopper GPUs only"]
 
-    uses, cuda = launch_mla.uses_descriptors, torch.device("cuda")
+    uses = launch_mla.uses_descriptors
     rows64, rows16 = DecodeTiles(64, 64, 8, 2), DecodeTiles(16, 64, 4, 5)
-    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: True)
-    assert uses(None, rows64, False, False, cuda) and uses(None, rows64, True, True, cuda)
-    assert uses(True, rows16, True, True, cuda) and not uses(False, rows64, False, False, cuda)
+    assert uses(None, rows64, False, False) and uses(None, rows64, True, True)
+    assert uses(True, rows16, True, True) and not uses(False, rows64, False, False)
     for args, reason in [
-            ((None, rows64, True, False, cuda), "not for tiles that cross pages"),
-            ((True, rows16, True, False, cuda), "not for tiles that cross pages"),
-            ((None, rows16, False, False, cuda), "from 64 query rows a program, not 16"),
-            ((None, rows64, False, False, torch.device("cpu")), "on Hopper GPUs only")]:
+            ((None, rows64, True, False), "not for tiles that cross pages"),
+            ((True, rows16, True, False), "not for tiles that cross pages"),
+            ((None, rows16, False, False), "from 64 query rows a program, not 16")]:
         why = []
         assert not uses(*args, why) and reason in why[0], (args, why)
-    monkeypatch.setattr(launch_mla, "is_hopper", lambda device: False)
-    why = []
-    assert not uses(None, rows64, False, False, cuda, why) and "Hopper" in why[0]
 
 
 def test_explain_tells_the_descriptors():
@@ -395,20 +396,9 @@ def test_rows_written_once_and_read_once(monkeypatch, own_values):
     """With v_cache = k_cache[..., :512] the append writes each new row once, all 576 dims
     (no value columns of its own), and the attention takes the values from the key tile
     (V_IN_K); a v_cache of its own is appended to and read."""
-    from flashop._launch import kvcache as launch_kvcache, mla as launch_mla
-    launches = []
-    launch = launch_mla.launch_planned
-
-    def recorded(kernel, planned, **per_call):
-        launches.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__,
-                         planned.static))
-        return launch(kernel, planned, **per_call)
-
-    monkeypatch.setattr(launch_mla, "launch_planned", recorded)  # the append
-    monkeypatch.setattr(launch_kvcache, "launch_planned", recorded)  # the attention's
+    static = _launched_statics(monkeypatch)
     check_mla_case(MlaCase((3, 9), 1, 1, 2, paged=True, capacity=32, own_values=own_values,
                            new_values="view" if not own_values else None))
-    static = dict(launches)
     assert static["kvcache_append_kernel"]["DV"] == (DV if own_values else 0)
     assert static["kvcache_append_kernel"]["D"] == D
     assert static["mla_decode_kernel"]["V_IN_K"] is (not own_values)
@@ -881,11 +871,16 @@ def _gluon_available() -> bool:
     return DEVICE == "cuda" and gluon.available(torch.device("cuda"))
 
 
-def _kernel_of(case: MlaCase) -> str:
-    """The attention kernel a case's call plans (flashop.explain's)."""
+def _explained(case: MlaCase):
+    """flashop.explain's account of a case's call."""
     (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
-    explanation = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
-                                  **kwargs)
+    return flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
+                           **kwargs)
+
+
+def _kernel_of(case: MlaCase, explanation=None) -> str:
+    """The attention kernel a case's call plans (flashop.explain's, or ``explanation``'s)."""
+    explanation = explanation or _explained(case)
     return [name for name, _ in explanation.forward.kernels if "decode" in name][0]
 
 
@@ -941,10 +936,8 @@ def test_gpu_tl_kernel_matches_reference_in_the_gluon_cases(name, tma):
     default on Hopper at 64 rows, dense or pages of 64 and more) and by pointer loads."""
     case = GLUON_CASES[name]
     with flashop.config.override(gluon=False, tma=tma):
-        assert _kernel_of(case) == "mla_decode_kernel"
-        (q, k_cache, v_cache, k, v), kwargs = make_mla_call(case)
-        told = flashop.explain(flashop.attention_with_kvcache, q, k_cache, v_cache, k, v,
-                               **kwargs)
+        told = _explained(case)
+        assert _kernel_of(case, told) == "mla_decode_kernel"
         hopper = torch.cuda.get_device_capability()[0] >= 9
         assert told.forward.options["tensor descriptors"] is (tma is None and hopper), told
         check_mla_case(case)

@@ -92,15 +92,15 @@ def descriptor_setting(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        values_in_keys: bool, why: Optional[list] = None) -> Optional[bool]:
     """Whether the `tl` kernel may read the cache's key tiles through tensor descriptors:
     False where it cannot or must not (FLASHOP_TMA=0; not 16-bit; values of their own;
-    k_cache's start, strides, latent or rotary dims not 16-byte aligned; by default, a GPU
-    before Hopper), True where FLASHOP_TMA=1 asks for them, None where the default rule
-    decides by the plan's tiles (uses_descriptors). The alignment is each call's: the
-    plan's key has it."""
+    k_cache's start, strides, latent or rotary dims not 16-byte aligned; by default, a
+    device but a Hopper GPU), True where FLASHOP_TMA=1 asks for them, None where the
+    default rule decides by the plan's tiles (uses_descriptors). The alignment is each
+    call's: the plan's key has it."""
     setting = config.settings.tma
     if setting is False:
         return decline(why, "tensor descriptors: off (FLASHOP_TMA=0)")
-    if setting is None and q.device.type == "cuda" and not is_hopper(q.device):
-        # (the default rule's: a decode step's host time counts, so no more checks)
+    if setting is None and (q.device.type != "cuda" or not is_hopper(q.device)):
+        # (first: a decode step's host time counts, so no more checks)
         return decline(why, "tensor descriptors: by default on Hopper GPUs only")
     if q.dtype not in (torch.float16, torch.bfloat16):
         return decline(why, "tensor descriptors: 16-bit caches only")
@@ -114,20 +114,18 @@ def descriptor_setting(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def uses_descriptors(setting: Optional[bool], t: DecodeTiles, paged: bool, tile_page: bool,
-                     device: torch.device, why: Optional[list] = None) -> bool:
+                     why: Optional[list] = None) -> bool:
     """Whether a plan's kernel reads its inner key tiles through descriptors: where
     descriptor_setting allows them, a dense cache or tiles that lie in one page, and
-    FLASHOP_TMA=1 or, by default, tiles of TMA_MIN_ROWS rows or more on a Hopper GPU."""
+    FLASHOP_TMA=1 or, by default (on a Hopper GPU: descriptor_setting), tiles of
+    TMA_MIN_ROWS rows or more."""
     if setting is False:
         return False
     if paged and not tile_page:
         return decline(why, "tensor descriptors: not for tiles that cross pages")
-    if setting is None:
-        if t.BLOCK_M < TMA_MIN_ROWS:
-            return decline(why, f"tensor descriptors: by default from {TMA_MIN_ROWS} query "
-                                f"rows a program, not {t.BLOCK_M}")
-        if device.type != "cuda" or not is_hopper(device):
-            return decline(why, "tensor descriptors: by default on Hopper GPUs only")
+    if setting is None and t.BLOCK_M < TMA_MIN_ROWS:
+        return decline(why, f"tensor descriptors: by default from {TMA_MIN_ROWS} query "
+                            f"rows a program, not {t.BLOCK_M}")
     return True
 
 
@@ -137,7 +135,7 @@ def explain_descriptors(static: dict, q: torch.Tensor, k_cache: torch.Tensor,
     plan's choice, with the rules that declined them added to ``why``."""
     setting = descriptor_setting(q, k_cache, v_cache, values_in_keys, why)
     uses_descriptors(setting, DecodeTiles(static["BLOCK_M"], static["BLOCK_N"]),
-                     static["IS_PAGED"], static["TILE_PAGE"], q.device, why)
+                     static["IS_PAGED"], static["TILE_PAGE"], why)
     return static["TMA"]
 
 
@@ -223,7 +221,7 @@ def _make_plan(metas: tuple, options: tuple) -> _Plan:
         PAGE_SIZE=page if paged else 1, IS_PAGED=paged,
         TILE_PAGE=tile_page, HAS_BATCH_IDX=batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, IS_CAUSAL=causal, V_IN_K=values_in_keys,
-        TMA=uses_descriptors(descriptors, t, paged, tile_page, q.device),
+        TMA=uses_descriptors(descriptors, t, paged, tile_page),
         SPLIT=num_splits > 1, **dtype_constexprs(q.dtype),
         num_warps=t.num_warps, num_stages=t.num_stages))
     return _Plan(append, decode, merge, parts, "mla_decode_kernel")
