@@ -1,6 +1,6 @@
 """Experiment (performance notes, entry 153's open question): what holds the reproducible
 Gluon backward behind its atomics form, part by part. Needs
-``gluon_backward_det_ablation.patch`` applied (``git apply``; made against commit 5886c8a):
+``gluon_backward_det_ablation.patch`` applied (``git apply``; made against commit 87ac53c):
 it adds ``_launch.gluon.BWD_ABLATE``, a bitmask the kernel takes as ``ABLATE``:
 
 - 1: the dQ warp does not wait for its turn (the counters' acquire spin);
